@@ -1,0 +1,11 @@
+"""jamp: torch.autocast-style automatic mixed precision for JAX, as a program transformation."""
+from .interpreter import RewriteError, UnsupportedPrimitiveWarning
+from .policy import Policy
+from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
+from .transform import autocast_jaxpr, autocast_transform
+
+__all__ = [
+    "Policy", "autocast_transform", "autocast_jaxpr", "autocast", "is_autocast_enabled",
+    "get_autocast_dtype", "AutocastWarning", "RewriteError", "UnsupportedPrimitiveWarning",
+]
+__version__ = "0.1.0"

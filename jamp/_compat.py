@@ -1,0 +1,123 @@
+"""Every private or version-dependent JAX API jamp touches, in one place.
+
+Supported: jax 0.10.x (Python 3.11 here) and jax 0.12.x (Python 3.12). Differences handled here:
+``ClosedJaxpr`` merged into ``Jaxpr`` in 0.12 (both still expose ``.jaxpr``/``.consts``), and the
+primitive behind ``jax.jit`` is named ``jit`` (``pjit`` before 0.10).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Sequence
+
+import jax
+import numpy as np
+from jax._src import core as _core
+from jax._src import source_info_util as _siu
+from jax._src.lax import lax as _lax_internal
+
+Literal = _core.Literal
+Var = _core.Var
+DropVar = _core.DropVar
+Primitive = _core.Primitive
+ShapedArray = _core.ShapedArray
+Tracer = _core.Tracer
+JaxprTypeError = _core.JaxprTypeError
+# jax < 0.12 has a separate ClosedJaxpr; from 0.12 a Jaxpr carries its consts itself.
+_ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
+_JAXPR_TYPES = tuple(t for t in (_core.Jaxpr, _ClosedJaxpr) if t is not None)
+
+
+def is_jaxpr_like(value: Any) -> bool:
+    """True for an open or closed jaxpr (any JAX version)."""
+    return isinstance(value, _JAXPR_TYPES)
+
+
+def open_and_consts(closed: Any) -> tuple[Any, list[Any]]:
+    """(jaxpr with .constvars/.invars/.eqns/.outvars, consts binding its constvars)."""
+    if _ClosedJaxpr is not None and isinstance(closed, _ClosedJaxpr):
+        return closed.jaxpr, list(closed.consts)
+    return closed, list(getattr(closed, "consts", ()))
+
+
+def check_closed_jaxpr(closed: Any) -> None:
+    """Run JAX's own type checker; raises ``JaxprTypeError``."""
+    jaxpr, _ = open_and_consts(closed)
+    _core.check_jaxpr(jaxpr)
+
+
+def aval_of(x: Any) -> ShapedArray:
+    return jax.typeof(x) if hasattr(jax, "typeof") else _core.get_aval(x)
+
+
+def scope_names(eqn: Any) -> tuple[str, ...]:
+    """Names of the ``jax.named_scope``/Flax module scopes an equation was traced under."""
+    return tuple(s.name for s in eqn.source_info.name_stack.stack if isinstance(s, _siu.Scope))
+
+
+def source_line(eqn: Any) -> str:
+    """The user's source line an equation came from, e.g. ``model.py:12 (loss)``."""
+    try:
+        return _siu.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - best effort for error messages only
+        return "<unknown source>"
+
+
+@contextlib.contextmanager
+def equation_context(eqn: Any) -> Iterator[None]:
+    """Re-bind under the equation's source info and name stack, as ``jax.core.eval_jaxpr`` does."""
+    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+        yield
+
+
+def bind_params(eqn: Any) -> dict[str, Any]:
+    params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(params, tuple):  # jax < 0.9.2 returned (subfuns, params)
+        subfuns, params = params
+        if subfuns:
+            raise NotImplementedError(f"{eqn.primitive} binds with subfunctions on this JAX version")
+    return dict(params)
+
+
+def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
+    """``convert_element_type`` that can keep a value weakly typed (public lax cannot)."""
+    return _lax_internal._convert_element_type(x, np.dtype(dtype), weak_type=weak_type)
+
+
+def primitive_by_name(name: str) -> list[Primitive]:
+    """Primitives that may be named so on this JAX version (e.g. ``jit``/``pjit``)."""
+    from jax._src import pjit as _pjit
+    table = {"jit": [_pjit.jit_p] if hasattr(_pjit, "jit_p") else [_pjit.pjit_p]}
+    return table.get(name, [])
+
+
+def jit_primitive() -> Primitive:
+    return primitive_by_name("jit")[0]
+
+
+def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
+    """Trace ``fn`` at abstract values (keeping weak types) to a closed jaxpr."""
+    return jax.make_jaxpr(fn)(*in_avals)
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _core.Tracer)
+
+
+def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """Evaluate an open jaxpr with its consts under the current trace."""
+    return list(_core.eval_jaxpr(jaxpr, list(consts), *args))
+
+
+def as_closed(jaxpr: Any) -> Any:
+    """A closed jaxpr for an open one without constvars (e.g. ``checkpoint``'s ``jaxpr`` param)."""
+    if _ClosedJaxpr is None or isinstance(jaxpr, _ClosedJaxpr):
+        return jaxpr
+    return _ClosedJaxpr(jaxpr, ())
+
+
+def hoist_consts(closed: Any) -> tuple[Any, list[Any]]:
+    """(open jaxpr whose leading invars are the consts, consts): for primitives taking open jaxprs."""
+    from jax._src.interpreters import partial_eval as pe
+    jaxpr, consts = open_and_consts(closed)
+    return pe.convert_constvars_jaxpr(jaxpr), consts

@@ -1,0 +1,363 @@
+"""The rewriting evaluator: walks a jaxpr and re-binds every equation under the caller's trace,
+inserting casts where the policy says so.
+
+Rules live in ``RULES`` (primitive name -> rule), as in JAX's own interpreters; primitives without
+a registered rule go through the policy's category (lower / fp32 / promote) or the default rule.
+A rule receives a :class:`Step` (the equation, its operands as they arrive, the region state) and
+returns the equation's outputs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat as compat
+from .policy import Policy, RegionState
+from .regions import apply_marker
+
+Rule = Callable[["Step"], Sequence[Any]]
+RULES: dict[str, Rule] = {}
+F32 = np.dtype(np.float32)
+F64 = np.dtype(np.float64)
+
+
+class RewriteError(RuntimeError):
+    """A primitive could not be rewritten; the message names it and the user's source line."""
+
+
+class UnsupportedPrimitiveWarning(UserWarning):
+    """A primitive carrying sub-jaxprs has no jamp rule and ran in its traced dtypes."""
+
+
+def register(*names: str) -> Callable[[Rule], Rule]:
+    """Register a rule for primitives by name: ``@register("scan")``."""
+    def wrap(rule: Rule) -> Rule:
+        for name in names:
+            RULES[name] = rule
+        return rule
+    return wrap
+
+
+def is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def saturating_cast(value: Any, dtype: np.dtype) -> Any:
+    """Cast a concrete value, clipping finite floats to the target's range (no overflow to inf)."""
+    dtype = np.dtype(dtype)
+    xp = np if isinstance(value, (np.ndarray, np.generic, float, int, bool)) else jnp
+    src = xp.asarray(value)
+    if is_float(dtype) and is_float(src.dtype) and jnp.finfo(src.dtype).max > jnp.finfo(dtype).max:
+        limit = float(jnp.finfo(dtype).max)
+        src = xp.where(xp.isfinite(src), xp.clip(src, -limit, limit), src)
+    if xp is jnp:
+        with jax.ensure_compile_time_eval():
+            return src.astype(dtype)
+    return src.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConstSource:
+    """A value known at rewrite time: a concrete base followed by shape-only primitives.
+
+    Casting it casts the (small) base, saturating, and replays the shape ops, so
+    ``jnp.where(mask, x, jnp.finfo(jnp.float32).min)`` under float16 masks with -65504, not -inf.
+    """
+
+    base: Any
+    steps: tuple = ()
+
+    def cast(self, dtype: np.dtype) -> Any:
+        value = saturating_cast(self.base, dtype)
+        for primitive, params in self.steps:
+            value = primitive.bind(value, **params)
+        return value
+
+
+# Primitives that only move or replicate data; a constant stays a constant through them.
+SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
+
+# Primitives whose params encode their operand dtypes: they always run in the traced dtypes.
+KEEP_TRACED_DTYPES = frozenset({
+    "bitcast_convert_type", "reduce_precision", "reduce", "reduce_window", "select_and_scatter",
+    "argsort", "rng_bit_generator",
+})
+
+
+class Env:
+    """Values of one jaxpr's variables, their rewrite-time constants and the cast cache."""
+
+    def __init__(self) -> None:
+        self.values: dict[Any, Any] = {}
+        self.known: dict[Any, ConstSource] = {}
+        self.casts: dict[tuple[Any, np.dtype], Any] = {}
+        # Broadcasts/reshapes of rank-0 values: they promote like the scalar they came from.
+        self.scalar_like: set[Any] = set()
+
+    def read(self, atom: Any) -> Any:
+        return atom.val if isinstance(atom, compat.Literal) else self.values[atom]
+
+    def source(self, atom: Any) -> Optional[ConstSource]:
+        if isinstance(atom, compat.Literal):
+            return ConstSource(atom.val)
+        return self.known.get(atom)
+
+
+class Step:
+    """One equation being rewritten: what a rule sees."""
+
+    def __init__(self, rewriter: "Rewriter", env: Env, eqn: Any, state: RegionState):
+        self.rewriter, self.env, self.eqn, self.state = rewriter, env, eqn, state
+        self.args: list[Any] = [env.read(v) for v in eqn.invars]
+
+    @property
+    def policy(self) -> Policy:
+        return self.rewriter.policy
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return self.eqn.params
+
+    def traced_aval(self, i: int) -> Any:
+        return self.eqn.invars[i].aval
+
+    def aval(self, i: int) -> Any:
+        """The aval operand ``i`` arrives with (literals keep their weak type)."""
+        atom = self.eqn.invars[i]
+        if isinstance(atom, compat.Literal) and self.args[i] is atom.val:
+            return atom.aval
+        return compat.aval_of(self.args[i])
+
+    def avals(self) -> list[Any]:
+        return [self.aval(i) for i in range(len(self.args))]
+
+    def floating(self) -> list[int]:
+        """Indices of operands that were traced floating (never float64 filtering here)."""
+        return [i for i, v in enumerate(self.eqn.invars)
+                if hasattr(v.aval, "dtype") and is_float(v.aval.dtype)]
+
+    def known(self) -> list[Optional[ConstSource]]:
+        return [self.env.source(v) for v in self.eqn.invars]
+
+    def cast(self, i: int, dtype: Any) -> Any:
+        """Operand ``i`` in ``dtype``: converted once per program, constants cast at rewrite time."""
+        dtype = np.dtype(dtype)
+        if self.aval(i).dtype == dtype:
+            return self.args[i]
+        atom = self.eqn.invars[i]
+        key = (atom, dtype) if isinstance(atom, compat.Var) else None
+        if key is not None and key in self.env.casts:
+            return self.env.casts[key]
+        source = self.env.source(atom)
+        with compat.equation_context(self.eqn):
+            out = source.cast(dtype) if source is not None else compat.convert(self.args[i], dtype)
+        if key is not None:
+            self.env.casts[key] = out
+        return out
+
+    def with_cast(self, targets: dict[int, Any]) -> list[Any]:
+        """All operands, those in ``targets`` cast to the given dtype."""
+        return [self.cast(i, targets[i]) if i in targets else a for i, a in enumerate(self.args)]
+
+    def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
+        params = compat.bind_params(self.eqn)
+        params.update(overrides)
+        with compat.equation_context(self.eqn):
+            out = self.eqn.primitive.bind(*args, **params)
+        return list(out) if self.eqn.primitive.multiple_results else [out]
+
+    def rewrite_sub(self, closed: Any, avals: Sequence[Any], known: Sequence[Any] = ()) -> Any:
+        """Rewrite a sub-jaxpr under this equation's region, for the operand avals given."""
+        return self.rewriter.rewrite_closed(closed, avals, self.state, known)
+
+    def run_sub(self, closed: Any, args: Sequence[Any], known: Sequence[Any] = ()) -> list[Any]:
+        """Evaluate a sub-jaxpr inline under this equation's region (for pure call wrappers)."""
+        jaxpr, consts = compat.open_and_consts(closed)
+        return Rewriter(self.policy, self.state).run(jaxpr, consts, args, known)
+
+
+class Rewriter:
+    """Evaluates jaxprs under one policy, starting from one region state."""
+
+    def __init__(self, policy: Policy, state: RegionState):
+        self.policy = policy
+        self.base = state
+        self._states: dict[tuple[str, ...], RegionState] = {}
+
+    def state_for(self, eqn: Any) -> RegionState:
+        scopes = compat.scope_names(eqn)
+        state = self._states.get(scopes)
+        if state is None:
+            state = self.base
+            for name in scopes:
+                state = apply_marker(name, state) or state.enter_scope(name, self.policy.rules)
+            self._states[scopes] = state
+        return state
+
+    def rewrite_closed(self, closed: Any, avals: Sequence[Any], state: RegionState,
+                       known: Sequence[Any] = ()) -> Any:
+        jaxpr, consts = compat.open_and_consts(closed)
+        sub = Rewriter(self.policy, state)
+        return compat.trace_to_closed(lambda *args: sub.run(jaxpr, consts, args, known), list(avals))
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+            known: Sequence[Optional[ConstSource]] = ()) -> list[Any]:
+        env = Env()
+        for var, value in zip(jaxpr.constvars, consts):
+            env.values[var] = value
+            if not compat.is_tracer(value):
+                env.known[var] = ConstSource(value)
+        for i, (var, value) in enumerate(zip(jaxpr.invars, args)):
+            env.values[var] = value
+            if i < len(known) and known[i] is not None:
+                env.known[var] = known[i]
+        for eqn in jaxpr.eqns:
+            step = Step(self, env, eqn, self.state_for(eqn))
+            outs = self._apply(step)
+            for var, value in zip(eqn.outvars, outs):
+                if not isinstance(var, compat.DropVar):
+                    env.values[var] = value
+            _track_derived(step, outs)
+        return [env.read(v) for v in jaxpr.outvars]
+
+    def _apply(self, step: Step) -> Sequence[Any]:
+        name = step.eqn.primitive.name
+        rule = RULES.get(name) or CATEGORY_RULES.get(self.policy.category(name)) or default_rule
+        try:
+            return rule(step)
+        except (RewriteError, compat.JaxprTypeError):
+            raise
+        except Exception as err:
+            dtypes = ", ".join(str(a.str_short()) if hasattr(a, "str_short") else str(a)
+                               for a in step.avals())
+            raise RewriteError(
+                f"jamp could not rewrite primitive `{name}` (operands {dtypes}) traced at "
+                f"{compat.source_line(step.eqn)}: {type(err).__name__}: {err}") from err
+
+
+def _track_derived(step: Step, outs: Sequence[Any]) -> None:
+    """Remember outputs that are shape-only views of constants or of rank-0 values."""
+    name = step.eqn.primitive.name
+    if len(step.args) != 1 or len(outs) != 1:
+        return
+    atom, out_var = step.eqn.invars[0], step.eqn.outvars[0]
+    if name in SHAPE_ONLY and (atom in step.env.scalar_like or not atom.aval.shape):
+        step.env.scalar_like.add(out_var)
+    source = step.env.source(atom)
+    if source is None:
+        return
+    if name in SHAPE_ONLY:
+        step.env.known[out_var] = ConstSource(
+            source.base, source.steps + ((step.eqn.primitive, compat.bind_params(step.eqn)),))
+    elif name == "convert_element_type" and not source.steps:
+        step.env.known[out_var] = ConstSource(saturating_cast(source.base, step.params["new_dtype"]))
+
+
+# --- category rules --------------------------------------------------------------------------
+
+def lower_rule(step: Step) -> Sequence[Any]:
+    """Matmul/conv: floating operands and output in the compute dtype."""
+    floating = step.floating()
+    avals = step.avals()
+    if (not step.state.enabled or not floating
+            or any(avals[i].dtype == F64 for i in floating)):
+        return default_rule(step)
+    dtype = step.state.dtype
+    args = step.with_cast({i: dtype for i in floating})
+    overrides = {}
+    if "preferred_element_type" in step.params:
+        traced = step.params["preferred_element_type"]
+        natural = jnp.result_type(*(step.traced_aval(i).dtype for i in floating))
+        explicit = traced is not None and np.dtype(traced) != natural
+        overrides["preferred_element_type"] = (
+            traced if explicit else (step.policy.accumulate_dtype or dtype))
+    return step.bind(args, **overrides)
+
+
+def fp32_rule(step: Step) -> Sequence[Any]:
+    """Numerically sensitive op: floating operands in float32 (float64 stays float64)."""
+    if not step.state.enabled:
+        return default_rule(step)
+    avals = step.avals()
+    targets = {i: F32 for i in step.floating() if avals[i].dtype not in (F32, F64)}
+    if any(avals[i].dtype == F64 for i in step.floating()):
+        return equalize_rule(step)
+    return step.bind(step.with_cast(targets))
+
+
+def equalize_targets(step: Step) -> dict[int, np.dtype]:
+    """Operands traced with one floating dtype must agree again: cast them to the widest of them.
+
+    Weakly typed and rank-0 operands adapt to the others (like zero-dim tensors in PyTorch's
+    promotion), unless every operand of the group is one of them. float64 is never narrowed.
+    """
+    groups: dict[np.dtype, list[int]] = {}
+    for i in step.floating():
+        groups.setdefault(np.dtype(step.traced_aval(i).dtype), []).append(i)
+    targets: dict[int, np.dtype] = {}
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        avals = {i: step.aval(i) for i in members}
+        if len({a.dtype for a in avals.values()}) == 1:
+            continue
+        strong = [a.dtype for i, a in avals.items()
+                  if a.dtype == F64 or not (getattr(a, "weak_type", False) or a.ndim == 0
+                                            or step.eqn.invars[i] in step.env.scalar_like)]
+        target = functools.reduce(jnp.promote_types, strong or [a.dtype for a in avals.values()])
+        targets.update({i: np.dtype(target) for i in members if avals[i].dtype != target})
+    return targets
+
+
+def equalize_rule(step: Step) -> Sequence[Any]:
+    """Promote: mixed floating operands run in the widest; scalars and weak constants adapt."""
+    return step.bind(step.with_cast(equalize_targets(step)))
+
+
+def keep_traced_rule(step: Step) -> Sequence[Any]:
+    """Run in the traced dtypes: floating operands are cast back to what was traced."""
+    avals = step.avals()
+    targets = {i: step.traced_aval(i).dtype for i in step.floating()
+               if avals[i].dtype != step.traced_aval(i).dtype}
+    return step.bind(step.with_cast(targets))
+
+
+_warned: set[str] = set()
+
+
+def default_rule(step: Step) -> Sequence[Any]:
+    """Everything else runs in the dtypes its inputs arrive in (made to agree where they must)."""
+    name = step.eqn.primitive.name
+    if name in KEEP_TRACED_DTYPES:
+        return keep_traced_rule(step)
+    if _has_subprograms(step.params):
+        if name not in _warned:
+            _warned.add(name)
+            warnings.warn(
+                f"jamp has no rule for the higher-order primitive `{name}` (traced at "
+                f"{compat.source_line(step.eqn)}): it runs unchanged in its traced dtypes. "
+                "Register one with jamp.interpreter.register.", UnsupportedPrimitiveWarning,
+                stacklevel=2)
+        return keep_traced_rule(step)
+    return equalize_rule(step)
+
+
+def _has_subprograms(params: dict[str, Any]) -> bool:
+    def is_sub(value: Any) -> bool:
+        if isinstance(value, (tuple, list)):
+            return any(is_sub(v) for v in value)
+        return compat.is_jaxpr_like(value) or (callable(value) and not isinstance(value, type))
+    return any(is_sub(v) for v in params.values())
+
+
+CATEGORY_RULES: dict[Optional[str], Rule] = {
+    "lower": lower_rule,
+    "fp32": fp32_rule,
+    "promote": equalize_rule,
+}

@@ -1,0 +1,1 @@
+"""Control flow: ``scan``, ``while``, ``cond`` (filled in by the higher-order issue)."""

@@ -1,0 +1,135 @@
+"""``autocast_transform`` and ``autocast_jaxpr``: trace, rewrite, evaluate, with a rewrite cache."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat as compat
+from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
+from .interpreter import F64, Rewriter, is_float
+from .policy import Policy, RegionState
+from .regions import tracing_under
+
+
+def resolve_policy(policy: Optional[Policy], dtype: Any = None) -> Policy:
+    if policy is None:
+        policy = Policy()
+    elif not isinstance(policy, Policy):
+        raise TypeError(f"policy must be a jamp.Policy, got {type(policy).__name__}")
+    return policy if dtype is None else policy.replace(compute_dtype=dtype)
+
+
+def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any]) -> list[Any]:
+    """Evaluate ``closed`` on ``args`` under the current JAX trace, rewritten by ``policy``."""
+    jaxpr, consts = compat.open_and_consts(closed)
+    if policy.cast_inputs:
+        args = [compat.convert(x, policy.compute_dtype)
+                if _is_castable(compat.aval_of(x).dtype) else x for x in args]
+    rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype))
+    outs = rewriter.run(jaxpr, consts, args)
+    if policy.output_dtype is not None:
+        outs = [compat.convert(x, policy.output_dtype)
+                if _is_castable(compat.aval_of(x).dtype) else x for x in outs]
+    return outs
+
+
+def _is_castable(dtype: Any) -> bool:
+    return is_float(dtype) and np.dtype(dtype) != F64
+
+
+def autocast_jaxpr(closed_jaxpr: Any, policy: Optional[Policy] = None) -> Any:
+    """Rewrite a closed jaxpr under ``policy``; returns a closed jaxpr with the same inputs.
+
+    Example::
+
+        closed = jax.make_jaxpr(f)(x, w)
+        mixed = jamp.autocast_jaxpr(closed)          # dot_general now runs in bfloat16
+    """
+    policy = resolve_policy(policy)
+    if not compat.is_jaxpr_like(closed_jaxpr):
+        raise TypeError("autocast_jaxpr expects a closed jaxpr (jax.make_jaxpr(f)(...)), "
+                        f"got {type(closed_jaxpr).__name__}")
+    in_avals = list(closed_jaxpr.in_avals)
+    return compat.trace_to_closed(lambda *a: rewrite_and_eval(closed_jaxpr, policy, a), in_avals)
+
+
+@dataclasses.dataclass
+class _Traced:
+    closed: Any
+    out_tree: Any
+    rewritten: Any = None  # the rewritten closed jaxpr, built on the first eager call
+
+
+def _abstract_leaves(flat: Sequence[Any], in_tree: Any) -> tuple[Any, ...]:
+    try:
+        return tuple(compat.aval_of(x) for x in flat)
+    except TypeError:
+        pass
+    paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
+    for path, leaf in paths:
+        try:
+            compat.aval_of(leaf)
+        except TypeError as err:
+            raise TypeError(
+                f"autocast_transform: argument {jax.tree_util.keystr(path)} is a "
+                f"{type(leaf).__name__}, not an array or scalar; bind non-array arguments with "
+                "functools.partial before transforming") from err
+    raise AssertionError("unreachable")
+
+
+def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
+                       dtype: Any = None) -> Callable:
+    """torch.autocast for JAX: ``fn`` rewritten op by op under a precision policy.
+
+    The returned function has ``fn``'s signature and composes with ``jax.jit``, ``jax.grad``,
+    ``jax.vmap`` and sharding in any order; gradients come back in the primal dtypes.
+
+    Example::
+
+        loss_fn = jamp.autocast_transform(loss_fn)                # bfloat16 matmuls
+        grads = jax.jit(jax.grad(loss_fn))(params, batch)         # float32 grads for float32 params
+        f16 = jamp.autocast_transform(loss_fn, dtype=jnp.float16)
+    """
+    if not callable(fn):
+        raise TypeError(f"autocast_transform expects a callable, got {type(fn).__name__}")
+    policy = resolve_policy(policy, dtype)
+    cache: dict[Any, _Traced] = {}
+
+    def trace(in_tree: Any, avals: tuple[Any, ...]) -> tuple[_Traced, bool]:
+        def flat_fn(*flat: Any) -> Any:
+            args, kwargs = jax.tree.unflatten(in_tree, flat)
+            return fn(*args, **kwargs)
+        with tracing_under(True, policy.compute_dtype):
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+        traced = _Traced(closed, jax.tree.structure(out_shape))
+        # A function closing over an outer trace's values captures tracers: never cache those.
+        cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
+        return traced, cacheable
+
+    @functools.wraps(fn)
+    def transformed(*args: Any, **kwargs: Any) -> Any:
+        flat, in_tree = jax.tree.flatten((args, kwargs))
+        avals = _abstract_leaves(flat, in_tree)
+        key = (in_tree, avals)
+        traced = cache.get(key)
+        if traced is None:
+            traced, cacheable = trace(in_tree, avals)
+            if cacheable:
+                cache[key] = traced
+        if any(compat.is_tracer(x) for x in flat) or key not in cache:
+            outs = rewrite_and_eval(traced.closed, policy, flat)
+        else:  # eager: rewrite once, then evaluate the rewritten program
+            if traced.rewritten is None:
+                traced.rewritten = autocast_jaxpr(traced.closed, policy)
+            jaxpr, consts = compat.open_and_consts(traced.rewritten)
+            outs = compat.eval_jaxpr(jaxpr, consts, flat)
+        return jax.tree.unflatten(traced.out_tree, outs)
+
+    transformed.policy = policy  # type: ignore[attr-defined]
+    transformed._jamp_cache = cache  # type: ignore[attr-defined]  (tests count traces)
+    return transformed
