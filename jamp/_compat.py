@@ -121,3 +121,9 @@ def hoist_consts(closed: Any) -> tuple[Any, list[Any]]:
     from jax._src.interpreters import partial_eval as pe
     jaxpr, consts = open_and_consts(closed)
     return pe.convert_constvars_jaxpr(jaxpr), consts
+
+
+def tangent_aval(aval: ShapedArray) -> ShapedArray:
+    """The aval of a tangent/cotangent for a primal aval (float0 for integers)."""
+    import jax.extend.core as jex_core
+    return aval.update(dtype=jex_core.primal_dtype_to_tangent_dtype(aval.dtype), weak_type=False)

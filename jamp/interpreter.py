@@ -142,6 +142,10 @@ class Step:
         return [i for i, v in enumerate(self.eqn.invars)
                 if hasattr(v.aval, "dtype") and is_float(v.aval.dtype)]
 
+    def is_scalar_like(self, i: int) -> bool:
+        atom = self.eqn.invars[i]
+        return isinstance(atom, compat.Var) and atom in self.env.scalar_like
+
     def known(self) -> list[Optional[ConstSource]]:
         return [self.env.source(v) for v in self.eqn.invars]
 
@@ -247,7 +251,8 @@ def _track_derived(step: Step, outs: Sequence[Any]) -> None:
     if len(step.args) != 1 or len(outs) != 1:
         return
     atom, out_var = step.eqn.invars[0], step.eqn.outvars[0]
-    if name in SHAPE_ONLY and (atom in step.env.scalar_like or not atom.aval.shape):
+    if name in SHAPE_ONLY and (not atom.aval.shape or (
+            isinstance(atom, compat.Var) and atom in step.env.scalar_like)):
         step.env.scalar_like.add(out_var)
     source = step.env.source(atom)
     if source is None:
@@ -309,7 +314,7 @@ def equalize_targets(step: Step) -> dict[int, np.dtype]:
             continue
         strong = [a.dtype for i, a in avals.items()
                   if a.dtype == F64 or not (getattr(a, "weak_type", False) or a.ndim == 0
-                                            or step.eqn.invars[i] in step.env.scalar_like)]
+                                            or step.is_scalar_like(i))]
         target = functools.reduce(jnp.promote_types, strong or [a.dtype for a in avals.values()])
         targets.update({i: np.dtype(target) for i in members if avals[i].dtype != target})
     return targets

@@ -1,1 +1,92 @@
-"""Control flow: ``scan``, ``while``, ``cond`` (filled in by the higher-order issue)."""
+"""Control flow: ``scan``, ``while`` and ``cond``/``switch``.
+
+Bodies are rewritten under the region active at the loop or branch, and the loops are rebuilt with
+the public ``lax`` functions, so version-specific params (``ft_in``/``ft_out``, ``linear``,
+``_split_transpose``) never need translating. Loop carries keep their traced dtypes (a rewritten
+carry-out is cast back at the end of the body); branch outputs whose dtypes diverge across
+branches are cast to the traced dtypes.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jax import lax
+
+from .. import _compat as compat
+from ..interpreter import Rewriter, Step, is_float, register
+
+
+def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
+    return [compat.convert(v, d) if is_float(d) and compat.aval_of(v).dtype != d else v
+            for v, d in zip(values, dtypes)]
+
+
+def _carry_in(step: Step, first: int, count: int) -> list[Any]:
+    """The initial carry, cast to the traced carry dtypes where it arrives otherwise."""
+    return [step.cast(i, step.traced_aval(i).dtype) if i in set(step.floating()) else step.args[i]
+            for i in range(first, first + count)]
+
+
+@register("scan")
+def scan_rule(step: Step) -> Sequence[Any]:
+    params = step.params
+    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    consts = step.args[:n_consts]
+    known = step.known()[:n_consts]
+    init = _carry_in(step, n_consts, n_carry)
+    xs = step.args[n_consts + n_carry:]
+    carry_dtypes = [step.traced_aval(i).dtype for i in range(n_consts, n_consts + n_carry)]
+    jaxpr, body_consts = compat.open_and_consts(params["jaxpr"])
+    rewriter = Rewriter(step.policy, step.state)
+
+    def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
+        outs = rewriter.run(jaxpr, body_consts, [*consts, *carry, *x], known)
+        return _cast_to(outs[:n_carry], carry_dtypes), outs[n_carry:]
+
+    with compat.equation_context(step.eqn):
+        carry, ys = lax.scan(body, init, xs, length=params["length"], reverse=params["reverse"],
+                             unroll=params["unroll"])
+    return [*carry, *ys]
+
+
+@register("while")
+def while_rule(step: Step) -> Sequence[Any]:
+    params = step.params
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts = step.args[:n_cond]
+    body_consts = step.args[n_cond:n_cond + n_body]
+    known = step.known()
+    first = n_cond + n_body
+    init = _carry_in(step, first, len(step.args) - first)
+    carry_dtypes = [step.traced_aval(i).dtype for i in range(first, len(step.args))]
+    cond_jaxpr, cond_inner = compat.open_and_consts(params["cond_jaxpr"])
+    body_jaxpr, body_inner = compat.open_and_consts(params["body_jaxpr"])
+    rewriter = Rewriter(step.policy, step.state)
+
+    def cond_fun(carry: list[Any]) -> Any:
+        return rewriter.run(cond_jaxpr, cond_inner, [*cond_consts, *carry], known[:n_cond])[0]
+
+    def body_fun(carry: list[Any]) -> list[Any]:
+        outs = rewriter.run(body_jaxpr, body_inner, [*body_consts, *carry], known[n_cond:first])
+        return _cast_to(outs, carry_dtypes)
+
+    with compat.equation_context(step.eqn):
+        return list(lax.while_loop(cond_fun, body_fun, init))
+
+
+@register("cond")
+def cond_rule(step: Step) -> Sequence[Any]:
+    index, operands = step.args[0], step.args[1:]
+    avals, known = step.avals()[1:], step.known()[1:]
+    branches = [step.rewrite_sub(b, avals, known) for b in step.params["branches"]]
+    traced_out = [v.aval.dtype for v in step.eqn.outvars]
+    # Where rewritten branches disagree on an output's dtype, all of them return the traced dtype.
+    targets = [dtypes.pop() if len(dtypes := {b.out_avals[i].dtype for b in branches}) == 1
+               else traced_out[i] for i in range(len(traced_out))]
+
+    def as_function(branch: Any) -> Any:
+        jaxpr, consts = compat.open_and_consts(branch)
+        return lambda *ops: _cast_to(compat.eval_jaxpr(jaxpr, consts, ops), targets)
+
+    with compat.equation_context(step.eqn):
+        return list(lax.switch(index, [as_function(b) for b in branches], *operands))

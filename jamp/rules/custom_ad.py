@@ -1,1 +1,109 @@
-"""``custom_jvp_call`` / ``custom_vjp_call`` (filled in by the higher-order issue)."""
+"""``custom_jvp_call`` / ``custom_vjp_call``: user-defined derivatives under the policy.
+
+The primal body is rewritten under the region active at the call. The derivative rules are
+obtained from JAX itself, by differentiating the *original* call at its traced dtypes
+(``jax.jvp`` / ``jax.vjp`` of the untouched primitive, which invokes the user's rule), and are
+then rewritten under the same region: torch's custom_fwd/custom_bwd guarantee that forward and
+backward run under the autocast state recorded at forward time. Tangents and cotangents are cast
+so their dtypes match the rewritten primal outputs and the primal inputs.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+
+from .. import _compat as compat
+from ..interpreter import Rewriter, Step, register
+from .control_flow import _cast_to
+
+
+def _original(step: Step) -> Callable[..., list[Any]]:
+    """The equation's primitive, bound as traced (JAX supplies its JVP/VJP)."""
+    params = compat.bind_params(step.eqn)
+    primitive = step.eqn.primitive
+
+    def call(*args: Any) -> list[Any]:
+        return list(primitive.bind(*args, **params))
+    return call
+
+
+def _primal(step: Step) -> tuple[Any, list[Any]]:
+    closed = step.rewrite_sub(step.params["call_jaxpr"], step.avals(), step.known())
+    return closed, [a.dtype for a in closed.out_avals]
+
+
+def _evaluate(closed: Any, args: Sequence[Any]) -> list[Any]:
+    jaxpr, consts = compat.open_and_consts(closed)
+    return compat.eval_jaxpr(jaxpr, consts, args)
+
+
+@register("custom_jvp_call")
+def custom_jvp_rule(step: Step) -> Sequence[Any]:
+    primal_closed, out_dtypes = _primal(step)
+    original = _original(step)
+    traced = [v.aval for v in step.eqn.invars]
+    tangent_avals = [compat.tangent_aval(a) for a in traced]
+    rewriter = Rewriter(step.policy, step.state)
+    n_in = len(traced)
+
+    @jax.custom_jvp
+    def primal(*args: Any) -> list[Any]:
+        return _evaluate(primal_closed, args)
+
+    @primal.defjvp
+    def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        rule = compat.trace_to_closed(
+            lambda *flat: [x for part in jax.jvp(original, flat[:n_in], flat[n_in:]) for x in part],
+            [*traced, *tangent_avals])
+        jaxpr, consts = compat.open_and_consts(rule)
+        outs = rewriter.run(jaxpr, consts, [*primals, *tangents])
+        n_out = len(out_dtypes)
+        return _cast_to(outs[:n_out], out_dtypes), _cast_to(outs[n_out:], out_dtypes)
+
+    with compat.equation_context(step.eqn):
+        return primal(*step.args)
+
+
+@register("custom_vjp_call", "custom_vjp_call_jaxpr")
+def custom_vjp_rule(step: Step) -> Sequence[Any]:
+    primal_closed, out_dtypes = _primal(step)
+    original = _original(step)
+    traced = [v.aval for v in step.eqn.invars]
+    in_dtypes = [a.dtype for a in step.avals()]
+    rewriter = Rewriter(step.policy, step.state)
+    n_out = len(out_dtypes)
+    pullback: dict[str, Any] = {}
+
+    def forward_and_residuals(*args: Any) -> list[Any]:
+        outs, vjp_fn = jax.vjp(original, *args)
+        residuals, pullback["tree"] = jax.tree.flatten(vjp_fn)
+        return [*outs, *residuals]
+
+    @jax.custom_vjp
+    def primal(*args: Any) -> list[Any]:
+        return _evaluate(primal_closed, args)
+
+    def fwd(*args: Any) -> tuple[list[Any], list[Any]]:
+        fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
+        pullback["residual_avals"] = list(fwd_closed.out_avals[n_out:])
+        jaxpr, consts = compat.open_and_consts(fwd_closed)
+        outs = rewriter.run(jaxpr, consts, args)
+        return _cast_to(outs[:n_out], out_dtypes), outs[n_out:]
+
+    def bwd(residuals: list[Any], cotangents: list[Any]) -> tuple[Any, ...]:
+        n_res = len(residuals)
+
+        def backward(*flat: Any) -> Any:
+            vjp_fn = jax.tree.unflatten(pullback["tree"], flat[:n_res])
+            return vjp_fn(list(flat[n_res:]))
+
+        ct_avals = [compat.tangent_aval(v.aval) for v in step.eqn.outvars]
+        bwd_closed = compat.trace_to_closed(backward, [*pullback["residual_avals"], *ct_avals])
+        jaxpr, consts = compat.open_and_consts(bwd_closed)
+        cts = rewriter.run(jaxpr, consts, [*residuals, *cotangents])
+        return tuple(_cast_to(cts, in_dtypes))
+
+    primal.defvjp(fwd, bwd)
+    with compat.equation_context(step.eqn):
+        return primal(*step.args)
