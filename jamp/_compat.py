@@ -127,3 +127,11 @@ def tangent_aval(aval: ShapedArray) -> ShapedArray:
     """The aval of a tangent/cotangent for a primal aval (float0 for integers)."""
     import jax.extend.core as jex_core
     return aval.update(dtype=jex_core.primal_dtype_to_tangent_dtype(aval.dtype), weak_type=False)
+
+
+def scan_counts(params: dict[str, Any], n_args: int) -> tuple[int, int]:
+    """(num_consts, num_carry) of a scan equation; jax >= 0.11 groups operands in ``ft_in``."""
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].update(list(range(n_args))).unpack()
+    return len(list(consts)), len(list(carry))

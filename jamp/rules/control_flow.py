@@ -30,7 +30,7 @@ def _carry_in(step: Step, first: int, count: int) -> list[Any]:
 @register("scan")
 def scan_rule(step: Step) -> Sequence[Any]:
     params = step.params
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
+    n_consts, n_carry = compat.scan_counts(params, len(step.args))
     consts = step.args[:n_consts]
     known = step.known()[:n_consts]
     init = _carry_in(step, n_consts, n_carry)
