@@ -1,0 +1,180 @@
+"""Rewrite overhead of ``jamp.autocast_transform`` at trace time.
+
+What is measured
+  ``jax.make_jaxpr(jamp.autocast_transform(f))(*args)`` against ``jax.make_jaxpr(f)(*args)``, i.e.
+  the extra cost a user pays every time JAX traces an autocast function (under ``jax.jit`` that is
+  once per new input shape). The autocast side traces ``f`` to a jaxpr and then re-binds every
+  equation with casts inserted, so its cost is "trace f" + "rewrite"; the rewrite alone is also
+  timed (``jamp.autocast_jaxpr`` on a ready jaxpr).
+
+Why fresh function objects
+  JAX caches traces per function object and jamp caches rewrites per transformed function, so
+  every repetition builds a new lambda on both sides (and a new ``autocast_transform`` wrapper):
+  neither cache can answer and each sample is a full trace.
+
+Workloads
+  * A Flax linen transformer stack (pre-LN blocks: LayerNorm, ``nn.MultiHeadDotProductAttention``,
+    MLP with gelu) of 12 / 24 / 48 blocks at small widths: tracing through Flax is expensive, which
+    is the realistic case. Goal: autocast/plain <= 1.5x, time linear in the number of equations.
+  * A pure-jnp MLP (``tanh(x @ w + b)`` per layer): tracing it costs almost nothing, so its ratio
+    shows the interpreter's own cost per equation.
+
+Samples of the two sides are interleaved and preceded by a garbage collection; the table shows
+medians. ``--profile`` adds a cProfile of the rewrite of the largest stack and lists the jamp
+functions with the largest cumulative time.
+
+Usage::
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/rewrite_overhead.py [--quick] [--profile]
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jamp  # noqa: E402
+from common import (Transformer, count_eqns, environment, jnp_mlp, jnp_mlp_params,  # noqa: E402
+                    loglog_slope, markdown_table, median, timed)
+
+GOAL_RATIO = 1.5
+
+
+def measure(make_fn: Callable[[], Callable], args: Sequence[Any], reps: int,
+            warmup: int) -> dict[str, Any]:
+    """Median times of plain tracing, autocast tracing and the rewrite alone, plus eqn counts.
+
+    ``make_fn()`` must return a new function object on every call.
+    """
+    plain = lambda: jax.make_jaxpr(make_fn())(*args)
+    amp = lambda: jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args)
+    closed = plain()
+    rewrite = lambda: jamp.autocast_jaxpr(closed)
+    samples: dict[str, list[float]] = {"plain": [], "amp": [], "rewrite": []}
+    for i in range(warmup + reps):
+        for name, fn in (("plain", plain), ("amp", amp), ("rewrite", rewrite)):
+            t = timed(fn)
+            if i >= warmup:
+                samples[name].append(t)
+    plain_counts, amp_counts = count_eqns(closed), count_eqns(amp())
+    return {
+        "plain": median(samples["plain"]), "amp": median(samples["amp"]),
+        "rewrite": median(samples["rewrite"]),
+        "eqns": sum(plain_counts.values()), "amp_eqns": sum(amp_counts.values()),
+        "converts": amp_counts["convert_element_type"] - plain_counts["convert_element_type"],
+    }
+
+
+def stack_case(n_blocks: int, d: int, heads: int, seq: int, batch: int):
+    model = Transformer(n_blocks, d=d, heads=heads)
+    x = jax.random.normal(jax.random.key(1), (batch, seq, d), jnp.float32)
+    params = model.init(jax.random.key(0), x)
+    return (lambda: (lambda p, x: model.apply(p, x))), (params, x)
+
+
+def mlp_case(layers: int, width: int, batch: int):
+    params = jnp_mlp_params(layers, width)
+    x = jax.random.normal(jax.random.key(1), (batch, width), jnp.float32)
+    return (lambda: (lambda p, x: jnp_mlp(p, x))), (params, x)
+
+
+def row(name: str, r: dict[str, Any]) -> list[Any]:
+    ratio = r["amp"] / r["plain"]
+    return [name, r["eqns"], f"{r['amp_eqns']} (+{r['converts']} casts)",
+            f"{r['plain'] * 1e3:.1f}", f"{r['amp'] * 1e3:.1f}", f"**{ratio:.2f}x**",
+            f"{r['rewrite'] * 1e3:.1f}",
+            f"{r['plain'] / r['eqns'] * 1e6:.0f}", f"{r['amp'] / r['eqns'] * 1e6:.0f}",
+            f"{(r['amp'] - r['plain']) / r['eqns'] * 1e6:.0f}",
+            f"{r['rewrite'] / r['eqns'] * 1e6:.0f}"]
+
+
+HEADER = ["workload", "eqns (plain)", "eqns (autocast)", "plain ms", "autocast ms", "ratio",
+          "rewrite only ms", "plain µs/eqn", "autocast µs/eqn", "overhead µs/eqn",
+          "rewrite µs/eqn"]
+
+
+def profile_rewrite(make_fn: Callable[[], Callable], args: Sequence[Any], top: int) -> str:
+    """cProfile of ``autocast_jaxpr`` (the rewrite alone): jamp functions by cumulative time."""
+    closed = jax.make_jaxpr(make_fn())(*args)
+    jamp.autocast_jaxpr(closed)  # warm up
+    profiler = cProfile.Profile()
+    profiler.enable()
+    jamp.autocast_jaxpr(closed)
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    total = max(v[3] for v in stats.stats.values())  # the outermost cumulative time
+    jamp_dir = os.path.dirname(jamp.__file__)
+    own = sum(v[2] for k, v in stats.stats.items() if k[0].startswith(jamp_dir))
+    rows = sorted(((v[3], v[2], v[1], f"{os.path.relpath(k[0], os.path.dirname(jamp_dir))}:"
+                    f"{k[1]}({k[2]})") for k, v in stats.stats.items()
+                   if k[0].startswith(jamp_dir)), reverse=True)[:top]
+    table = markdown_table(
+        ["jamp function", "calls", "cumulative ms", "% of rewrite", "self ms"],
+        [[f"`{name}`", calls, f"{cum * 1e3:.1f}", f"{cum / total * 100:.0f}%", f"{tot * 1e3:.1f}"]
+         for cum, tot, calls, name in rows])
+    return (f"{table}\n\nTotal under the profiler: {total * 1e3:.1f} ms; self time inside jamp's own "
+            f"code: {own * 1e3:.1f} ms ({own / total * 100:.0f}%); the rest is JAX re-binding "
+            "the primitives (tracing) and the profiler itself.")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller stacks")
+    parser.add_argument("--blocks", type=int, nargs="+", default=None,
+                        help="transformer depths (default 12 24 48; --quick: 12 24)")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7)")
+    parser.add_argument("--d", type=int, default=64, help="model width")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--mlp-layers", type=int, nargs="+", default=[50, 200])
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the rewrite of the largest stack")
+    parser.add_argument("--top", type=int, default=15, help="rows of the profile table")
+    args = parser.parse_args()
+    blocks = args.blocks or ([12, 24] if args.quick else [12, 24, 48])
+    reps = args.reps or (3 if args.quick else 7)
+    warmup = 1
+
+    print(f"# jamp rewrite overhead\n\n{environment()}\n")
+    print(f"Transformer: d={args.d}, heads={args.heads}, seq={args.seq}, batch={args.batch}; "
+          f"median of {reps} interleaved repetitions after {warmup} warm-up, fresh function "
+          "objects on both sides.\n")
+    rows, stack_results = [], []
+    for n in blocks:
+        r = measure(*stack_case(n, args.d, args.heads, args.seq, args.batch), reps, warmup)
+        stack_results.append(r)
+        rows.append(row(f"Flax transformer, {n} blocks", r))
+    for layers in args.mlp_layers:
+        r = measure(*mlp_case(layers, args.d, 16), reps, warmup)
+        rows.append(row(f"jnp MLP, {layers} layers", r))
+    print(markdown_table(HEADER, rows))
+
+    eqns = [r["eqns"] for r in stack_results]
+    ratios = [r["amp"] / r["plain"] for r in stack_results]
+    print()
+    for label, key in (("plain", "plain"), ("autocast", "amp"), ("rewrite", "rewrite")):
+        slope = loglog_slope(eqns, [r[key] for r in stack_results])
+        if slope is not None:
+            print(f"- {label} trace time ~ eqns^{slope:.2f} over the transformer stacks "
+                  "(1.00 = linear)")
+    verdict = "met" if max(ratios) <= GOAL_RATIO else "NOT met"
+    print(f"- goal autocast/plain <= {GOAL_RATIO}x on the Flax stack: {verdict} "
+          f"(worst {max(ratios):.2f}x)")
+
+    if args.profile:
+        print(f"\n## cProfile of the rewrite (`autocast_jaxpr`), {blocks[-1]}-block stack\n")
+        make_fn, case_args = stack_case(blocks[-1], args.d, args.heads, args.seq, args.batch)
+        print(profile_rewrite(make_fn, case_args, args.top))
+
+
+if __name__ == "__main__":
+    main()

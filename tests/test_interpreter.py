@@ -1,0 +1,167 @@
+"""The rewriting evaluator: categories, constants, the cast cache, errors."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jamp
+from jamp import interpreter
+from tests.jaxpr_utils import eqns_named, iter_eqns, operand_dtypes
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+KEY = jax.random.PRNGKey(0)
+
+
+def _rand(*shape, dtype=F32, key=0):
+    return jax.random.normal(jax.random.PRNGKey(key), shape, dtype) * 0.5
+
+
+def test_lower_ops_return_compute_dtype_not_a_downcast_float32():
+    a, b = _rand(4, 4), _rand(4, 4, key=1)
+    f = jamp.autocast_transform(lambda a, b: (a @ b, jnp.sum(a @ b)))
+    x, y = f(a, b)
+    assert (x.dtype, y.dtype) == (BF16, F32)
+    jaxpr = jax.make_jaxpr(f)(a, b)
+    for eqn in eqns_named(jaxpr, "dot_general"):
+        assert eqn.params["preferred_element_type"] == BF16
+        assert eqn.outvars[0].aval.dtype == BF16
+
+
+def test_accumulate_dtype_gives_float32_matmul_outputs():
+    a = _rand(4, 4)
+    f = jamp.autocast_transform(lambda a: a @ a, jamp.Policy(accumulate_dtype=F32))
+    assert f(a).dtype == F32
+    assert operand_dtypes(jax.make_jaxpr(f)(a), "dot_general") == [("bfloat16", "bfloat16")]
+
+
+def test_explicit_preferred_element_type_is_kept():
+    a = _rand(4, 4).astype(BF16)
+    f = jamp.autocast_transform(lambda a: lax.dot(a, a, preferred_element_type=F32))
+    assert f(a).dtype == F32
+
+
+def test_conv_runs_in_compute_dtype():
+    x, k = _rand(1, 3, 8, 8), _rand(4, 3, 3, 3, key=1)
+    f = jamp.autocast_transform(lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME"))
+    assert f(x, k).dtype == BF16
+    assert operand_dtypes(jax.make_jaxpr(f)(x, k), "conv_general_dilated") == [("bfloat16",) * 2]
+
+
+@pytest.mark.parametrize("fn", [jnp.exp, jnp.log1p, jnp.expm1, jax.lax.rsqrt, jnp.sum, jnp.cumsum,
+                                jnp.prod, jax.scipy.special.erfinv, jax.nn.softmax,
+                                jax.nn.log_softmax, jax.nn.logsumexp])
+def test_fp32_ops_run_in_float32(fn):
+    # The input reaches the op as bfloat16 (a matmul output), as activations do in a model.
+    x, eye = jnp.abs(_rand(4, 8)) * 0.5, jnp.eye(8)
+    f = jamp.autocast_transform(lambda x, eye: fn(x @ eye))
+    assert f(x, eye).dtype == F32
+
+
+def test_fp32_op_on_a_bfloat16_input_runs_in_float32():
+    assert jamp.autocast_transform(jnp.log)(jnp.ones(4, BF16)).dtype == F32
+
+
+def test_float64_is_never_narrowed():
+    with jax.enable_x64(True):
+        x = jnp.ones((4, 4), jnp.float64)
+        f = jamp.autocast_transform(lambda x: (x @ x, jnp.log(x), x * 0.1 + x))
+        assert [o.dtype for o in f(x)] == [jnp.float64] * 3
+        mixed = jamp.autocast_transform(lambda x, y: (x @ x) + y)
+        assert mixed(jnp.ones((4, 4), F32), x).dtype == jnp.float64
+
+
+def test_promote_runs_in_widest_and_scalars_adapt():
+    a, b, c, d = (_rand(4, 4, key=k) for k in range(4))
+    f = jamp.autocast_transform(lambda a, b, c, d: ((e := a @ b), e + 0.1 * c * d))
+    e, out = f(a, b, c, d)
+    assert (e.dtype, out.dtype) == (BF16, F32)
+    # A rank-0 strong constant created with the traced dtype adapts (jax.nn.gelu builds these).
+    g = jamp.autocast_transform(lambda w, x: (x @ w) * np.float32(np.sqrt(2 / np.pi)))
+    assert g(a, b).dtype == BF16
+
+
+def test_gelu_of_matmul_stays_compute_dtype():
+    w, x = _rand(8, 8), _rand(4, 8, key=1)
+    for approximate in (True, False):
+        f = jamp.autocast_transform(lambda w, x: jax.nn.gelu(x @ w, approximate=approximate))
+        assert f(w, x).dtype == BF16
+
+
+def test_other_ops_keep_arriving_dtype_and_user_casts_are_kept():
+    x = _rand(4, 4)
+    f = jamp.autocast_transform(lambda x: (jnp.tanh(x @ x), (x @ x).astype(F16), x.reshape(16)))
+    t, cast, r = f(x)
+    assert (t.dtype, cast.dtype, r.dtype) == (BF16, F16, F32)
+    ints = jamp.autocast_transform(lambda i: i @ i + 1)(jnp.ones((3, 3), jnp.int32))
+    assert ints.dtype == jnp.int32
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_constants_saturate_so_fully_masked_rows_have_no_nan(dtype):
+    q, k = _rand(4, 8), _rand(4, 8, key=1)
+    mask = jnp.zeros((4, 4), bool).at[0].set(True)
+
+    def attention(q, k, mask):
+        logits = q @ k.T
+        return jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(F32).min))
+
+    out = jamp.autocast_transform(attention, dtype=dtype)(q, k, mask)
+    assert jnp.all(jnp.isfinite(out))
+    np.testing.assert_allclose(out[1:], 0.25, rtol=1e-6)
+    # The masked value is cast once at rewrite time, to the finite minimum of the dtype.
+    jaxpr = jax.make_jaxpr(jamp.autocast_transform(attention, dtype=dtype))(q, k, mask)
+    literals = [v.val for e in iter_eqns(jaxpr) for v in e.invars if hasattr(v, "val")]
+    assert any(np.asarray(v).dtype == dtype and float(v) == float(jnp.finfo(dtype).min)
+               for v in literals)
+
+
+def test_captured_constants_are_cast_at_rewrite_time_saturating():
+    big = np.full((4, 4), 1e6, np.float32)
+    f = jamp.autocast_transform(lambda x: x @ big, dtype=F16)
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((4, 4)))
+    converts = eqns_named(jaxpr, "convert_element_type")
+    assert len(converts) == 1  # only the argument; the constant arrives already float16
+    assert np.isfinite(np.asarray(jaxpr.consts[0])).all() and jaxpr.consts[0].dtype == F16
+
+
+def test_cast_cache_converts_a_shared_weight_once():
+    w, x = _rand(8, 8), _rand(4, 8, key=1)
+    f = jamp.autocast_transform(lambda w, x: (x @ w) @ w + (x @ w))
+    jaxpr = jax.make_jaxpr(f)(w, x)
+    converted = [e.invars[0] for e in eqns_named(jaxpr, "convert_element_type")]
+    assert converted.count(jaxpr.jaxpr.invars[0]) == 1
+    assert converted.count(jaxpr.jaxpr.invars[1]) == 1
+
+
+def test_keep_traced_primitives_see_their_traced_dtypes():
+    x = _rand(4, 4)
+    f = jamp.autocast_transform(lambda x: lax.bitcast_convert_type(x @ x, jnp.int32))
+    np.testing.assert_array_equal(
+        f(x), lax.bitcast_convert_type((x.astype(BF16) @ x.astype(BF16)).astype(F32), jnp.int32))
+
+
+def test_unknown_higher_order_primitive_runs_in_traced_dtypes_and_warns_once(monkeypatch):
+    monkeypatch.delitem(interpreter.RULES, "while")
+    monkeypatch.setattr(interpreter, "_warned", set())
+    f = jamp.autocast_transform(
+        lambda w: lax.while_loop(lambda c: c[1] < 2, lambda c: (c[0] @ w, c[1] + 1), (w, 0))[0])
+    w = _rand(4, 4)
+    with pytest.warns(jamp.UnsupportedPrimitiveWarning, match="`while`"):
+        out = f(w)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, w @ w @ w, rtol=1e-5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jamp.autocast_transform(lambda w: lax.while_loop(lambda c: c < 1, lambda c: c + 1, 0))(w)
+
+
+def test_rewrite_failure_names_primitive_and_source_line(monkeypatch):
+    def broken(step):
+        raise ValueError("boom")
+    monkeypatch.setitem(interpreter.RULES, "tanh", broken)
+    f = jamp.autocast_transform(lambda x: jnp.tanh(x))  # this line is named in the error
+    with pytest.raises(jamp.RewriteError, match=r"`tanh`.*test_interpreter.py:\d+.*boom"):
+        f(jnp.ones(3))
