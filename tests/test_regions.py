@@ -1,0 +1,193 @@
+"""Regions, rules over Flax module paths, the decorator and trace-time queries."""
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jamp
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+A = jnp.ones((4, 4)) * 0.5
+
+
+def test_disabled_and_other_dtype_regions():
+    def f(a):
+        with jamp.autocast(enabled=False):
+            off = a @ a
+        with jamp.autocast(dtype=F16):
+            half = a @ a
+        return off, half, a @ a
+    assert [o.dtype for o in jamp.autocast_transform(f)(A)] == [F32, F16, BF16]
+
+
+def test_disabled_region_sees_arriving_dtypes_and_mixed_operands_promote():
+    def f(a):
+        b = a @ a  # bf16
+        with jamp.autocast(enabled=False):
+            return jnp.log(b), b @ a  # log stays bf16; mixed bf16 x f32 matmul runs in f32
+    log_b, mixed = jamp.autocast_transform(f)(A)
+    assert (log_b.dtype, mixed.dtype) == (BF16, F32)
+
+
+def test_nesting_innermost_wins_and_implicit_nesting():
+    def f(a):
+        with jamp.autocast(enabled=False):
+            e = a @ a
+            with jamp.autocast(enabled=True):
+                g = e @ a
+                with jamp.autocast(enabled=False):
+                    h = e @ a
+        with jamp.autocast(enabled=False), jamp.autocast(enabled=True):
+            i = a @ a
+        return e, g, h, i
+    assert [o.dtype for o in jamp.autocast_transform(f)(A)] == [F32, BF16, F32, BF16]
+
+
+def test_one_instance_entered_repeatedly_and_nested():
+    off = jamp.autocast(enabled=False)
+
+    def f(a):
+        with off:
+            x = a @ a
+            with off:
+                y = a @ a
+            z = a @ a
+        with off:
+            w = a @ a
+        return x, y, z, w, a @ a
+    assert [o.dtype for o in jamp.autocast_transform(f)(A)] == [F32] * 4 + [BF16]
+
+
+def test_enabled_region_without_dtype_inherits_the_enclosing_dtype():
+    def f(a):
+        with jamp.autocast(dtype=F16):
+            with jamp.autocast(enabled=False):
+                with jamp.autocast():
+                    return a @ a
+    assert jamp.autocast_transform(f)(A).dtype == F16
+
+
+@pytest.mark.parametrize("jit_helper", [False, True])
+def test_callees_inherit_the_region_and_their_own_regions_apply(jit_helper):
+    wrap = jax.jit if jit_helper else (lambda fn: fn)
+    plain = wrap(lambda a, b: a @ b)
+
+    @wrap
+    def helper_off(a, b):
+        with jamp.autocast(enabled=False):
+            return a @ b
+
+    def f(a):
+        with jamp.autocast(enabled=False):
+            x = plain(a, a)
+        y = plain(a, a)
+        z = helper_off(a, a)
+        with jamp.autocast(enabled=False):
+            with jamp.autocast(dtype=F16):
+                w = plain(a, a)
+        return x, y, z, w
+    assert [o.dtype for o in jamp.autocast_transform(f)(A)] == [F32, BF16, F32, F16]
+
+
+def test_is_autocast_enabled_and_get_autocast_dtype_at_trace_time():
+    seen = []
+
+    def f(a):
+        seen.append((jamp.is_autocast_enabled(), jamp.get_autocast_dtype()))
+        with jamp.autocast(enabled=False):
+            seen.append((jamp.is_autocast_enabled(), jamp.get_autocast_dtype()))
+        with jamp.autocast(dtype=F16):
+            seen.append((jamp.is_autocast_enabled(), jamp.get_autocast_dtype()))
+        return a
+    jamp.autocast_transform(f)(A)
+    assert seen == [(True, BF16), (False, BF16), (True, F16)]
+    assert not jamp.is_autocast_enabled()
+
+
+def test_region_outside_a_transform_warns():
+    with pytest.warns(jamp.AutocastWarning, match="autocast_transform"):
+        with jamp.autocast():
+            (A @ A).block_until_ready()
+
+
+def test_decorator_is_a_region_inside_and_a_transform_outside():
+    @jamp.autocast(dtype=F16)
+    def half(a):
+        return a @ a
+
+    @jamp.autocast(enabled=False)
+    def full(a):
+        return a @ a
+
+    assert half(A).dtype == F16  # outside: applies autocast_transform itself
+    assert full(A).dtype == F32
+    out = jamp.autocast_transform(lambda a: (half(a), full(a), a @ a))(A)
+    assert [o.dtype for o in out] == [F16, F32, BF16]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        half(A)  # the decorator never warns
+
+
+def test_decorator_cast_inputs_runs_the_function_in_float32():
+    @jamp.autocast(enabled=False, cast_inputs=F32)
+    def sensitive(x):
+        return x @ x, x.dtype
+
+    def f(a):
+        out, seen_dtype = sensitive(a @ a)  # arrives bf16, runs in f32
+        assert seen_dtype == F32
+        return out
+    assert jamp.autocast_transform(f)(A).dtype == F32
+    with pytest.raises(ValueError, match="decorated functions only"):
+        with jamp.autocast(cast_inputs=F32):
+            pass
+
+
+def test_enabled_must_be_known_at_trace_time():
+    def f(a, flag):
+        with jamp.autocast(enabled=flag):
+            return a @ a
+    with pytest.raises(TypeError, match="Python bool known at trace time"):
+        jamp.autocast_transform(f)(A, True)
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(4, name="proj")(x)
+        return nn.Dense(4, name="head")(x)
+
+
+class _Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _Block(name="block")(x)
+
+
+def _dense_output_dtypes(policy):
+    model = _Model()
+    params = model.init(jax.random.PRNGKey(0), A)
+    jaxpr = jax.make_jaxpr(jamp.autocast_transform(model.apply, policy))(params, A)
+    return [e.outvars[0].aval.dtype for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+
+
+def test_rules_match_flax_module_paths():
+    assert _dense_output_dtypes(jamp.Policy()) == [BF16, BF16]
+    assert _dense_output_dtypes(jamp.Policy(rules=(("*/head", None),))) == [BF16, F32]
+    assert _dense_output_dtypes(jamp.Policy(rules=(("*/block", F16), ("*/proj", None)))) == [F32, F16]
+    # Later rules win at the same scope.
+    assert _dense_output_dtypes(jamp.Policy(rules=(("*/head", None), ("*/head", F16)))) == [BF16, F16]
+
+
+def test_regions_inside_win_over_rules():
+    def f(a):
+        with jax.named_scope("encoder"):
+            x = a @ a
+            with jamp.autocast(dtype=F16):
+                y = a @ a
+        return x, y
+    out = jamp.autocast_transform(f, jamp.Policy(rules=(("encoder", None),)))(A)
+    assert [o.dtype for o in out] == [F32, F16]
