@@ -83,13 +83,13 @@ def get_autocast_dtype() -> np.dtype:
     return stack[-1][1] if stack else np.dtype(jnp.bfloat16)
 
 
-def _cast_floating(tree: Any, dtype: np.dtype) -> Any:
-    def cast(x: Any) -> Any:
-        if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating) \
-                and x.dtype != np.float64:
-            return x.astype(dtype)
-        return x
-    return jax.tree.map(cast, tree)
+_CAST_INPUTS = re.compile(r"^jamp_cast_inputs_(\w+)$")
+
+
+def cast_inputs_dtype(jit_name: str) -> Optional[np.dtype]:
+    """The dtype a ``@jamp.autocast(cast_inputs=...)`` call casts to, from its jit's name."""
+    match = _CAST_INPUTS.match(jit_name or "")
+    return np.dtype(match.group(1)) if match else None
 
 
 class autocast:  # noqa: N801 - named like torch.autocast on purpose
@@ -142,10 +142,16 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if inside_transform():
-                if self.cast_inputs is not None and is_autocast_enabled():
-                    args, kwargs = _cast_floating((args, kwargs), self.cast_inputs)
-                with self._open_region():
-                    return fn(*args, **kwargs)
+                if self.cast_inputs is None:
+                    with self._open_region():
+                        return fn(*args, **kwargs)
+                # At trace time the inputs still have their traced dtypes, so the cast is done
+                # by the rewriter: it recognises this jit by its name (see rules/calls.py).
+                def region(*args: Any, **kwargs: Any) -> Any:
+                    with self._open_region():
+                        return fn(*args, **kwargs)
+                region.__name__ = f"jamp_cast_inputs_{self.cast_inputs.name}"
+                return jax.jit(region)(*args, **kwargs)
             if not self.enabled:  # autocast is already off outside transforms
                 return fn(*args, **kwargs)
             if self._transformed is None:

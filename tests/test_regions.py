@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jamp
+from tests.jaxpr_utils import operand_dtypes
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 A = jnp.ones((4, 4)) * 0.5
@@ -134,13 +135,12 @@ def test_decorator_is_a_region_inside_and_a_transform_outside():
 def test_decorator_cast_inputs_runs_the_function_in_float32():
     @jamp.autocast(enabled=False, cast_inputs=F32)
     def sensitive(x):
-        return x @ x, x.dtype
+        return x @ x
 
-    def f(a):
-        out, seen_dtype = sensitive(a @ a)  # arrives bf16, runs in f32
-        assert seen_dtype == F32
-        return out
-    assert jamp.autocast_transform(f)(A).dtype == F32
+    f = jamp.autocast_transform(lambda a: sensitive(a @ a))  # arrives bf16, runs in f32
+    assert f(A).dtype == F32
+    dots = operand_dtypes(jax.make_jaxpr(f)(A), "dot_general")
+    assert dots == [("bfloat16", "bfloat16"), ("float32", "float32")]
     with pytest.raises(ValueError, match="decorated functions only"):
         with jamp.autocast(cast_inputs=F32):
             pass

@@ -8,14 +8,25 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .. import _compat as compat
-from ..interpreter import Step, register
+from ..interpreter import F64, Step, register
+from ..regions import cast_inputs_dtype
 
 
 @register("jit", "pjit")
 def jit_rule(step: Step) -> Sequence[Any]:
-    """Keep the jit boundary (shardings, donation, name) and rewrite its body."""
-    body = step.rewrite_sub(step.params["jaxpr"], step.avals(), step.known())
-    return step.bind(step.args, jaxpr=body)
+    """Keep the jit boundary (shardings, donation, name) and rewrite its body.
+
+    A ``@jamp.autocast(cast_inputs=dtype)`` function arrives as a jit named after the dtype: inside
+    an enabled region its floating (non-float64) inputs are cast first (torch's custom_fwd).
+    """
+    args, known = step.args, step.known()
+    dtype = cast_inputs_dtype(step.params.get("name", ""))
+    if dtype is not None and step.state.enabled:
+        targets = {i: dtype for i in step.floating() if step.aval(i).dtype != F64}
+        args = step.with_cast(targets)
+        known = [None if i in targets else k for i, k in enumerate(known)]
+    body = step.rewrite_sub(step.params["jaxpr"], [compat.aval_of(a) for a in args], known)
+    return step.bind(args, jaxpr=body)
 
 
 @register("closed_call", "core_call", "call")
