@@ -86,7 +86,7 @@ SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
 # Primitives whose params encode their operand dtypes: they always run in the traced dtypes.
 KEEP_TRACED_DTYPES = frozenset({
     "bitcast_convert_type", "reduce_precision", "reduce", "reduce_window", "select_and_scatter",
-    "argsort", "rng_bit_generator",
+    "rng_bit_generator",
 })
 
 
