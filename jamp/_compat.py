@@ -57,7 +57,7 @@ def scope_names(eqn: Any) -> tuple[str, ...]:
 def source_line(eqn: Any) -> str:
     """The user's source line an equation came from, e.g. ``model.py:12 (loss)``."""
     try:
-        return _siu.summarize(eqn.source_info)
+        return _siu.summarize(eqn.source_info) or "<JAX-internal code>"
     except Exception:  # pragma: no cover - best effort for error messages only
         return "<unknown source>"
 

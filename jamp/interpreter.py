@@ -357,7 +357,7 @@ def _has_subprograms(params: dict[str, Any]) -> bool:
     def is_sub(value: Any) -> bool:
         if isinstance(value, (tuple, list)):
             return any(is_sub(v) for v in value)
-        return compat.is_jaxpr_like(value) or (callable(value) and not isinstance(value, type))
+        return compat.is_jaxpr_like(value)
     return any(is_sub(v) for v in params.values())
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 # Matrix multiplies and convolutions: operands in the compute dtype, output in the compute dtype.
 LOWER: frozenset[str] = frozenset({
-    "dot_general", "conv_general_dilated", "ragged_dot_general", "ragged_dot",
+    "dot_general", "conv_general_dilated", "ragged_dot_general",
 })
 
 # Numerically sensitive ops (torch's fp32 list keyed on lax primitives): run in float32.
@@ -27,6 +27,9 @@ FP32: frozenset[str] = frozenset({
     "sinh", "cosh", "acosh", "asinh", "atanh", "erf_inv", "lgamma", "digamma", "polygamma", "zeta",
     "igamma", "igammac", "igamma_grad_a", "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
+    # FFTs and decompositions have no bfloat16/float16 kernels (torch keeps linalg_* and fft_* in fp32).
+    "fft", "cholesky", "eig", "eigh", "lu", "qr", "svd", "triangular_solve", "schur", "hessenberg",
+    "householder_product", "tridiagonal", "tridiagonal_solve",
 })
 
 # Ops whose floating operands must agree: mixed operands run in the widest of them, while weakly
@@ -34,7 +37,7 @@ FP32: frozenset[str] = frozenset({
 PROMOTE: frozenset[str] = frozenset({
     "add", "add_any", "sub", "mul", "div", "max", "min", "rem", "atan2", "nextafter", "complex",
     "select_n", "clamp", "concatenate", "pad", "dynamic_update_slice",
-    "scatter", "scatter_add", "scatter_sub", "scatter_mul", "scatter_min", "scatter_max",
+    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
     "eq", "ne", "lt", "le", "gt", "ge", "select_and_scatter_add", "select_and_gather_add",
 })
 

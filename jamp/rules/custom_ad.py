@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from .. import _compat as compat
-from ..interpreter import Rewriter, Step, register
+from ..interpreter import Rewriter, Step, keep_traced_rule, register
 from .control_flow import _cast_to
 
 
@@ -107,3 +107,9 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
     primal.defvjp(fwd, bwd)
     with compat.equation_context(step.eqn):
         return primal(*step.args)
+
+
+@register("custom_linear_solve")
+def linear_solve_rule(step: Step) -> Sequence[Any]:
+    """``jnp.linalg.solve`` and friends: linear algebra stays in its traced (float32) dtypes."""
+    return keep_traced_rule(step)
