@@ -165,3 +165,40 @@ def test_rewrite_failure_names_primitive_and_source_line(monkeypatch):
     f = jamp.autocast_transform(lambda x: jnp.tanh(x))  # this line is named in the error
     with pytest.raises(jamp.RewriteError, match=r"`tanh`.*test_interpreter.py:\d+.*boom"):
         f(jnp.ones(3))
+
+
+def test_scatters_equalize_operands_and_rebuild_their_combiner():
+    x = _rand(4, 4)
+    f = jamp.autocast_transform(lambda x: (
+        (x @ x).at[0].add(1.0),          # weak scalar update adapts: bf16
+        (x @ x).at[0].set(x[0]),         # f32 update: promoted to f32
+        (x @ x).at[:, 1].max(x[0]),
+        (x @ x).at[0].apply(jnp.sin),    # user combiner: traced dtypes
+    ))
+    outs = f(x)
+    assert [o.dtype for o in outs] == [BF16, F32, F32, F32]
+    ref = (x @ x).at[0].add(1.0), (x @ x).at[0].set(x[0]), (x @ x).at[:, 1].max(x[0]), \
+        (x @ x).at[0].apply(jnp.sin)
+    for got, want in zip(outs, ref):
+        np.testing.assert_allclose(got.astype(F32), want, rtol=2e-2, atol=2e-2)
+    jax.jit(f)(x)  # lowers (a combiner traced for float32 would not)
+
+
+@pytest.mark.parametrize("name,fn", [
+    ("random", lambda x: jax.random.normal(jax.random.PRNGKey(0), (4,)) * (x @ x)),
+    ("solve", lambda x: jnp.linalg.solve(x @ x.T + 3 * jnp.eye(4), x[0])),
+    ("fft", lambda x: jnp.abs(jnp.fft.rfft(x @ x))),
+    ("max_pool_grad", lambda x: jax.grad(
+        lambda y: jnp.max((y @ y).reshape(2, 2, 2, 2), axis=(1, 3)).astype(F32).sum())(x)),
+    ("sort_topk", lambda x: (jnp.sort(x @ x), lax.top_k(x @ x, 2)[0])),
+])
+def test_common_ops_rewrite_without_warnings_and_match(name, fn):
+    x = _rand(4, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = jamp.autocast_transform(fn)(x)
+        jitted = jax.jit(jamp.autocast_transform(fn))(x)
+    for g, j, w in zip(jax.tree.leaves(got), jax.tree.leaves(jitted), jax.tree.leaves(fn(x))):
+        assert g.dtype == j.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=5e-2, atol=5e-2)
