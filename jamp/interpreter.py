@@ -8,6 +8,7 @@ returns the equation's outputs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -49,17 +50,20 @@ def is_float(dtype: Any) -> bool:
 
 
 def saturating_cast(value: Any, dtype: np.dtype) -> Any:
-    """Cast a concrete value, clipping finite floats to the target's range (no overflow to inf)."""
+    """Cast a concrete value, clipping finite floats to the target's range (no overflow to inf).
+
+    Runs at rewrite time: numpy for host values, eager JAX (never staged) for device arrays.
+    """
     dtype = np.dtype(dtype)
-    xp = np if isinstance(value, (np.ndarray, np.generic, float, int, bool)) else jnp
-    src = xp.asarray(value)
-    if is_float(dtype) and is_float(src.dtype) and jnp.finfo(src.dtype).max > jnp.finfo(dtype).max:
-        limit = float(jnp.finfo(dtype).max)
-        src = xp.where(xp.isfinite(src), xp.clip(src, -limit, limit), src)
-    if xp is jnp:
-        with jax.ensure_compile_time_eval():
-            return src.astype(dtype)
-    return src.astype(dtype)
+    on_host = isinstance(value, (np.ndarray, np.generic, float, int, bool))
+    xp = np if on_host else jnp
+    with contextlib.nullcontext() if on_host else jax.ensure_compile_time_eval():
+        src = xp.asarray(value)
+        if is_float(dtype) and is_float(src.dtype) and \
+                jnp.finfo(src.dtype).max > jnp.finfo(dtype).max:
+            limit = float(jnp.finfo(dtype).max)
+            src = xp.where(xp.isfinite(src), xp.clip(src, -limit, limit), src)
+        return src.astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,10 @@ class Env:
         self.casts: dict[tuple[Any, np.dtype], Any] = {}
         # Broadcasts/reshapes of rank-0 values: they promote like the scalar they came from.
         self.scalar_like: set[Any] = set()
+        # Outputs of lower-table ops run in the compute dtype, and broadcasts that expand a
+        # smaller value (a bias): together they make the bias-add epilogue of a linear layer.
+        self.lower_outputs: set[Any] = set()
+        self.expanded: set[Any] = set()
 
     def read(self, atom: Any) -> Any:
         return atom.val if isinstance(atom, compat.Literal) else self.values[atom]
@@ -142,9 +150,10 @@ class Step:
         return [i for i, v in enumerate(self.eqn.invars)
                 if hasattr(v.aval, "dtype") and is_float(v.aval.dtype)]
 
-    def is_scalar_like(self, i: int) -> bool:
+    def has_tag(self, i: int, tag: str) -> bool:
+        """Whether operand ``i`` is in one of the Env's derived sets (``scalar_like``, ...)."""
         atom = self.eqn.invars[i]
-        return isinstance(atom, compat.Var) and atom in self.env.scalar_like
+        return isinstance(atom, compat.Var) and atom in getattr(self.env, tag)
 
     def known(self) -> list[Optional[ConstSource]]:
         return [self.env.source(v) for v in self.eqn.invars]
@@ -246,22 +255,29 @@ class Rewriter:
 
 
 def _track_derived(step: Step, outs: Sequence[Any]) -> None:
-    """Remember outputs that are shape-only views of constants or of rank-0 values."""
-    name = step.eqn.primitive.name
+    """Remember what later promotions need to know about this equation's outputs."""
+    name, env = step.eqn.primitive.name, step.env
+    if step.policy.category(name) == "lower" and step.state.enabled:
+        env.lower_outputs.update(step.eqn.outvars)
     if len(step.args) != 1 or len(outs) != 1:
         return
     atom, out_var = step.eqn.invars[0], step.eqn.outvars[0]
-    if name in SHAPE_ONLY and (not atom.aval.shape or (
-            isinstance(atom, compat.Var) and atom in step.env.scalar_like)):
-        step.env.scalar_like.add(out_var)
-    source = step.env.source(atom)
+    var_in = atom if isinstance(atom, compat.Var) else None
+    if name in SHAPE_ONLY:
+        if not atom.aval.shape or var_in in env.scalar_like:
+            env.scalar_like.add(out_var)
+        if var_in in env.lower_outputs:
+            env.lower_outputs.add(out_var)
+        if name == "broadcast_in_dim" and atom.aval.size < out_var.aval.size:
+            env.expanded.add(out_var)
+    source = env.source(atom)
     if source is None:
         return
     if name in SHAPE_ONLY:
-        step.env.known[out_var] = ConstSource(
+        env.known[out_var] = ConstSource(
             source.base, source.steps + ((step.eqn.primitive, compat.bind_params(step.eqn)),))
     elif name == "convert_element_type" and not source.steps:
-        step.env.known[out_var] = ConstSource(saturating_cast(source.base, step.params["new_dtype"]))
+        env.known[out_var] = ConstSource(saturating_cast(source.base, step.params["new_dtype"]))
 
 
 # --- category rules --------------------------------------------------------------------------
@@ -296,11 +312,30 @@ def fp32_rule(step: Step) -> Sequence[Any]:
     return step.bind(step.with_cast(targets))
 
 
+# torch's linear/addmm/conv include the bias; JAX adds it with a separate `add`.
+BIAS_EPILOGUE = frozenset({"add"})
+
+
+def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
+    """Whether operand ``i`` takes the dtype of the others rather than widening them."""
+    if aval.dtype == F64:
+        return False
+    if getattr(aval, "weak_type", False) or aval.ndim == 0 or step.has_tag(i, "scalar_like"):
+        return True
+    # A bias is broadcast over the batch (fewer elements than the output), or a vector.
+    bias_like = (aval.size < step.eqn.outvars[0].aval.size or aval.ndim == 1
+                 or step.has_tag(i, "expanded"))
+    return (step.eqn.primitive.name in BIAS_EPILOGUE and bias_like
+            and any(step.has_tag(j, "lower_outputs") for j in members if j != i))
+
+
 def equalize_targets(step: Step) -> dict[int, np.dtype]:
     """Operands traced with one floating dtype must agree again: cast them to the widest of them.
 
-    Weakly typed and rank-0 operands adapt to the others (like zero-dim tensors in PyTorch's
-    promotion), unless every operand of the group is one of them. float64 is never narrowed.
+    Operands that adapt (weakly typed, rank-0 and broadcast scalars, like zero-dim tensors in
+    PyTorch's promotion; a bias added to a matmul/conv output, which torch's linear and conv
+    include) take the dtype of the others, unless every operand of the group adapts.
+    float64 is never narrowed.
     """
     groups: dict[np.dtype, list[int]] = {}
     for i in step.floating():
@@ -312,9 +347,7 @@ def equalize_targets(step: Step) -> dict[int, np.dtype]:
         avals = {i: step.aval(i) for i in members}
         if len({a.dtype for a in avals.values()}) == 1:
             continue
-        strong = [a.dtype for i, a in avals.items()
-                  if a.dtype == F64 or not (getattr(a, "weak_type", False) or a.ndim == 0
-                                            or step.is_scalar_like(i))]
+        strong = [a.dtype for i, a in avals.items() if not _adapts(step, i, a, members)]
         target = functools.reduce(jnp.promote_types, strong or [a.dtype for a in avals.values()])
         targets.update({i: np.dtype(target) for i in members if avals[i].dtype != target})
     return targets

@@ -26,7 +26,7 @@ FP32: frozenset[str] = frozenset({
     "exp", "exp2", "log", "log1p", "log2", "expm1", "pow", "rsqrt", "tan", "acos", "asin",
     "sinh", "cosh", "acosh", "asinh", "atanh", "erf_inv", "lgamma", "digamma", "polygamma", "zeta",
     "igamma", "igammac", "igamma_grad_a", "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e",
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
     # FFTs and decompositions have no bfloat16/float16 kernels (torch keeps linalg_* and fft_* in fp32).
     "fft", "cholesky", "eig", "eigh", "lu", "qr", "svd", "triangular_solve", "schur", "hessenberg",
     "householder_product", "tridiagonal", "tridiagonal_solve",

@@ -202,3 +202,17 @@ def test_common_ops_rewrite_without_warnings_and_match(name, fn):
         assert g.dtype == j.dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                    rtol=5e-2, atol=5e-2)
+
+
+def test_bias_add_after_matmul_or_conv_is_part_of_the_lower_op():
+    import flax.linen as nn
+    for module, shape in ((nn.Dense(6), (3, 4)), (nn.Dense(6), (4,)), (nn.Conv(4, (3, 3)), (1, 6, 6, 3))):
+        x = _rand(*shape)
+        params = module.init(jax.random.PRNGKey(0), x)
+        assert jamp.autocast_transform(module.apply)(params, x).dtype == BF16
+        hand = module.clone(dtype=BF16).apply(params, x)
+        np.testing.assert_allclose(jamp.autocast_transform(module.apply)(params, x).astype(F32),
+                                   hand.astype(F32), rtol=2e-2, atol=2e-2)
+    # A full-size float32 operand is not a bias: it still promotes.
+    a, c = _rand(4, 4), _rand(4, 4, key=1)
+    assert jamp.autocast_transform(lambda a, c: a @ a + c)(a, c).dtype == F32
