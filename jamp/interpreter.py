@@ -84,6 +84,16 @@ class ConstSource:
         return value
 
 
+@dataclasses.dataclass(frozen=True)
+class Hint:
+    """What a sub-jaxpr's input is known to be at its call site (see ``Env``)."""
+
+    source: Optional[ConstSource] = None
+    tags: frozenset = frozenset()
+
+
+TAGS = ("scalar_like", "lower_outputs", "expanded")
+
 # Primitives that only move or replicate data; a constant stays a constant through them.
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
 
@@ -155,8 +165,10 @@ class Step:
         atom = self.eqn.invars[i]
         return isinstance(atom, compat.Var) and atom in getattr(self.env, tag)
 
-    def known(self) -> list[Optional[ConstSource]]:
-        return [self.env.source(v) for v in self.eqn.invars]
+    def hints(self) -> list[Hint]:
+        """For each operand, what a sub-jaxpr receiving it should know (constant, tags)."""
+        return [Hint(self.env.source(v), frozenset(t for t in TAGS if self.has_tag(i, t)))
+                for i, v in enumerate(self.eqn.invars)]
 
     def cast(self, i: int, dtype: Any) -> Any:
         """Operand ``i`` in ``dtype``: converted once per program, constants cast at rewrite time."""
@@ -185,14 +197,14 @@ class Step:
             out = self.eqn.primitive.bind(*args, **params)
         return list(out) if self.eqn.primitive.multiple_results else [out]
 
-    def rewrite_sub(self, closed: Any, avals: Sequence[Any], known: Sequence[Any] = ()) -> Any:
+    def rewrite_sub(self, closed: Any, avals: Sequence[Any], hints: Sequence[Hint] = ()) -> Any:
         """Rewrite a sub-jaxpr under this equation's region, for the operand avals given."""
-        return self.rewriter.rewrite_closed(closed, avals, self.state, known)
+        return self.rewriter.rewrite_closed(closed, avals, self.state, hints)
 
-    def run_sub(self, closed: Any, args: Sequence[Any], known: Sequence[Any] = ()) -> list[Any]:
+    def run_sub(self, closed: Any, args: Sequence[Any], hints: Sequence[Hint] = ()) -> list[Any]:
         """Evaluate a sub-jaxpr inline under this equation's region (for pure call wrappers)."""
         jaxpr, consts = compat.open_and_consts(closed)
-        return Rewriter(self.policy, self.state).run(jaxpr, consts, args, known)
+        return Rewriter(self.policy, self.state).run(jaxpr, consts, args, hints)
 
 
 class Rewriter:
@@ -214,13 +226,13 @@ class Rewriter:
         return state
 
     def rewrite_closed(self, closed: Any, avals: Sequence[Any], state: RegionState,
-                       known: Sequence[Any] = ()) -> Any:
+                       hints: Sequence[Hint] = ()) -> Any:
         jaxpr, consts = compat.open_and_consts(closed)
         sub = Rewriter(self.policy, state)
-        return compat.trace_to_closed(lambda *args: sub.run(jaxpr, consts, args, known), list(avals))
+        return compat.trace_to_closed(lambda *args: sub.run(jaxpr, consts, args, hints), list(avals))
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-            known: Sequence[Optional[ConstSource]] = ()) -> list[Any]:
+            hints: Sequence[Optional[Hint]] = ()) -> list[Any]:
         env = Env()
         for var, value in zip(jaxpr.constvars, consts):
             env.values[var] = value
@@ -228,8 +240,12 @@ class Rewriter:
                 env.known[var] = ConstSource(value)
         for i, (var, value) in enumerate(zip(jaxpr.invars, args)):
             env.values[var] = value
-            if i < len(known) and known[i] is not None:
-                env.known[var] = known[i]
+            hint = hints[i] if i < len(hints) else None
+            if hint is not None:
+                if hint.source is not None:
+                    env.known[var] = hint.source
+                for tag in hint.tags:
+                    getattr(env, tag).add(var)
         for eqn in jaxpr.eqns:
             step = Step(self, env, eqn, self.state_for(eqn))
             outs = self._apply(step)

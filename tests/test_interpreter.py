@@ -216,3 +216,10 @@ def test_bias_add_after_matmul_or_conv_is_part_of_the_lower_op():
     # A full-size float32 operand is not a bias: it still promotes.
     a, c = _rand(4, 4), _rand(4, 4, key=1)
     assert jamp.autocast_transform(lambda a, c: a @ a + c)(a, c).dtype == F32
+
+
+def test_broadcast_scalars_keep_adapting_inside_jitted_callees():
+    # jnp code often broadcasts a scalar and passes it to a jitted helper (`_where`).
+    where = jax.jit(lambda m, a, b: jnp.where(m, a, b))
+    f = lambda x: where(x > 0, x @ x, jnp.broadcast_to(np.float32(2.0), (4, 4)))
+    assert jamp.autocast_transform(f)(_rand(4, 4)).dtype == BF16

@@ -19,13 +19,13 @@ def jit_rule(step: Step) -> Sequence[Any]:
     A ``@jamp.autocast(cast_inputs=dtype)`` function arrives as a jit named after the dtype: inside
     an enabled region its floating (non-float64) inputs are cast first (torch's custom_fwd).
     """
-    args, known = step.args, step.known()
+    args, hints = step.args, step.hints()
     dtype = cast_inputs_dtype(step.params.get("name", ""))
     if dtype is not None and step.state.enabled:
         targets = {i: dtype for i in step.floating() if step.aval(i).dtype != F64}
         args = step.with_cast(targets)
-        known = [None if i in targets else k for i, k in enumerate(known)]
-    body = step.rewrite_sub(step.params["jaxpr"], [compat.aval_of(a) for a in args], known)
+        hints = [None if i in targets else k for i, k in enumerate(hints)]
+    body = step.rewrite_sub(step.params["jaxpr"], [compat.aval_of(a) for a in args], hints)
     return step.bind(args, jaxpr=body)
 
 
@@ -33,12 +33,12 @@ def jit_rule(step: Step) -> Sequence[Any]:
 def inline_call_rule(step: Step) -> Sequence[Any]:
     """Pure call wrappers carry no semantics of their own: evaluate the body inline."""
     jaxpr = step.params.get("call_jaxpr")
-    return step.run_sub(jaxpr, step.args, step.known())
+    return step.run_sub(jaxpr, step.args, step.hints())
 
 
 @register("checkpoint", "remat", "remat2")
 def remat_rule(step: Step) -> Sequence[Any]:
     """Rewrite the rematerialized body; recomputation then runs under the same policy."""
-    body = step.rewrite_sub(compat.as_closed(step.params["jaxpr"]), step.avals(), step.known())
+    body = step.rewrite_sub(compat.as_closed(step.params["jaxpr"]), step.avals(), step.hints())
     jaxpr, consts = compat.hoist_consts(body)
     return step.bind([*consts, *step.args], jaxpr=jaxpr)

@@ -32,7 +32,7 @@ def scan_rule(step: Step) -> Sequence[Any]:
     params = step.params
     n_consts, n_carry = compat.scan_counts(params, len(step.args))
     consts = step.args[:n_consts]
-    known = step.known()[:n_consts]
+    hints = step.hints()[:n_consts]
     init = _carry_in(step, n_consts, n_carry)
     xs = step.args[n_consts + n_carry:]
     carry_dtypes = [step.traced_aval(i).dtype for i in range(n_consts, n_consts + n_carry)]
@@ -40,7 +40,7 @@ def scan_rule(step: Step) -> Sequence[Any]:
     rewriter = Rewriter(step.policy, step.state)
 
     def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
-        outs = rewriter.run(jaxpr, body_consts, [*consts, *carry, *x], known)
+        outs = rewriter.run(jaxpr, body_consts, [*consts, *carry, *x], hints)
         return _cast_to(outs[:n_carry], carry_dtypes), outs[n_carry:]
 
     with compat.equation_context(step.eqn):
@@ -55,7 +55,7 @@ def while_rule(step: Step) -> Sequence[Any]:
     n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
     cond_consts = step.args[:n_cond]
     body_consts = step.args[n_cond:n_cond + n_body]
-    known = step.known()
+    hints = step.hints()
     first = n_cond + n_body
     init = _carry_in(step, first, len(step.args) - first)
     carry_dtypes = [step.traced_aval(i).dtype for i in range(first, len(step.args))]
@@ -64,10 +64,10 @@ def while_rule(step: Step) -> Sequence[Any]:
     rewriter = Rewriter(step.policy, step.state)
 
     def cond_fun(carry: list[Any]) -> Any:
-        return rewriter.run(cond_jaxpr, cond_inner, [*cond_consts, *carry], known[:n_cond])[0]
+        return rewriter.run(cond_jaxpr, cond_inner, [*cond_consts, *carry], hints[:n_cond])[0]
 
     def body_fun(carry: list[Any]) -> list[Any]:
-        outs = rewriter.run(body_jaxpr, body_inner, [*body_consts, *carry], known[n_cond:first])
+        outs = rewriter.run(body_jaxpr, body_inner, [*body_consts, *carry], hints[n_cond:first])
         return _cast_to(outs, carry_dtypes)
 
     with compat.equation_context(step.eqn):
@@ -77,8 +77,8 @@ def while_rule(step: Step) -> Sequence[Any]:
 @register("cond")
 def cond_rule(step: Step) -> Sequence[Any]:
     index, operands = step.args[0], step.args[1:]
-    avals, known = step.avals()[1:], step.known()[1:]
-    branches = [step.rewrite_sub(b, avals, known) for b in step.params["branches"]]
+    avals, hints = step.avals()[1:], step.hints()[1:]
+    branches = [step.rewrite_sub(b, avals, hints) for b in step.params["branches"]]
     traced_out = [v.aval.dtype for v in step.eqn.outvars]
     # Where rewritten branches disagree on an output's dtype, all of them return the traced dtype.
     targets = [dtypes.pop() if len(dtypes := {b.out_avals[i].dtype for b in branches}) == 1

@@ -29,7 +29,7 @@ def _original(step: Step) -> Callable[..., list[Any]]:
 
 
 def _primal(step: Step) -> tuple[Any, list[Any]]:
-    closed = step.rewrite_sub(step.params["call_jaxpr"], step.avals(), step.known())
+    closed = step.rewrite_sub(step.params["call_jaxpr"], step.avals(), step.hints())
     return closed, [a.dtype for a in closed.out_avals]
 
 
