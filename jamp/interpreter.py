@@ -204,16 +204,24 @@ class Step:
     def run_sub(self, closed: Any, args: Sequence[Any], hints: Sequence[Hint] = ()) -> list[Any]:
         """Evaluate a sub-jaxpr inline under this equation's region (for pure call wrappers)."""
         jaxpr, consts = compat.open_and_consts(closed)
-        return Rewriter(self.policy, self.state).run(jaxpr, consts, args, hints)
+        return self.rewriter.child(self.state).run(jaxpr, consts, args, hints)
 
 
 class Rewriter:
     """Evaluates jaxprs under one policy, starting from one region state."""
 
-    def __init__(self, policy: Policy, state: RegionState):
+    def __init__(self, policy: Policy, state: RegionState,
+                 rewritten: Optional[dict[Any, Any]] = None):
         self.policy = policy
         self.base = state
         self._states: dict[tuple[str, ...], RegionState] = {}
+        # Sub-jaxprs already rewritten in this program, shared with child rewriters: jnp's
+        # jitted helpers (`_where`, ...) recur with the same avals many times in a model.
+        self._rewritten = {} if rewritten is None else rewritten
+
+    def child(self, state: RegionState) -> "Rewriter":
+        """A rewriter for a sub-jaxpr entered under ``state``, sharing the rewrite cache."""
+        return Rewriter(self.policy, state, self._rewritten)
 
     def state_for(self, eqn: Any) -> RegionState:
         scopes = compat.scope_names(eqn)
@@ -227,9 +235,17 @@ class Rewriter:
 
     def rewrite_closed(self, closed: Any, avals: Sequence[Any], state: RegionState,
                        hints: Sequence[Hint] = ()) -> Any:
+        key = None
+        if not any(h is not None and h.source is not None for h in hints):
+            key = (closed, tuple(avals), state, tuple(h.tags if h else None for h in hints))
+            if key in self._rewritten:
+                return self._rewritten[key]
         jaxpr, consts = compat.open_and_consts(closed)
-        sub = Rewriter(self.policy, state)
-        return compat.trace_to_closed(lambda *args: sub.run(jaxpr, consts, args, hints), list(avals))
+        sub = self.child(state)
+        out = compat.trace_to_closed(lambda *args: sub.run(jaxpr, consts, args, hints), list(avals))
+        if key is not None:
+            self._rewritten[key] = out
+        return out
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             hints: Sequence[Optional[Hint]] = ()) -> list[Any]:

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from jax import lax
 
 from .. import _compat as compat
-from ..interpreter import Rewriter, Step, is_float, register
+from ..interpreter import Step, is_float, register
 
 
 def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
@@ -37,7 +37,7 @@ def scan_rule(step: Step) -> Sequence[Any]:
     xs = step.args[n_consts + n_carry:]
     carry_dtypes = [step.traced_aval(i).dtype for i in range(n_consts, n_consts + n_carry)]
     jaxpr, body_consts = compat.open_and_consts(params["jaxpr"])
-    rewriter = Rewriter(step.policy, step.state)
+    rewriter = step.rewriter.child(step.state)
 
     def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         outs = rewriter.run(jaxpr, body_consts, [*consts, *carry, *x], hints)
@@ -61,7 +61,7 @@ def while_rule(step: Step) -> Sequence[Any]:
     carry_dtypes = [step.traced_aval(i).dtype for i in range(first, len(step.args))]
     cond_jaxpr, cond_inner = compat.open_and_consts(params["cond_jaxpr"])
     body_jaxpr, body_inner = compat.open_and_consts(params["body_jaxpr"])
-    rewriter = Rewriter(step.policy, step.state)
+    rewriter = step.rewriter.child(step.state)
 
     def cond_fun(carry: list[Any]) -> Any:
         return rewriter.run(cond_jaxpr, cond_inner, [*cond_consts, *carry], hints[:n_cond])[0]

@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 import jax
 
 from .. import _compat as compat
-from ..interpreter import Rewriter, Step, keep_traced_rule, register
+from ..interpreter import Step, keep_traced_rule, register
 from .control_flow import _cast_to
 
 
@@ -44,7 +44,7 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
     original = _original(step)
     traced = [v.aval for v in step.eqn.invars]
     tangent_avals = [compat.tangent_aval(a) for a in traced]
-    rewriter = Rewriter(step.policy, step.state)
+    rewriter = step.rewriter.child(step.state)
     n_in = len(traced)
 
     @jax.custom_jvp
@@ -71,7 +71,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
     original = _original(step)
     traced = [v.aval for v in step.eqn.invars]
     in_dtypes = [a.dtype for a in step.avals()]
-    rewriter = Rewriter(step.policy, step.state)
+    rewriter = step.rewriter.child(step.state)
     n_out = len(out_dtypes)
     pullback: dict[str, Any] = {}
 
