@@ -354,9 +354,9 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
         return False
     if getattr(aval, "weak_type", False) or aval.ndim == 0 or step.has_tag(i, "scalar_like"):
         return True
-    # A bias is broadcast over the batch (fewer elements than the output), or a vector.
-    bias_like = (aval.size < step.eqn.outvars[0].aval.size or aval.ndim == 1
-                 or step.has_tag(i, "expanded"))
+    # A bias is broadcast over the batch: fewer elements than the output. (A full-size operand,
+    # e.g. a residual, promotes; so does a bias under vmap, where no batch dimension is visible.)
+    bias_like = aval.size < step.eqn.outvars[0].aval.size or step.has_tag(i, "expanded")
     return (step.eqn.primitive.name in BIAS_EPILOGUE and bias_like
             and any(step.has_tag(j, "lower_outputs") for j in members if j != i))
 

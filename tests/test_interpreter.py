@@ -206,16 +206,24 @@ def test_common_ops_rewrite_without_warnings_and_match(name, fn):
 
 def test_bias_add_after_matmul_or_conv_is_part_of_the_lower_op():
     import flax.linen as nn
-    for module, shape in ((nn.Dense(6), (3, 4)), (nn.Dense(6), (4,)), (nn.Conv(4, (3, 3)), (1, 6, 6, 3))):
+    for module, shape in ((nn.Dense(6), (3, 4)), (nn.Conv(4, (3, 3)), (1, 6, 6, 3))):
         x = _rand(*shape)
         params = module.init(jax.random.PRNGKey(0), x)
         assert jamp.autocast_transform(module.apply)(params, x).dtype == BF16
         hand = module.clone(dtype=BF16).apply(params, x)
         np.testing.assert_allclose(jamp.autocast_transform(module.apply)(params, x).astype(F32),
                                    hand.astype(F32), rtol=2e-2, atol=2e-2)
-    # A full-size float32 operand is not a bias: it still promotes.
+    # A full-size float32 operand is not a bias: it still promotes, whatever its rank.
     a, c = _rand(4, 4), _rand(4, 4, key=1)
     assert jamp.autocast_transform(lambda a, c: a @ a + c)(a, c).dtype == F32
+    v, b = _rand(8), _rand(8, 16, key=2)
+    f = lambda a, b, c, d: a @ b + 0.1 * c * d
+    assert jamp.autocast_transform(f)(v, b, _rand(16), _rand(16)).dtype == F32
+    # vmap in either order agrees for a residual add.
+    g = lambda x, w, r: x @ w + r
+    x, w, r = _rand(4, 16), _rand(16, 16, key=3), _rand(4, 16, key=4)
+    assert jamp.autocast_transform(jax.vmap(g, (0, None, 0)))(x, w, r).dtype == F32
+    assert jax.vmap(jamp.autocast_transform(g), (0, None, 0))(x, w, r).dtype == F32
 
 
 def test_broadcast_scalars_keep_adapting_inside_jitted_callees():

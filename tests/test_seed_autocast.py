@@ -572,20 +572,20 @@ def test_tracing_with_autocast_and_script(abcd):
 
 
 class _ScriptModule(nn.Module):
-    """torch's TestModule: a raw weight (mv) followed by a Linear."""
+    """torch's TestModule: a raw weight (mv, here batched) followed by a Linear."""
     n: int = 2
     m: int = 3
 
     @nn.compact
     def __call__(self, x):
         weight = self.param("weight", nn.initializers.uniform(), (self.n, self.m), jnp.float32)
-        return nn.Dense(self.m)(weight @ x)
+        return nn.Dense(self.m)(x @ weight.T)
 
 
 # ports test_script_module: a Flax module's apply, transformed, computes in the compute dtype.
 def test_script_module():
     model = _ScriptModule()
-    x = rand(0, (3,))
+    x = rand(0, (4, 3))  # a batch: the bias is broadcast over it (README: "Bias adds")
     params = model.init(jax.random.PRNGKey(1), x)
     result = transform(model.apply)(params, x)
     # torch's Linear under autocast returns float16; the Flax layer must return the compute dtype,
@@ -593,7 +593,7 @@ def test_script_module():
     assert result.dtype == BF16
     reference = nn.Dense(3, dtype=jnp.bfloat16).apply(
         {"params": params["params"]["Dense_0"]},
-        params["params"]["weight"].astype(BF16) @ x.astype(BF16))
+        x.astype(BF16) @ params["params"]["weight"].astype(BF16).T)
     chex.assert_trees_all_close(result.astype(F32), reference.astype(F32), **LOW_TOL)
 
 
