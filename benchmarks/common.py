@@ -9,8 +9,10 @@ from __future__ import annotations
 import collections
 import gc
 import math
+import os
 import re
 import statistics
+import subprocess
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -19,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 F32 = jnp.float32
+BF16 = jnp.bfloat16
 
 
 # --- models ----------------------------------------------------------------------------------
@@ -123,15 +126,25 @@ def _sub_jaxprs(value: Any) -> Iterable[Any]:
         yield value.jaxpr
 
 
-def count_eqns(jaxpr: Any) -> collections.Counter:
-    """Primitive-name counts over ``jaxpr`` and, recursively, every sub-jaxpr (jit bodies, ...)."""
+def primitive_name(eqn: Any) -> str:
+    return eqn.primitive.name
+
+
+def primitive_and_dtype(eqn: Any) -> tuple[str, str]:
+    """``(primitive, dtype of the first output)``, e.g. ``("add", "bfloat16")``."""
+    aval = eqn.outvars[0].aval if eqn.outvars else None
+    return eqn.primitive.name, str(getattr(aval, "dtype", ""))
+
+
+def count_eqns(jaxpr: Any, key: Callable[[Any], Any] = primitive_name) -> collections.Counter:
+    """Counts of ``key(eqn)`` over ``jaxpr`` and, recursively, every sub-jaxpr (jit bodies, ...)."""
     jaxpr = jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
     counts: collections.Counter = collections.Counter()
     for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] += 1
+        counts[key(eqn)] += 1
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
-                counts.update(count_eqns(sub))
+                counts.update(count_eqns(sub, key))
     return counts
 
 
@@ -139,13 +152,27 @@ _HLO_OP = re.compile(r"=\s*(\w+)\[[^\]]*\][^ ]*\s+([\w-]+)\(")
 
 
 def hlo_op_counts(hlo_text: str) -> collections.Counter:
-    """``(opcode, result dtype)`` counts over every instruction of an HLO module (fusions included)."""
+    """``(opcode, result type)`` counts over an HLO module's instructions, fusions included."""
     counts: collections.Counter = collections.Counter()
     for line in hlo_text.splitlines():
         m = _HLO_OP.search(line)
         if m:
             counts[(m.group(2), m.group(1))] += 1
     return counts
+
+
+def normalized_hlo(hlo_text: str) -> list[str]:
+    """The instructions of an HLO module without names, metadata and order: two programs that
+    normalize equally compute the same thing the same way (up to instruction order)."""
+    body = hlo_text[hlo_text.find("\n\n%") + 1:] if "\n\n%" in hlo_text else hlo_text
+    lines = []
+    for line in body.splitlines():
+        line = re.sub(r",?\s*metadata=\{[^}]*\}", "", line)
+        line = re.sub(r"%[\w.\-]+", "%v", line)
+        line = re.sub(r"\b(fused_computation|region|wrapped)[\w.\-]*", r"\1", line).strip()
+        if line:
+            lines.append(line)
+    return sorted(lines)
 
 
 def count_converts(hlo_text: str) -> int:
@@ -155,17 +182,56 @@ def count_converts(hlo_text: str) -> int:
 
 # --- timing and output -------------------------------------------------------------------------
 
-def timed(fn: Callable[[], Any]) -> float:
-    """Seconds one call of ``fn`` takes, after a garbage collection (so GC pauses do not land in
-    one side's sample only)."""
+class FullGcTimer:
+    """Seconds spent in full (generation-2) garbage collections while active.
+
+    A full collection walks the whole Python heap (JAX, Flax and the programs being built), so a
+    workload that allocates more can cross the collector's threshold and pay one in a sample.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> "FullGcTimer":
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def timed(fn: Callable[..., Any], setup: Optional[Callable[[], Any]] = None) -> tuple[float, float]:
+    """(seconds one call of ``fn`` takes, seconds of it spent in full garbage collections).
+
+    Calls ``fn(setup())`` if ``setup`` is given, the setup untimed. A collection runs first, so
+    that garbage of earlier samples is collected in none.
+    """
+    args = () if setup is None else (setup(),)
     gc.collect()
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    with FullGcTimer() as full_gc:
+        start = time.perf_counter()
+        fn(*args)
+        elapsed = time.perf_counter() - start
+    return elapsed, full_gc.seconds
 
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
+
+
+def paired_ratio(num: Sequence[float], den: Sequence[float]) -> float:
+    """Median of per-round ratios of interleaved samples: robust to load that drifts between
+    rounds (the machine may be shared), unlike the ratio of two medians."""
+    return statistics.median(a / b for a, b in zip(num, den))
 
 
 def loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
@@ -190,6 +256,14 @@ def environment() -> str:
 
     import flax
     import jaxlib
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        commit = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"],
+                                capture_output=True, text=True, timeout=10).stdout.strip() or "n/a"
+    except (OSError, subprocess.SubprocessError):
+        commit = "n/a"
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return (f"python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
             f"flax {flax.__version__}, backend {jax.default_backend()}, "
-            f"{jax.device_count()} device(s), {platform.machine()}")
+            f"{os.cpu_count()} CPU cores, {platform.machine()}, load average at start {load}; "
+            f"jamp at {commit}")
