@@ -135,3 +135,14 @@ def scan_counts(params: dict[str, Any], n_args: int) -> tuple[int, int]:
         return params["num_consts"], params["num_carry"]
     consts, carry, _ = params["ft_in"].update(list(range(n_args))).unpack()
     return len(list(consts)), len(list(carry))
+
+
+def shard_map(fn: Any, *, mesh: Any, in_specs: Any, out_specs: Any, axis_names: Any,
+              check_vma: bool) -> Any:
+    """The public ``jax.shard_map`` (``jax.experimental.shard_map`` before it moved)."""
+    public = getattr(jax, "shard_map", None)
+    kwargs = {} if not axis_names else {"axis_names": set(axis_names)}
+    if public is None:  # pragma: no cover - older jax
+        from jax.experimental.shard_map import shard_map as public
+    return public(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
+                  **kwargs)

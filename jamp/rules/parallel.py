@@ -1,0 +1,30 @@
+"""``shard_map``: the per-shard body is rewritten under the call site's region.
+
+The body is re-entered through the public ``jax.shard_map`` with the equation's mesh and specs, so
+JAX binds the mesh axes for the body's collectives (``psum``, ``all_gather``, ...); collectives
+themselves run in the dtype their operands arrive in, like any other op.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .. import _compat as compat
+from ..interpreter import Step, register
+
+
+@register("shard_map")
+def shard_map_rule(step: Step) -> Sequence[Any]:
+    params = step.params
+    jaxpr, consts = compat.open_and_consts(compat.as_closed(params["jaxpr"]))
+    rewriter = step.rewriter.child(step.state)
+    hints = step.hints()
+
+    def body(*args: Any) -> tuple[Any, ...]:
+        return tuple(rewriter.run(jaxpr, consts, args, hints))
+
+    mapped = compat.shard_map(body, mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
+                              out_specs=tuple(params["out_specs"]),
+                              axis_names=params.get("newly_manual_axes"),
+                              check_vma=params.get("check_vma", True))
+    with compat.equation_context(step.eqn):
+        return list(mapped(*step.args))

@@ -1,0 +1,81 @@
+"""Sharding checks, run in a subprocess with 8 host devices (see test_parallel.py).
+
+Exits non-zero with a message on the first failed check.
+"""
+import os
+
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import warnings  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jamp  # noqa: E402
+from tests.jaxpr_utils import operand_dtypes  # noqa: E402
+
+warnings.simplefilter("error", jamp.UnsupportedPrimitiveWarning)
+assert len(jax.devices()) == 8, jax.devices()
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+BF16 = jnp.dtype(jnp.bfloat16)
+
+
+def check(condition, message):
+    if not condition:
+        raise SystemExit(f"FAILED: {message}")
+
+
+def mlp(w1, w2, x):
+    h = jax.lax.with_sharding_constraint(jnp.tanh(x @ w1), NamedSharding(mesh, P("data", "model")))
+    return jnp.mean((h @ w2) ** 2), h
+
+
+x = jax.device_put(jax.random.normal(jax.random.PRNGKey(0), (16, 8)), NamedSharding(mesh, P("data")))
+w1 = jax.device_put(jax.random.normal(jax.random.PRNGKey(1), (8, 32)) * 0.3,
+                    NamedSharding(mesh, P(None, "model")))
+w2 = jax.device_put(jax.random.normal(jax.random.PRNGKey(2), (32, 4)) * 0.3,
+                    NamedSharding(mesh, P("model", None)))
+
+plain = jax.jit(mlp)
+mixed = jax.jit(jamp.autocast_transform(mlp))
+(loss_p, h_p), (loss_m, h_m) = plain(w1, w2, x), mixed(w1, w2, x)
+check(h_m.dtype == BF16, f"activation dtype {h_m.dtype}")
+check(h_m.sharding.is_equivalent_to(h_p.sharding, h_p.ndim), f"{h_m.sharding} vs {h_p.sharding}")
+check(loss_m.sharding.is_equivalent_to(loss_p.sharding, 0), "loss sharding")
+np.testing.assert_allclose(loss_m, loss_p, rtol=5e-2)
+grad_p = jax.jit(jax.grad(lambda *a: mlp(*a)[0], argnums=(0, 1)))(w1, w2, x)
+grad_m = jax.jit(jax.grad(lambda *a: jamp.autocast_transform(mlp)(*a)[0], argnums=(0, 1)))(w1, w2, x)
+for gp, gm in zip(grad_p, grad_m):
+    check(gm.dtype == jnp.float32, f"grad dtype {gm.dtype}")
+    check(gm.sharding.is_equivalent_to(gp.sharding, gp.ndim), f"grad {gm.sharding} vs {gp.sharding}")
+    np.testing.assert_allclose(gm, gp, rtol=0.1, atol=2e-2)
+text = mixed.lower(w1, w2, x).as_text()
+check("sharding" in text and "bf16" in text, "lowered program lost shardings or bf16")
+
+
+def sharded(a, w):
+    def body(a, w):
+        partial = a @ w                                   # per-shard matmul
+        total = jax.lax.psum(partial, "model")            # collective on the rewritten value
+        gathered = jax.lax.all_gather(total, "data", tiled=True)
+        return total, gathered
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("data", "model"), P("model", None)),
+                         out_specs=(P("data", None), P(None, None)), check_vma=False)(a, w)
+
+
+a = jax.random.normal(jax.random.PRNGKey(3), (16, 8))
+w = jax.random.normal(jax.random.PRNGKey(4), (8, 6))
+f = jamp.autocast_transform(sharded)
+total, gathered = jax.jit(f)(a, w)
+ref_total, ref_gathered = sharded(a, w)
+check(total.dtype == BF16 and gathered.dtype == BF16, f"shard_map outputs {total.dtype}")
+np.testing.assert_allclose(np.asarray(total, np.float32), ref_total, rtol=5e-2, atol=5e-2)
+np.testing.assert_allclose(np.asarray(gathered, np.float32), ref_gathered, rtol=5e-2, atol=5e-2)
+dots = operand_dtypes(jax.make_jaxpr(f)(a, w), "dot_general")
+check(dots == [("bfloat16", "bfloat16")], f"shard_map body dots {dots}")
+g = jax.grad(lambda w: f(a, w)[0].astype(jnp.float32).sum())(w)
+check(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))), "shard_map grad")
+print("sharding checks passed")
