@@ -88,3 +88,16 @@ def test_jit_under_scan_and_region_inside_loop_body():
     assert h.dtype == F32 and fulls.dtype == F32
     dots = operand_dtypes(jax.make_jaxpr(jamp.autocast_transform(f))(W, XS), "dot_general")
     assert sorted(dots) == [("bfloat16", "bfloat16"), ("float32", "float32")]
+
+
+def test_remat_saves_matmul_residuals_in_compute_dtype():
+    w1 = jax.random.normal(jax.random.PRNGKey(2), (8, 16)) * 0.3
+    w2 = jax.random.normal(jax.random.PRNGKey(3), (16, 16)) * 0.3
+
+    def block(w1, w2, x):
+        return jnp.sin(jnp.sin(x @ w1) @ w2)
+
+    f = jamp.autocast_transform(jax.checkpoint(block, policy=jax.checkpoint_policies.checkpoint_dots))
+    _, vjp = jax.vjp(lambda w1, w2: f(w1, w2, XS), w1, w2)
+    saved_dots = [leaf for leaf in jax.tree.leaves(vjp) if leaf.shape == (6, 16)]
+    assert len(saved_dots) == 2 and all(leaf.dtype == BF16 for leaf in saved_dots)
