@@ -1,5 +1,7 @@
 """jamp: torch.autocast-style automatic mixed precision for JAX, as a program transformation."""
 from .interpreter import RewriteError, UnsupportedPrimitiveWarning
+from .loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
+                         scaled_value_and_grad, select_tree)
 from .policy import Policy
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
 from .transform import autocast_jaxpr, autocast_transform
@@ -7,5 +9,7 @@ from .transform import autocast_jaxpr, autocast_transform
 __all__ = [
     "Policy", "autocast_transform", "autocast_jaxpr", "autocast", "is_autocast_enabled",
     "get_autocast_dtype", "AutocastWarning", "RewriteError", "UnsupportedPrimitiveWarning",
+    "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "all_finite", "select_tree",
+    "scaled_value_and_grad",
 ]
 __version__ = "0.1.0"
