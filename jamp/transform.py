@@ -65,21 +65,33 @@ class _Traced:
     rewritten: Any = None  # the rewritten closed jaxpr, built on the first eager call
 
 
-def _abstract_leaves(flat: Sequence[Any], in_tree: Any) -> tuple[Any, ...]:
+def _is_traced_leaf(x: Any) -> bool:
+    """Arrays and Python numbers are traced; bools, strings and other objects are static."""
+    return type(x) is not bool and isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
+                                                  complex))
+
+
+def _split_static(flat: Sequence[Any], in_tree: Any) -> tuple[list[int], tuple[Any, ...]]:
+    """Indices of traced leaves, and the static leaves as ``(index, value)`` pairs (hashable)."""
+    traced, static = [], []
+    for i, leaf in enumerate(flat):
+        if _is_traced_leaf(leaf):
+            traced.append(i)
+        else:
+            static.append((i, leaf))
     try:
-        return tuple(compat.aval_of(x) for x in flat)
+        hash(tuple(static))
     except TypeError:
-        pass
-    paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
-    for path, leaf in paths:
-        try:
-            compat.aval_of(leaf)
-        except TypeError as err:
-            raise TypeError(
-                f"autocast_transform: argument {jax.tree_util.keystr(path)} is a "
-                f"{type(leaf).__name__}, not an array or scalar; bind non-array arguments with "
-                "functools.partial before transforming") from err
-    raise AssertionError("unreachable")
+        paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
+        for i, leaf in static:
+            try:
+                hash(leaf)
+            except TypeError as err:
+                raise TypeError(
+                    f"autocast_transform: argument {jax.tree_util.keystr(paths[i][0])} is a "
+                    f"{type(leaf).__name__}, neither an array nor a hashable static value; bind it "
+                    "with functools.partial before transforming") from err
+    return traced, tuple(static)
 
 
 def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
@@ -87,7 +99,9 @@ def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
     """torch.autocast for JAX: ``fn`` rewritten op by op under a precision policy.
 
     The returned function has ``fn``'s signature and composes with ``jax.jit``, ``jax.grad``,
-    ``jax.vmap`` and sharding in any order; gradients come back in the primal dtypes.
+    ``jax.vmap`` and sharding in any order; gradients come back in the primal dtypes. Array and
+    number arguments are traced; bools, strings and other hashable leaves (``train=False``,
+    ``mutable=["batch_stats"]``) are static, like ``jax.jit``'s static arguments.
 
     Example::
 
@@ -100,8 +114,14 @@ def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
     policy = resolve_policy(policy, dtype)
     cache: dict[Any, _Traced] = {}
 
-    def trace(in_tree: Any, avals: tuple[Any, ...]) -> tuple[_Traced, bool]:
-        def flat_fn(*flat: Any) -> Any:
+    def trace(in_tree: Any, traced_at: list[int], static: tuple[Any, ...],
+              avals: tuple[Any, ...]) -> tuple[_Traced, bool]:
+        def flat_fn(*traced_leaves: Any) -> Any:
+            flat = [None] * (len(traced_leaves) + len(static))
+            for i, leaf in zip(traced_at, traced_leaves):
+                flat[i] = leaf
+            for i, leaf in static:
+                flat[i] = leaf
             args, kwargs = jax.tree.unflatten(in_tree, flat)
             return fn(*args, **kwargs)
         with tracing_under(True, policy.compute_dtype):
@@ -114,11 +134,13 @@ def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
         flat, in_tree = jax.tree.flatten((args, kwargs))
-        avals = _abstract_leaves(flat, in_tree)
-        key = (in_tree, avals)
+        traced_at, static = _split_static(flat, in_tree)
+        flat = [flat[i] for i in traced_at]
+        avals = tuple(compat.aval_of(x) for x in flat)
+        key = (in_tree, avals, static)
         traced = cache.get(key)
         if traced is None:
-            traced, cacheable = trace(in_tree, avals)
+            traced, cacheable = trace(in_tree, traced_at, static, avals)
             if cacheable:
                 cache[key] = traced
         if any(compat.is_tracer(x) for x in flat) or key not in cache:

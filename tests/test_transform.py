@@ -145,10 +145,26 @@ def test_bad_arguments_get_clear_errors():
     with pytest.raises(TypeError, match="must be a jamp.Policy"):
         jamp.autocast_transform(lambda x: x, {"compute_dtype": BF16})
     f = jamp.autocast_transform(lambda x, mode: x)
-    with pytest.raises(TypeError, match=r"argument \[0\]\[1\] is a str.*functools.partial"):
-        f(X, "train")
+    with pytest.raises(TypeError, match=r"argument \[0\]\[1\] is a set.*functools.partial"):
+        f(X, {"unhashable", "set"})
     with pytest.raises(TypeError, match="closed jaxpr"):
         jamp.autocast_jaxpr(lambda x: x)
+
+
+def test_bools_strings_and_other_hashables_are_static():
+    traces = []
+
+    def f(x, train, mode="sum", mutable=()):
+        traces.append((train, mode, mutable))
+        y = x @ x.T if train else x
+        return jnp.sum(y) if mode == "sum" else y
+
+    g = jamp.autocast_transform(f)
+    assert g(X, True).dtype == jnp.float32
+    assert g(X, False, mode="id").dtype == jnp.float32
+    g(X, True, mutable=["batch_stats"])
+    g(X, True)  # cached
+    assert traces == [(True, "sum", ()), (False, "id", ()), (True, "sum", ["batch_stats"])]
 
 
 def test_signature_and_name_are_preserved():
