@@ -11,6 +11,7 @@ import numpy as np
 
 from . import _compat as compat
 from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
+from . import graph_nodes
 from .interpreter import F64, Rewriter, is_float
 from .policy import Policy, RegionState
 from .regions import tracing_under
@@ -101,7 +102,9 @@ def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
     The returned function has ``fn``'s signature and composes with ``jax.jit``, ``jax.grad``,
     ``jax.vmap`` and sharding in any order; gradients come back in the primal dtypes. Array and
     number arguments are traced; bools, strings and other hashable leaves (``train=False``,
-    ``mutable=["batch_stats"]``) are static, like ``jax.jit``'s static arguments.
+    ``mutable=["batch_stats"]``) are static, like ``jax.jit``'s static arguments. Flax NNX modules
+    among the arguments are split and merged as ``nnx.jit`` does, and their final state (e.g.
+    BatchNorm statistics) is written back.
 
     Example::
 
@@ -112,6 +115,22 @@ def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
     if not callable(fn):
         raise TypeError(f"autocast_transform expects a callable, got {type(fn).__name__}")
     policy = resolve_policy(policy, dtype)
+    on_arrays = _transform_arrays(fn, policy)
+    on_graph_state: dict[Any, Callable] = {}  # per argument structure with NNX modules
+
+    @functools.wraps(fn)
+    def transformed(*args: Any, **kwargs: Any) -> Any:
+        if not graph_nodes.has_graph_nodes((args, kwargs)):
+            return on_arrays(*args, **kwargs)
+        return graph_nodes.call_with_graph_nodes(
+            fn, lambda pure: _transform_arrays(pure, policy), on_graph_state, args, kwargs)
+
+    transformed.policy = policy  # type: ignore[attr-defined]
+    return transformed
+
+
+def _transform_arrays(fn: Callable, policy: Policy) -> Callable:
+    """The transform for arguments that are pytrees of arrays and static leaves."""
     cache: dict[Any, _Traced] = {}
 
     def trace(in_tree: Any, traced_at: list[int], static: tuple[Any, ...],
@@ -152,6 +171,4 @@ def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
             outs = compat.eval_jaxpr(jaxpr, consts, flat)
         return jax.tree.unflatten(traced.out_tree, outs)
 
-    transformed.policy = policy  # type: ignore[attr-defined]
-    transformed._jamp_cache = cache  # type: ignore[attr-defined]  (tests count traces)
     return transformed

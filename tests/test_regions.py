@@ -151,7 +151,7 @@ def test_enabled_must_be_known_at_trace_time():
         with jamp.autocast(enabled=flag):
             return a @ a
     with pytest.raises(TypeError, match="Python bool known at trace time"):
-        jamp.autocast_transform(f)(A, True)
+        jamp.autocast_transform(f)(A, jnp.asarray(True))  # a traced value, not a Python bool
 
 
 class _Block(nn.Module):
