@@ -133,6 +133,7 @@ class Step:
     def __init__(self, rewriter: "Rewriter", env: Env, eqn: Any, state: RegionState):
         self.rewriter, self.env, self.eqn, self.state = rewriter, env, eqn, state
         self.args: list[Any] = [env.read(v) for v in eqn.invars]
+        self.bound_args: Sequence[Any] = self.args
 
     @property
     def policy(self) -> Policy:
@@ -184,6 +185,8 @@ class Step:
             out = source.cast(dtype) if source is not None else compat.convert(self.args[i], dtype)
         if key is not None:
             self.env.casts[key] = out
+        if self.rewriter.recorder is not None:
+            self.rewriter.recorder.cast(constant=source is not None)
         return out
 
     def with_cast(self, targets: dict[int, Any]) -> list[Any]:
@@ -191,6 +194,7 @@ class Step:
         return [self.cast(i, targets[i]) if i in targets else a for i, a in enumerate(self.args)]
 
     def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
+        self.bound_args = args  # what the primitive finally ran on (read by jamp.explain)
         params = compat.bind_params(self.eqn)
         params.update(overrides)
         with compat.equation_context(self.eqn):
@@ -211,17 +215,19 @@ class Rewriter:
     """Evaluates jaxprs under one policy, starting from one region state."""
 
     def __init__(self, policy: Policy, state: RegionState,
-                 rewritten: Optional[dict[Any, Any]] = None):
+                 rewritten: Optional[dict[Any, Any]] = None, recorder: Any = None):
         self.policy = policy
         self.base = state
+        self.recorder = recorder  # report.Recorder for jamp.explain, else None
         self._states: dict[tuple[str, ...], RegionState] = {}
         # Sub-jaxprs already rewritten in this program, shared with child rewriters: jnp's
         # jitted helpers (`_where`, ...) recur with the same avals many times in a model.
+        # (Not while recording: a report counts every occurrence.)
         self._rewritten = {} if rewritten is None else rewritten
 
     def child(self, state: RegionState) -> "Rewriter":
-        """A rewriter for a sub-jaxpr entered under ``state``, sharing the rewrite cache."""
-        return Rewriter(self.policy, state, self._rewritten)
+        """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
+        return Rewriter(self.policy, state, self._rewritten, self.recorder)
 
     def state_for(self, eqn: Any) -> RegionState:
         scopes = compat.scope_names(eqn)
@@ -236,7 +242,7 @@ class Rewriter:
     def rewrite_closed(self, closed: Any, avals: Sequence[Any], state: RegionState,
                        hints: Sequence[Hint] = ()) -> Any:
         key = None
-        if not any(h is not None and h.source is not None for h in hints):
+        if self.recorder is None and not any(h is not None and h.source is not None for h in hints):
             key = (closed, tuple(avals), state, tuple(h.tags if h else None for h in hints))
             if key in self._rewritten:
                 return self._rewritten[key]
@@ -275,7 +281,10 @@ class Rewriter:
         name = step.eqn.primitive.name
         rule = RULES.get(name) or CATEGORY_RULES.get(self.policy.category(name)) or default_rule
         try:
-            return rule(step)
+            outs = rule(step)
+            if self.recorder is not None:
+                self.recorder.equation(step, outs)
+            return outs
         except (RewriteError, compat.JaxprTypeError):
             raise
         except Exception as err:
@@ -406,7 +415,7 @@ def default_rule(step: Step) -> Sequence[Any]:
     name = step.eqn.primitive.name
     if name in KEEP_TRACED_DTYPES:
         return keep_traced_rule(step)
-    if _has_subprograms(step.params):
+    if has_subprograms(step.params):
         if name not in _warned:
             _warned.add(name)
             warnings.warn(
@@ -418,7 +427,7 @@ def default_rule(step: Step) -> Sequence[Any]:
     return equalize_rule(step)
 
 
-def _has_subprograms(params: dict[str, Any]) -> bool:
+def has_subprograms(params: dict[str, Any]) -> bool:
     def is_sub(value: Any) -> bool:
         if isinstance(value, (tuple, list)):
             return any(is_sub(v) for v in value)

@@ -161,6 +161,7 @@ class RegionState:
     dtype: np.dtype
     path: tuple[str, ...] = ()
     matched: frozenset = frozenset()
+    decided_by: str = "policy"  # what set enabled/dtype last: "policy", "region" or "rule '<glob>'"
 
     def enter_scope(self, name: str, rules: tuple) -> "RegionState":
         path = self.path + (name,)
@@ -170,7 +171,8 @@ class RegionState:
                if i not in self.matched and fnmatch.fnmatchcase(joined, pattern)]
         if not new:
             return state
-        dtype = rules[new[-1]][1]  # the later rule wins among those matching at this scope
+        pattern, dtype = rules[new[-1]]  # the later rule wins among those matching at this scope
         enabled, dtype = (False, self.dtype) if dtype is None else (True, dtype)
         return dataclasses.replace(state, enabled=enabled, dtype=dtype,
-                                   matched=self.matched | frozenset(new))
+                                   matched=self.matched | frozenset(new),
+                                   decided_by=f"rule {pattern!r}")

@@ -47,7 +47,7 @@ def apply_marker(name: str, state: RegionState) -> Optional[RegionState]:
         return None
     dtype = np.dtype(match.group(2)) if match.group(2) else state.dtype
     return RegionState(enabled=match.group(1) == "on", dtype=dtype, path=state.path,
-                       matched=state.matched)
+                       matched=state.matched, decided_by="region")
 
 
 @contextlib.contextmanager

@@ -25,13 +25,18 @@ def resolve_policy(policy: Optional[Policy], dtype: Any = None) -> Policy:
     return policy if dtype is None else policy.replace(compute_dtype=dtype)
 
 
-def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any]) -> list[Any]:
-    """Evaluate ``closed`` on ``args`` under the current JAX trace, rewritten by ``policy``."""
+def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
+                     recorder: Any = None) -> list[Any]:
+    """Evaluate ``closed`` on ``args`` under the current JAX trace, rewritten by ``policy``.
+
+    ``recorder`` (see ``report.Recorder``) is told about every equation and inserted cast.
+    """
     jaxpr, consts = compat.open_and_consts(closed)
     if policy.cast_inputs:
         args = [compat.convert(x, policy.compute_dtype)
                 if _is_castable(compat.aval_of(x).dtype) else x for x in args]
-    rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype))
+    rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype),
+                        recorder=recorder)
     outs = rewriter.run(jaxpr, consts, args)
     if policy.output_dtype is not None:
         outs = [compat.convert(x, policy.output_dtype)
@@ -63,6 +68,7 @@ def autocast_jaxpr(closed_jaxpr: Any, policy: Optional[Policy] = None) -> Any:
 class _Traced:
     closed: Any
     out_tree: Any
+    cacheable: bool = True
     rewritten: Any = None  # the rewritten closed jaxpr, built on the first eager call
 
 
@@ -129,40 +135,50 @@ def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
     return transformed
 
 
+def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict) -> tuple[Any, ...]:
+    """Split a call's arguments into traced leaves and static ones and make the cache key.
+
+    Returns ``(key, flat traced leaves, tracer)`` where ``tracer()`` gives ``(closed jaxpr,
+    output tree, cacheable)`` for the traced leaves' avals, with ``fn`` traced inside an enabled
+    autocast state (for ``is_autocast_enabled``).
+    """
+    flat, in_tree = jax.tree.flatten((args, kwargs))
+    traced_at, static = _split_static(flat, in_tree)
+    flat = [flat[i] for i in traced_at]
+    avals = tuple(compat.aval_of(x) for x in flat)
+
+    def flat_fn(*traced_leaves: Any) -> Any:
+        leaves = [None] * (len(traced_leaves) + len(static))
+        for i, leaf in zip(traced_at, traced_leaves):
+            leaves[i] = leaf
+        for i, leaf in static:
+            leaves[i] = leaf
+        call_args, call_kwargs = jax.tree.unflatten(in_tree, leaves)
+        return fn(*call_args, **call_kwargs)
+
+    def tracer() -> _Traced:
+        with tracing_under(True, policy.compute_dtype):
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+        # A function closing over an outer trace's values captures tracers: never cache those.
+        cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
+        return _Traced(closed, jax.tree.structure(out_shape), cacheable=cacheable)
+
+    return (in_tree, avals, static), flat, tracer
+
+
 def _transform_arrays(fn: Callable, policy: Policy) -> Callable:
     """The transform for arguments that are pytrees of arrays and static leaves."""
     cache: dict[Any, _Traced] = {}
 
-    def trace(in_tree: Any, traced_at: list[int], static: tuple[Any, ...],
-              avals: tuple[Any, ...]) -> tuple[_Traced, bool]:
-        def flat_fn(*traced_leaves: Any) -> Any:
-            flat = [None] * (len(traced_leaves) + len(static))
-            for i, leaf in zip(traced_at, traced_leaves):
-                flat[i] = leaf
-            for i, leaf in static:
-                flat[i] = leaf
-            args, kwargs = jax.tree.unflatten(in_tree, flat)
-            return fn(*args, **kwargs)
-        with tracing_under(True, policy.compute_dtype):
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
-        traced = _Traced(closed, jax.tree.structure(out_shape))
-        # A function closing over an outer trace's values captures tracers: never cache those.
-        cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
-        return traced, cacheable
-
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        flat, in_tree = jax.tree.flatten((args, kwargs))
-        traced_at, static = _split_static(flat, in_tree)
-        flat = [flat[i] for i in traced_at]
-        avals = tuple(compat.aval_of(x) for x in flat)
-        key = (in_tree, avals, static)
+        key, flat, tracer = trace_call(fn, policy, args, kwargs)
         traced = cache.get(key)
         if traced is None:
-            traced, cacheable = trace(in_tree, traced_at, static, avals)
-            if cacheable:
+            traced = tracer()
+            if traced.cacheable:
                 cache[key] = traced
-        if any(compat.is_tracer(x) for x in flat) or key not in cache:
+        if not traced.cacheable or any(compat.is_tracer(x) for x in flat):
             outs = rewrite_and_eval(traced.closed, policy, flat)
         else:  # eager: rewrite once, then evaluate the rewritten program
             if traced.rewritten is None:

@@ -1,0 +1,63 @@
+"""jamp.explain: counts on a known function."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jamp
+
+
+def _known(a, b, c):
+    e = a @ b                                  # bf16 dot, 2*4*16*8 = 1024 FLOPs
+    with jamp.autocast(enabled=False):
+        g = e @ c                              # f32 dot (region), 2*4*2*16 = 256 FLOPs
+    return jnp.sum(jnp.exp(e)) + jnp.sum(g), jnp.tanh(e)
+
+
+ARGS = (jnp.ones((4, 8)), jnp.ones((8, 16)), jnp.ones((16, 2)))
+
+
+def test_counts_flops_and_reasons_on_a_known_function():
+    report = jamp.explain(_known, *ARGS)
+    assert report.ops["dot_general"] == {"bfloat16": 1, "float32": 1}
+    assert report.ops["exp"] == {"float32": 1}
+    assert report.ops["tanh"] == {"bfloat16": 1}
+    assert report.ops["reduce_sum"] == {"float32": 2}
+    assert report.flops == {"bfloat16": 1024, "float32": 256}
+    assert report.low_precision_flop_share == pytest.approx(0.8)
+    # a and b cast to bf16; e cast up for the region's f32 dot, which also feeds exp (cached).
+    assert report.casts == 3
+    assert report.float32_reasons[("dot_general", "region")] == 1
+    assert report.float32_reasons[("exp", "fp32 table")] == 1
+    assert report.float32_reasons[("add", "inputs arrived in float32")] == 1
+    text = str(report)
+    assert "dot_general" in text and "80.0%" in text and "region" in text
+
+
+def test_rules_float64_and_accumulate_reasons():
+    policy = jamp.Policy(rules=(("head", None),), accumulate_dtype=jnp.float32)
+
+    def f(a, b):
+        with jax.named_scope("head"):
+            h = a @ b
+        return a @ b, h
+    report = jamp.explain(f, *ARGS[:2], policy=policy)
+    assert report.float32_reasons[("dot_general", "rule 'head'")] == 1
+    assert report.float32_reasons[("dot_general", "accumulate_dtype")] == 1
+    with jax.enable_x64(True):
+        x = jnp.ones((3, 3), jnp.float64)
+        assert jamp.explain(lambda x: x @ x, x).float32_reasons == {("dot_general", "float64"): 1}
+
+
+def test_loop_bodies_and_calls_are_counted_once_each_and_nothing_runs():
+    calls = []
+
+    def f(w, xs):
+        calls.append(1)
+        return jax.lax.scan(lambda h, x: (jnp.tanh(h @ w + x), None), jnp.zeros(8), xs)[0]
+    report = jamp.explain(f, jnp.ones((8, 8)), jnp.ones((5, 8)))
+    assert report.calls == {"scan": 1}
+    assert report.ops["dot_general"] == {"bfloat16": 1}
+    assert len(calls) == 1
+    with pytest.raises(TypeError, match="callable"):
+        jamp.explain(3)
