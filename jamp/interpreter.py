@@ -157,7 +157,7 @@ class Step:
         return [self.aval(i) for i in range(len(self.args))]
 
     def floating(self) -> list[int]:
-        """Indices of operands that were traced floating (never float64 filtering here)."""
+        """Indices of operands that were traced with a floating dtype (float64 included)."""
         return [i for i, v in enumerate(self.eqn.invars)
                 if hasattr(v.aval, "dtype") and is_float(v.aval.dtype)]
 
