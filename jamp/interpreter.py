@@ -92,7 +92,8 @@ class Hint:
     tags: frozenset = frozenset()
 
 
-TAGS = ("scalar_like", "lower_outputs", "expanded")
+TAGS = ("scalar_like", "lower_outputs", "expanded", "input_view")
+INPUT = Hint(tags=frozenset({"input_view"}))  # a function input (a parameter, a batch)
 
 # Primitives that only move or replicate data; a constant stays a constant through them.
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
@@ -113,10 +114,12 @@ class Env:
         self.casts: dict[tuple[Any, np.dtype], Any] = {}
         # Broadcasts/reshapes of rank-0 values: they promote like the scalar they came from.
         self.scalar_like: set[Any] = set()
-        # Outputs of lower-table ops run in the compute dtype, and broadcasts that expand a
-        # smaller value (a bias): together they make the bias-add epilogue of a linear layer.
+        # Outputs of lower-table ops run in the compute dtype, broadcasts that expand a smaller
+        # value, and inputs/constants seen through reshapes and broadcasts only (parameters): an
+        # add of the first and a parameter that is the last two is a linear layer's bias add.
         self.lower_outputs: set[Any] = set()
         self.expanded: set[Any] = set()
+        self.input_view: set[Any] = set()
 
     def read(self, atom: Any) -> Any:
         return atom.val if isinstance(atom, compat.Literal) else self.values[atom]
@@ -258,6 +261,7 @@ class Rewriter:
         env = Env()
         for var, value in zip(jaxpr.constvars, consts):
             env.values[var] = value
+            env.input_view.add(var)
             if not compat.is_tracer(value):
                 env.known[var] = ConstSource(value)
         for i, (var, value) in enumerate(zip(jaxpr.invars, args)):
@@ -304,17 +308,22 @@ def _track_derived(step: Step, outs: Sequence[Any]) -> None:
         return
     atom, out_var = step.eqn.invars[0], step.eqn.outvars[0]
     var_in = atom if isinstance(atom, compat.Var) else None
-    if name in SHAPE_ONLY:
+    # A convert to the dtype a value already has only drops its weak type (jnp.full does this).
+    same_value = name == "convert_element_type" and step.params["new_dtype"] == atom.aval.dtype
+    if name in SHAPE_ONLY or same_value:
         if not atom.aval.shape or var_in in env.scalar_like:
             env.scalar_like.add(out_var)
-        if var_in in env.lower_outputs:
-            env.lower_outputs.add(out_var)
+        for tag in (env.lower_outputs, env.input_view, env.expanded):
+            if var_in in tag:
+                tag.add(out_var)
         if name == "broadcast_in_dim" and atom.aval.size < out_var.aval.size:
             env.expanded.add(out_var)
     source = env.source(atom)
     if source is None:
         return
-    if name in SHAPE_ONLY:
+    if same_value:
+        env.known[out_var] = source
+    elif name in SHAPE_ONLY:
         env.known[out_var] = ConstSource(
             source.base, source.steps + ((step.eqn.primitive, compat.bind_params(step.eqn)),))
     elif name == "convert_element_type" and not source.steps:
@@ -363,9 +372,11 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
         return False
     if getattr(aval, "weak_type", False) or aval.ndim == 0 or step.has_tag(i, "scalar_like"):
         return True
-    # A bias is broadcast over the batch: fewer elements than the output. (A full-size operand,
-    # e.g. a residual, promotes; so does a bias under vmap, where no batch dimension is visible.)
-    bias_like = aval.size < step.eqn.outvars[0].aval.size or step.has_tag(i, "expanded")
+    # A bias is a parameter (an input or constant, maybe reshaped) broadcast over the batch:
+    # fewer elements than the output. A full-size operand (a residual) or a computed one (a
+    # reduction) promotes; so does a bias under vmap, where no batch dimension is visible.
+    bias_like = step.has_tag(i, "input_view") and (
+        aval.size < step.eqn.outvars[0].aval.size or step.has_tag(i, "expanded"))
     return (step.eqn.primitive.name in BIAS_EPILOGUE and bias_like
             and any(step.has_tag(j, "lower_outputs") for j in members if j != i))
 

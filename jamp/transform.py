@@ -12,7 +12,7 @@ import numpy as np
 from . import _compat as compat
 from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
 from . import graph_nodes
-from .interpreter import F64, Rewriter, is_float
+from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
 from .regions import tracing_under
 
@@ -37,7 +37,7 @@ def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
                 if _is_castable(compat.aval_of(x).dtype) else x for x in args]
     rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype),
                         recorder=recorder)
-    outs = rewriter.run(jaxpr, consts, args)
+    outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
     if policy.output_dtype is not None:
         outs = [compat.convert(x, policy.output_dtype)
                 if _is_castable(compat.aval_of(x).dtype) else x for x in outs]

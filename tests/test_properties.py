@@ -18,8 +18,13 @@ Properties: (1) the rewritten jaxpr passes JAX's type checker, (2) values agree 
 program within bfloat16 tolerance, (3) ``jax.jit`` agrees with eager (values and dtypes),
 (4) ``jax.grad`` w.r.t. the float32 weight is float32, finite and close to the float32 gradient,
 (5) ``jax.vmap`` agrees with a Python loop, (6) every ``dot_general``/``conv_general_dilated`` in
-the rewritten jaxpr (sub-jaxprs included) has bfloat16 operands and output, (7) the output dtype
-follows the DESIGN.md tables where they decide it unambiguously.
+the rewritten jaxpr (sub-jaxprs included) has bfloat16 operands and output, and so does every
+one in the gradient's jaxpr, (7) the output dtype follows the DESIGN.md/README tables (including
+the README's bias-add rule) where they decide it unambiguously.
+
+Besides the random search, ``test_pinned_program`` replays minimal counterexamples hypothesis
+found (and a few programs mixing every feature), and ``test_each_op_after_a_matmul`` runs the cheap
+checks on every op applied to a bfloat16 value, so each rule is exercised on every run.
 
 Hypothesis settings come from the profile registered in ``tests/conftest.py`` (``ci`` by default:
 derandomized, no example database), so failures reproduce run to run.
@@ -33,13 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 from jax import lax
 
 import jamp
 
-try:  # public since jax 0.4.3x; the brief forbids reaching into jax._src here
+try:  # the public home of JAX's type checker; tests never import jax._src
     from jax.extend.core import check_jaxpr as _check_jaxpr
 except ImportError:  # pragma: no cover - both supported JAX versions have it
     _check_jaxpr = None
@@ -52,7 +57,17 @@ MATMUL_PRIMS = ("dot_general", "conv_general_dilated")
 # Tolerances, relative to max(1, max|reference|). bfloat16 keeps 8 significant bits (relative
 # rounding 2**-9); a chain of up to ~10 ops, each rounding once or twice, stays well inside 5%.
 TOL_VS_F32 = 5e-2
-TOL_GRAD = 1e-1     # kinks (abs/max/where) may flip one element's derivative between precisions
+# Gradients: relu, abs, maximum, the leaky where and reduce_max have kinks. A value within
+# bfloat16 rounding of a kink may sit on the other side of it than in float32, which moves a whole
+# column of dL/dw by about one activation row (relu, matmul, relu at seed 42002: 4 of 64 entries
+# off by 0.7x the largest; a reduce_max tie moves a column by 4 rows' worth). So gradients are
+# compared only for inputs whose float32 values stay KINK_MARGIN away from every kink; then most
+# entries must agree closely, and none grossly. The float32 reference gradient is computed eagerly:
+# on jax 0.12 (CPU), jax.jit(jax.grad(...)) of `h - max(h, 0)` with h = x @ w * -0.75 + 0.5 can
+# find no argmax (the fused recomputation of h differs from the reduced max by one ulp), a
+# column-sized error in the *reference* (seen at seed 0 with a clear 0.08 gap to the runner-up).
+KINK_MARGIN = 2e-2
+TOL_GRAD, GRAD_AGREEING_FRACTION, TOL_GRAD_WORST = 1e-1, 0.85, 1.0
 TOL_SAME_PRECISION = 2e-2  # jit vs eager, vmap vs loop: same dtypes, only XLA ordering/fusion
 
 # The missing-rule warning is warned once per process, so under the project's "error" filter only
@@ -61,6 +76,9 @@ TOL_SAME_PRECISION = 2e-2  # jit vs eager, vmap vs loop: same dtypes, only XLA o
 pytestmark = pytest.mark.filterwarnings("ignore::jamp.UnsupportedPrimitiveWarning")
 
 PROPERTY_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Example counts per family keep the whole file under ~60 s on 2 CPU cores: properties that only
+# trace are cheap; the ones that compile and run (values, jit, grad, vmap) get fewer examples.
+TRACE_ONLY, RUNS = 15, 5
 
 
 # --- the ops -----------------------------------------------------------------------------------
@@ -170,13 +188,49 @@ def run_program(program: tuple, h: Any, x: Any, w: Any) -> Any:
     return h
 
 
+def kink_margin(program: tuple, seed: int) -> float:
+    """How close the float32 program's values come to a kink (eager, jit/checkpoint inlined).
+
+    Exact zeros are not counted: they come from exact cancellations (``h - max(h)`` at the max,
+    ``maximum(x, x)``) that give exactly zero in every precision, so both sides agree on them.
+    """
+    x, w = make_inputs(seed)
+    margins = [np.inf]
+
+    def distance(values: Any) -> float:
+        values = np.abs(np.asarray(values))
+        values = values[values != 0]
+        return float(np.min(values)) if values.size else np.inf
+
+    def walk(program: tuple, h: Any) -> Any:
+        for op in program:
+            kind = op[0]
+            if kind in ("jit", "remat"):
+                h = walk(op[1], h)
+                continue
+            value = np.asarray(h)
+            if kind == "relu" or (kind == "where" and op[1] == "leaky") or (
+                    kind == "unary" and op[1] in ("exp", "log")):
+                margins.append(distance(value))
+            elif kind == "binary" and op[1] == "maximum":
+                margins.append(distance(value - np.asarray(x)))
+            elif kind == "reduce" and op[1] == "max":
+                top = np.sort(value, axis=op[2])
+                top = np.moveaxis(top, op[2], 0)
+                margins.append(distance(top[-1] - top[-2]))
+            h = apply_op(op, h, x, w)
+        return h
+    walk(program, x)
+    return float(min(margins))
+
+
 def as_function(program: tuple):
     def f(x, w):
         return run_program(program, x, x, w)
     return f
 
 
-# --- the dtype model (DESIGN.md tables, bfloat16 compute) ------------------------------------
+# --- the dtype model (DESIGN.md + README tables, bfloat16 compute) ---------------------------
 
 def _promote(a: Optional[np.dtype], b: np.dtype) -> Optional[np.dtype]:
     if a is None:
@@ -184,22 +238,28 @@ def _promote(a: Optional[np.dtype], b: np.dtype) -> Optional[np.dtype]:
     return np.dtype(jnp.promote_types(a, b))
 
 
+# "lower output" tags for the README's bias-add rule: an ``add`` of a matmul/conv output and a
+# value broadcast over it runs in the compute dtype. True: h is such an output (a matmul or conv,
+# reached only through reshapes/squeezes); None: the README does not say (h comes out of a jit,
+# checkpoint, cond or custom_vjp call whose body ends in a matmul); False: it is not.
 def expected_dtype(program: tuple, d: Optional[np.dtype] = F32) -> Optional[np.dtype]:
     """The dtype h has after ``program`` under the default policy; None where undecided."""
     for op in program:
         kind = op[0]
-        if kind in ("matmul", "conv1d", "conv2d", "custom_linear"):  # lower (custom_vjp body too)
-            d = BF16
+        if kind in ("matmul", "conv1d", "conv2d", "custom_linear"):  # lower table (custom_vjp
+            d = BF16                                                   # bodies are rewritten too)
         elif kind == "unary":
             d = F32 if op[1] in ("exp", "log", "softmax") else d  # fp32 ops; tanh/gelu follow
-        elif kind in ("binary",):
+        elif kind == "binary":  # a full-size float32 operand promotes, bias rule or not
             d = _promote(d, F32)
         elif kind in ("affine", "relu", "shift", "fill"):
-            d = d  # weak scalars and broadcast rank-0 constants adapt; relu follows its input
+            d = d  # weak scalars and broadcasts of scalars adapt; relu follows its input
         elif kind == "where":
             d = d if op[1] == "leaky" else _promote(d, F32)
         elif kind == "reduce":
-            d = d if op[1] == "max" else F32  # reduce_sum is fp32; its (4,1) result promotes h
+            # reduce_max is in no table; a float32 sum/mean combined with h is computed, not a
+            # parameter, so it is no bias epilogue: the add/sub promotes (README "Bias adds").
+            d = d if op[1] == "max" else F32
         elif kind == "concat":
             d = d if op[1] == "halves" else _promote(d, F32)
         elif kind in ("jit", "remat"):
@@ -312,126 +372,239 @@ def assert_close(actual: Any, expected: Any, tol: float, what: str) -> None:
     assert err <= tol * scale, f"{what}: max abs error {err:.4g} > {tol} * {scale:.4g}"
 
 
-def _setup(data: Any, family: str):
-    program = data.draw(PROGRAMS[family], label="program")
-    seed = data.draw(seeds, label="seed")
-    note(f"family={family} program={program!r} seed={seed}")
-    f = as_function(program)
-    return program, f, jamp.autocast_transform(f), make_inputs(seed)
+def assert_mostly_close(actual: Any, expected: Any, tol: float, fraction: float, worst: float,
+                        what: str) -> None:
+    """Like assert_close for at least ``fraction`` of the entries; all within ``worst``."""
+    a = np.asarray(jnp.asarray(actual, jnp.float32))
+    e = np.asarray(jnp.asarray(expected, jnp.float32))
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    assert np.all(np.isfinite(a)), f"{what}: non-finite values {a}"
+    scale = max(1.0, float(np.max(np.abs(e))))
+    err = np.abs(a - e)
+    agreeing = float(np.mean(err <= tol * scale))
+    assert agreeing >= fraction, (
+        f"{what}: only {agreeing:.0%} of entries within {tol} * {scale:.4g} (want {fraction:.0%})")
+    assert float(np.max(err)) <= worst * scale, (
+        f"{what}: max abs error {float(np.max(err)):.4g} > {worst} * {scale:.4g}")
 
 
-family_param = pytest.mark.parametrize("family", FAMILIES)
+# --- the properties, as checks of one (program, seed) --------------------------------------------
+
+def _loss(fn: Any, x: Any) -> Any:
+    return lambda w: jnp.sum(fn(x, w).astype(jnp.float32))
 
 
-# --- the properties --------------------------------------------------------------------------
-
-@family_param
-@settings(max_examples=8, **PROPERTY_SETTINGS)
-@given(data=st.data())
-def test_rewritten_jaxpr_type_checks(family, data):
-    program, f, g, (x, w) = _setup(data, family)
-    closed = jax.make_jaxpr(g)(x, w)
+def check_type_checks(program: tuple, seed: int) -> None:
+    """(1) JAX's own type checker accepts the rewritten program."""
+    f, (x, w) = as_function(program), make_inputs(seed)
+    closed = jax.make_jaxpr(jamp.autocast_transform(f))(x, w)
     type_check(closed)
     type_check(jamp.autocast_jaxpr(jax.make_jaxpr(f)(x, w)))
     (out_aval,) = closed.out_avals
     assert out_aval.shape == SHAPE
 
 
-@family_param
-@settings(max_examples=8, **PROPERTY_SETTINGS)
-@given(data=st.data())
-def test_agrees_with_float32_program(family, data):
-    program, f, g, (x, w) = _setup(data, family)
-    expected = jax.jit(f)(x, w)
-    actual = g(x, w)
+def check_agrees_with_float32(program: tuple, seed: int) -> None:
+    """(2) Same values as the float32 program, within bfloat16 tolerance."""
+    f, (x, w) = as_function(program), make_inputs(seed)
+    actual = jamp.autocast_transform(f)(x, w)
     assert jnp.issubdtype(actual.dtype, jnp.floating)
-    assert_close(actual, expected, TOL_VS_F32, "autocast vs float32")
+    assert_close(actual, jax.jit(f)(x, w), TOL_VS_F32, "autocast vs float32")
 
 
-@family_param
-@settings(max_examples=8, **PROPERTY_SETTINGS)
-@given(data=st.data())
-def test_output_dtype_follows_the_tables(family, data):
-    program, f, g, (x, w) = _setup(data, family)
+def check_output_dtype(program: tuple, seed: int) -> None:
+    """(7) The output dtype the DESIGN.md/README tables give, where they decide it."""
+    x, w = make_inputs(seed)
     want = expected_dtype(program)
-    got = jax.eval_shape(g, x, w).dtype
+    got = jax.eval_shape(jamp.autocast_transform(as_function(program)), x, w).dtype
     if want is None:
         assert got in (BF16, F32), got
     else:
-        assert got == want, f"output dtype {got}, DESIGN.md tables give {want}"
+        assert got == want, f"output dtype {got}, DESIGN.md/README tables give {want}"
 
 
-@family_param
-@settings(max_examples=6, **PROPERTY_SETTINGS)
-@given(data=st.data())
-def test_jit_matches_eager(family, data):
-    program, f, g, (x, w) = _setup(data, family)
+def check_jit_matches_eager(program: tuple, seed: int) -> None:
+    """(3) jax.jit of the rewritten function: same dtypes, same values up to XLA fusion."""
+    g, (x, w) = jamp.autocast_transform(as_function(program)), make_inputs(seed)
     eager = g(x, w)
     jitted = jax.jit(g)(x, w)
     assert jitted.dtype == eager.dtype
     assert_close(jitted, eager, TOL_SAME_PRECISION, "jit vs eager")
 
 
-@family_param
-@settings(max_examples=6, **PROPERTY_SETTINGS)
-@given(data=st.data())
-def test_grad_wrt_float32_weight(family, data):
-    program, f, g, (x, w) = _setup(data, family)
-
-    def loss(fn):
-        return lambda w: jnp.sum(fn(x, w).astype(jnp.float32))
-
-    grad = jax.grad(loss(g))(w)
-    reference = jax.jit(jax.grad(loss(f)))(w)
+def check_grad(program: tuple, seed: int, compare: bool = True) -> None:
+    """(4) d loss / d w is float32, finite and (if ``compare``) close to the float32 gradient."""
+    f, (x, w) = as_function(program), make_inputs(seed)
+    grad = jax.grad(_loss(jamp.autocast_transform(f), x))(w)
     assert grad.dtype == F32, grad.dtype
     assert grad.shape == w.shape
     assert bool(jnp.all(jnp.isfinite(grad))), grad
-    assert_close(grad, reference, TOL_GRAD, "autocast grad vs float32 grad")
+    if compare:
+        reference = jax.grad(_loss(f, x))(w)  # eager, like the autocast run (see KINK_MARGIN)
+        assert_mostly_close(grad, reference, TOL_GRAD, GRAD_AGREEING_FRACTION, TOL_GRAD_WORST,
+                            "autocast grad vs float32 grad")
 
 
-@family_param
-@settings(max_examples=6, **PROPERTY_SETTINGS)
-@given(data=st.data(), batch_w=st.booleans())
-def test_vmap_matches_loop(family, data, batch_w):
-    program, f, g, _ = _setup(data, family)
-    xs, ws = make_inputs(data.draw(seeds, label="batch seed"), batch=BATCH)
+def check_vmap(program: tuple, seed: int, batch_w: bool = True) -> None:
+    """(5) jax.vmap over a leading axis (of x, and of w if batch_w) equals a Python loop."""
+    g = jamp.autocast_transform(as_function(program))
+    xs, ws = make_inputs(seed, batch=BATCH)
     if not batch_w:
         ws = ws[0]
-    in_axes = (0, 0 if batch_w else None)
-    batched = jax.vmap(g, in_axes=in_axes)(xs, ws)
+    batched = jax.vmap(g, in_axes=(0, 0 if batch_w else None))(xs, ws)
     looped = [g(xs[i], ws[i] if batch_w else ws) for i in range(BATCH)]
     assert batched.dtype == looped[0].dtype
     assert_close(batched, jnp.stack(looped), TOL_SAME_PRECISION, "vmap vs loop")
 
 
-@family_param
-@settings(max_examples=8, **PROPERTY_SETTINGS)
-@given(data=st.data())
-def test_every_matmul_and_conv_runs_in_bfloat16(family, data):
-    program, f, g, (x, w) = _setup(data, family)
-    original = [e for e in iter_eqns(jax.make_jaxpr(f)(x, w)) if e.primitive.name in MATMUL_PRIMS]
-    rewritten = [e for e in iter_eqns(jax.make_jaxpr(g)(x, w))
-                 if e.primitive.name in MATMUL_PRIMS]
+def _matmuls(jaxpr: Any) -> list[Any]:
+    return [e for e in iter_eqns(jaxpr) if e.primitive.name in MATMUL_PRIMS]
+
+
+def _assert_bf16(eqn: Any, avals: Any, what: str) -> None:
+    dtypes = [v.aval.dtype for v in avals]
+    assert all(d in (BF16, np.float64) for d in dtypes), f"{what} {dtypes} in {eqn}"
+
+
+def check_matmuls_lowered(program: tuple, seed: int) -> None:
+    """(6) Every dot_general/conv, sub-jaxprs included, has bfloat16 operands and output."""
+    f, (x, w) = as_function(program), make_inputs(seed)
+    original = _matmuls(jax.make_jaxpr(f)(x, w))
+    rewritten = _matmuls(jax.make_jaxpr(jamp.autocast_transform(f))(x, w))
     # Nothing dropped, nothing hidden from the walk: the rewrite keeps every matmul/conv.
     assert len(rewritten) == len(original), (len(rewritten), len(original))
     for eqn in rewritten:
-        operand_dtypes = [v.aval.dtype for v in eqn.invars]
-        out_dtypes = [v.aval.dtype for v in eqn.outvars]
-        assert all(d in (BF16, np.float64) for d in operand_dtypes), (eqn, operand_dtypes)
-        assert all(d in (BF16, np.float64) for d in out_dtypes), (eqn, out_dtypes)
+        _assert_bf16(eqn, eqn.invars, "operands")
+        _assert_bf16(eqn, eqn.outvars, "outputs")
+
+
+def check_backward_matmuls_lowered(program: tuple, seed: int) -> None:
+    """(6b) DESIGN.md: backward ops run in the dtypes their forward ops used."""
+    g, (x, w) = jamp.autocast_transform(as_function(program)), make_inputs(seed)
+    for eqn in _matmuls(jax.make_jaxpr(jax.grad(_loss(g, x)))(w)):
+        _assert_bf16(eqn, eqn.invars, "operands")
+
+
+# --- hypothesis: random programs per family -----------------------------------------------------
+
+def _draw(data: Any, family: str) -> tuple[tuple, int]:
+    program = data.draw(PROGRAMS[family], label="program")
+    seed = data.draw(seeds, label="seed")
+    note(f"family={family} program={program!r} seed={seed}")
+    return program, seed
+
+
+family_param = pytest.mark.parametrize("family", FAMILIES)
 
 
 @family_param
-@settings(max_examples=4, **PROPERTY_SETTINGS)
+@settings(max_examples=TRACE_ONLY, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_rewritten_jaxpr_type_checks(family, data):
+    check_type_checks(*_draw(data, family))
+
+
+@family_param
+@settings(max_examples=RUNS, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_agrees_with_float32_program(family, data):
+    check_agrees_with_float32(*_draw(data, family))
+
+
+@family_param
+@settings(max_examples=TRACE_ONLY, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_output_dtype_follows_the_tables(family, data):
+    check_output_dtype(*_draw(data, family))
+
+
+@family_param
+@settings(max_examples=RUNS, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_jit_matches_eager(family, data):
+    check_jit_matches_eager(*_draw(data, family))
+
+
+@family_param
+@settings(max_examples=RUNS, suppress_health_check=[HealthCheck.too_slow,
+                                                    HealthCheck.filter_too_much], deadline=None)
+@given(data=st.data())
+def test_grad_wrt_float32_weight(family, data):
+    program, seed = _draw(data, family)
+    assume(kink_margin(program, seed) > KINK_MARGIN)
+    check_grad(program, seed)
+
+
+@family_param
+@settings(max_examples=RUNS, **PROPERTY_SETTINGS)
+@given(data=st.data(), batch_w=st.booleans())
+def test_vmap_matches_loop(family, data, batch_w):
+    check_vmap(*_draw(data, family), batch_w=batch_w)
+
+
+@family_param
+@settings(max_examples=TRACE_ONLY, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_every_matmul_and_conv_runs_in_bfloat16(family, data):
+    check_matmuls_lowered(*_draw(data, family))
+
+
+@family_param
+@settings(max_examples=TRACE_ONLY, **PROPERTY_SETTINGS)
 @given(data=st.data())
 def test_backward_matmuls_run_in_bfloat16(family, data):
-    """DESIGN.md: backward ops run in the dtypes their forward ops used."""
-    program, f, g, (x, w) = _setup(data, family)
-    grad_jaxpr = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(g(x, w).astype(jnp.float32))))(w)
-    for eqn in iter_eqns(grad_jaxpr):
-        if eqn.primitive.name in MATMUL_PRIMS:
-            operand_dtypes = [v.aval.dtype for v in eqn.invars]
-            assert all(d in (BF16, np.float64) for d in operand_dtypes), (eqn, operand_dtypes)
+    check_backward_matmuls_lowered(*_draw(data, family))
+
+
+# --- pinned programs: counterexamples hypothesis found, and coverage it may not reach ----------
+# Derandomized search depends on the test code, so a counterexample found once may not be drawn
+# again after an edit; its minimal form is kept here and checked on every run.
+
+CHECKS = {
+    "type_checks": check_type_checks, "agrees_with_float32": check_agrees_with_float32,
+    "output_dtype": check_output_dtype, "jit_matches_eager": check_jit_matches_eager,
+    "grad": check_grad, "vmap": check_vmap, "matmuls_lowered": check_matmuls_lowered,
+    "backward_matmuls_lowered": check_backward_matmuls_lowered,
+}
+PINNED = [
+    # jnp.full(shape, python_float) after a matmul: promoted to float32, unlike jnp.zeros/ones.
+    ((("matmul",), ("fill",)), 0),
+    # relu near its kink (see KINK_MARGIN): gradients are only checked for dtype and finiteness.
+    ((("relu",), ("matmul",), ("relu",)), 42002),
+    # the README's bias add, outside and inside a callee; a scan carry initialised by jnp.zeros.
+    ((("conv1d",), ("jit", (("reduce", "sum", 0),))), 1),
+    ((("matmul",), ("scan", "zeros"), ("cond", 0.0), ("custom_linear",)), 2),
+    ((("remat", (("conv2d",), ("relu",))), ("shift",), ("cond", 1e3), ("unary", "softmax")), 3),
+]
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+@pytest.mark.parametrize("program, seed", PINNED, ids=[f"pinned{i}" for i in range(len(PINNED))])
+def test_pinned_program(check, program, seed):
+    if check == "grad":
+        check_grad(program, seed, compare=kink_margin(program, seed) > KINK_MARGIN)
+    else:
+        CHECKS[check](program, seed)
+
+
+# Every op once, right after a matmul (h arrives in bfloat16): cheap, deterministic coverage of
+# each rule, independent of what the derandomized search happens to draw.
+EACH_OP = [
+    ("matmul",), ("conv1d",), ("conv2d",), *[("unary", n) for n in sorted(UNARY)],
+    *[("binary", n) for n in sorted(BINARY)], ("affine", -0.75, 0.5), ("where", "leaky"),
+    ("where", "mixed"), *[("reduce", how, axis) for how in ("sum", "mean", "max") for axis in (0, 1)],
+    ("concat", "mixed"), ("concat", "halves"), ("shift",), ("fill",), ("relu",), ("custom_linear",),
+    ("scan", "zeros"), ("scan", "row"), ("cond", -1e3), ("cond", 1e3),
+    ("jit", (("reduce", "sum", 1),)), ("remat", (("unary", "exp"), ("matmul",))),
+]
+CHEAP_CHECKS = ("type_checks", "output_dtype", "matmuls_lowered", "agrees_with_float32")
+
+
+@pytest.mark.parametrize("check", CHEAP_CHECKS)
+@pytest.mark.parametrize("op", EACH_OP,
+                         ids=lambda op: "-".join(str(p) for p in op if not isinstance(p, tuple)))
+def test_each_op_after_a_matmul(check, op):
+    CHECKS[check]((("matmul",), op), 5)
 
 
 # --- the harness itself can fail ----------------------------------------------------------------
@@ -444,5 +617,17 @@ def test_dtype_model_and_walker_see_what_they_should():
     assert names.count("dot_general") == 3  # inside jit>checkpoint, a cond branch, the scan body
     assert expected_dtype((("matmul",), ("unary", "exp"))) == F32
     assert expected_dtype((("binary", "add"), ("matmul",), ("unary", "tanh"))) == BF16
+    assert expected_dtype((("matmul",), ("reduce", "sum", 0))) == F32  # computed: no bias add
+    assert expected_dtype((("matmul",), ("reduce", "mean", 0))) == F32
+    assert expected_dtype((("jit", (("matmul",),)), ("reduce", "sum", 0))) == F32
+    assert expected_dtype((("matmul",), ("fill",))) == BF16
     with pytest.raises(AssertionError):
         assert_close(x * 1.1, x, TOL_VS_F32, "deliberately off")
+    with pytest.raises(AssertionError):  # a systematic gradient error is not "a few kinks"
+        assert_mostly_close(w * 2.0, w, TOL_GRAD, GRAD_AGREEING_FRACTION, TOL_GRAD_WORST, "off")
+    # the counterexamples that motivated KINK_MARGIN are recognised as near a kink
+    assert kink_margin((("relu",), ("matmul",), ("relu",)), 42002) < KINK_MARGIN
+    assert kink_margin((("matmul",), ("reduce", "max", 0), ("relu",)), 0) > 0  # exact zeros
+    assert kink_margin((("matmul",), ("unary", "tanh")), 0) == np.inf
+    few_flipped = w.at[0, :4].add(0.5)  # 4 of 64 entries off by half the largest: tolerated
+    assert_mostly_close(few_flipped, w, TOL_GRAD, GRAD_AGREEING_FRACTION, TOL_GRAD_WORST, "ok")

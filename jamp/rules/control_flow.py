@@ -13,7 +13,7 @@ from typing import Any, Sequence
 from jax import lax
 
 from .. import _compat as compat
-from ..interpreter import Step, is_float, register
+from ..interpreter import Hint, Step, is_float, register
 
 
 def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
@@ -32,7 +32,10 @@ def scan_rule(step: Step) -> Sequence[Any]:
     params = step.params
     n_consts, n_carry = compat.scan_counts(params, len(step.args))
     consts = step.args[:n_consts]
-    hints = step.hints()[:n_consts]
+    # Consts keep all they are known to be; slices of xs stay parameters if xs were (scanned layers).
+    all_hints = step.hints()
+    xs_hints = [Hint(tags=h.tags & {"input_view"}) for h in all_hints[n_consts + n_carry:]]
+    hints = [*all_hints[:n_consts], *([None] * n_carry), *xs_hints]
     init = _carry_in(step, n_consts, n_carry)
     xs = step.args[n_consts + n_carry:]
     carry_dtypes = [step.traced_aval(i).dtype for i in range(n_consts, n_consts + n_carry)]
