@@ -7,6 +7,7 @@ share one parameter tree.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import gc
 import math
 import os
@@ -19,6 +20,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jamp import _compat as jamp_compat  # version-dependent scan params (num_consts / ft_in)
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -48,19 +50,25 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """``n_blocks`` pre-LN blocks, a final LayerNorm and a linear head."""
+    """``n_blocks`` pre-LN blocks, a final LayerNorm and a linear head.
+
+    ``remat=True`` wraps every block in ``nn.remat`` (``jax.checkpoint``): the backward pass
+    recomputes each block's activations instead of storing them.
+    """
 
     n_blocks: int
     d: int = 64
     heads: int = 4
     dtype: Any = None
     param_dtype: Any = F32
+    remat: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        block = nn.remat(Block) if self.remat else Block
         for _ in range(self.n_blocks):
-            x = Block(self.d, self.heads, **kw)(x)
+            x = block(self.d, self.heads, **kw)(x)
         x = nn.LayerNorm(**kw)(x)
         return nn.Dense(self.d, **kw)(x)
 
@@ -100,6 +108,36 @@ class MLP(nn.Module):
         return nn.Dense(10, **kw)(x)
 
 
+class LSTM(nn.Module):
+    """``layers`` x ``nn.RNN(nn.LSTMCell(hidden))`` over ``[batch, time, features]``, then a
+    linear head on the last time step.
+
+    ``nn.RNN`` is a Flax lifted ``nn.scan``: one ``scan`` per layer whose body (the cell, eight
+    ``Dense`` layers) receives the cell's float32 parameters as loop-invariant constants. The carry
+    (``c``, ``h``) is float32 in both variants (``initialize_carry`` uses ``param_dtype``).
+    """
+
+    hidden: int = 256
+    layers: int = 2
+    classes: int = 10
+    dtype: Any = None
+    param_dtype: Any = F32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        for _ in range(self.layers):
+            x = nn.RNN(nn.LSTMCell(self.hidden, **kw))(x)
+        return nn.Dense(self.classes, **kw)(x[:, -1])
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy over all positions, computed in float32 (``logits[..., c]``
+    against integer ``labels`` of ``logits.shape[:-1]``), as a training loop would write it."""
+    logp = jax.nn.log_softmax(logits.astype(F32))
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
 def jnp_mlp(params: Sequence[tuple[jax.Array, jax.Array]], x: jax.Array) -> jax.Array:
     """Pure-jnp MLP: ``x = tanh(x @ w + b)`` per layer. Tracing it costs almost nothing."""
     for w, b in params:
@@ -114,6 +152,9 @@ def jnp_mlp_params(layers: int, width: int) -> list[tuple[jax.Array, jax.Array]]
 
 
 # --- jaxpr and HLO inspection ------------------------------------------------------------------
+
+# Primitives that only move or replicate data: a loop constant stays loop-invariant through them.
+_SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
 
 def _sub_jaxprs(value: Any) -> Iterable[Any]:
     """Jaxprs (open or closed, any JAX version) found in one equation parameter."""
@@ -148,6 +189,45 @@ def count_eqns(jaxpr: Any, key: Callable[[Any], Any] = primitive_name) -> collec
     return counts
 
 
+def _open(jaxpr: Any) -> Any:
+    return jaxpr.jaxpr if hasattr(jaxpr, "jaxpr") and hasattr(jaxpr.jaxpr, "eqns") else jaxpr
+
+
+def _invariant_casts(body: Any, invariant: Iterable[Any]) -> int:
+    """``convert_element_type`` equations of ``body`` (not of its sub-jaxprs) whose operand is
+    one of ``invariant`` or a reshape/broadcast of one."""
+    invariant, casts = set(invariant), 0
+    for eqn in body.eqns:
+        name = eqn.primitive.name
+        if name in _SHAPE_ONLY | {"convert_element_type"} and eqn.invars[0] in invariant:
+            invariant.add(eqn.outvars[0])
+            casts += name == "convert_element_type"
+    return casts
+
+
+def loop_constant_casts(jaxpr: Any) -> int:
+    """Casts of loop constants traced inside ``scan``/``while`` bodies, over every (nested) loop.
+
+    A loop constant is a value the body receives unchanged every iteration (a scan's ``consts``,
+    e.g. the weights of an RNN cell). A cast of one is the same every iteration: as traced, it
+    runs once per iteration, unless something hoists it out of the loop.
+    """
+    jaxpr, casts = _open(jaxpr), 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scan":
+            body = _open(eqn.params["jaxpr"])
+            n_consts, _ = jamp_compat.scan_counts(eqn.params, len(eqn.invars))  # params vary
+            casts += _invariant_casts(body, [*body.constvars, *body.invars[:n_consts]])
+        elif eqn.primitive.name == "while":
+            body = _open(eqn.params["body_jaxpr"])
+            casts += _invariant_casts(body, [*body.constvars,
+                                             *body.invars[:eqn.params["body_nconsts"]]])
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                casts += loop_constant_casts(sub)
+    return casts
+
+
 _HLO_OP = re.compile(r"=\s*(\w+)\[[^\]]*\][^ ]*\s+([\w-]+)\(")
 
 
@@ -178,6 +258,86 @@ def normalized_hlo(hlo_text: str) -> list[str]:
 def count_converts(hlo_text: str) -> int:
     """Lines of an HLO module containing `` convert(`` (fused computations included)."""
     return sum(" convert(" in line for line in hlo_text.splitlines())
+
+
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
+_HLO_CALLEE = re.compile(r"(?:calls|body|condition|to_apply|true_computation|false_computation)"
+                         r"=%([\w.\-]+)|branch_computations=\{([^}]*)\}")
+_HLO_TYPE = re.compile(r"=\s*(\w+)\[([^\]]*)\]")
+_HLO_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def hlo_computations(hlo_text: str) -> dict[str, list[str]]:
+    """Instruction lines of every computation of an HLO module, by computation name."""
+    comps: dict[str, list[str]] = {}
+    current: Optional[list[str]] = None
+    for line in hlo_text.splitlines():
+        m = _HLO_COMPUTATION.match(line)
+        if m and line.rstrip().endswith("{"):
+            current = comps[m.group(1)] = []
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return comps
+
+
+def hlo_loop_computations(comps: dict[str, list[str]]) -> set[str]:
+    """Names of the computations that run once per iteration of some ``while`` loop: the loops'
+    bodies and conditions and everything they call (fusions, reductions, nested loops)."""
+    pending = [name for lines in comps.values() for line in lines if " while(" in line
+               for name in re.findall(r"(?:body|condition)=%([\w.\-]+)", line)]
+    seen: set[str] = set()
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        for line in comps[name]:
+            for m in _HLO_CALLEE.finditer(line):
+                pending += [m.group(1)] if m.group(1) else \
+                    [c.strip().lstrip("%") for c in m.group(2).split(",")]
+    return seen
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertSite:
+    """One ``convert`` instruction of an optimized HLO module."""
+
+    in_loop: bool      # in a computation that runs once per while-loop iteration
+    dtype: str         # result element type, e.g. "bf16"
+    shape: tuple       # result shape
+    op_name: str       # JAX name stack of the op it came from ("" if XLA inserted it)
+    line: str          # the instruction, metadata stripped
+
+    @property
+    def from_loop_body(self) -> bool:
+        """Traced inside a scan/while body (JAX's name stack says ``while/body``)."""
+        return "while/body" in self.op_name
+
+    @property
+    def is_user_cast(self) -> bool:
+        """A ``convert_element_type`` of the program rather than one XLA inserted (bf16
+        emulation on the CPU, fusions)."""
+        return self.op_name.endswith("convert_element_type")
+
+
+def hlo_convert_sites(hlo_text: str) -> list[ConvertSite]:
+    """Every ``convert`` of an optimized HLO module, with whether it runs inside a loop."""
+    comps = hlo_computations(hlo_text)
+    loops = hlo_loop_computations(comps)
+    sites = []
+    for name, lines in comps.items():
+        for line in lines:
+            if " convert(" not in line:
+                continue
+            m, meta = _HLO_TYPE.search(line), _HLO_OP_NAME.search(line)
+            shape = tuple(int(d) for d in m.group(2).split(",") if d.strip()) if m else ()
+            sites.append(ConvertSite(
+                in_loop=name in loops, dtype=m.group(1) if m else "?", shape=shape,
+                op_name=meta.group(1) if meta else "",
+                line=re.sub(r",?\s*metadata=\{[^}]*\}", "", line).strip()))
+    return sites
 
 
 # --- timing and output -------------------------------------------------------------------------

@@ -18,6 +18,15 @@ Workloads
     is the realistic case. Goal: autocast/plain <= 1.5x, time linear in the number of equations.
   * A pure-jnp MLP (``tanh(x @ w + b)`` per layer): tracing it costs almost nothing, so its ratio
     shows the interpreter's own cost per equation.
+  * Higher-order primitives (``--workloads lstm remat``): the transformer stack with every block
+    in ``nn.remat`` (``jax.checkpoint``; jamp rewrites the ``checkpoint``/``remat`` body), and a
+    stack of ``nn.RNN(nn.LSTMCell)`` layers (a Flax lifted ``nn.scan`` per layer; jamp rebuilds
+    every ``scan`` with ``lax.scan`` around its rewritten body).
+  * ``--grad`` adds, for each Flax workload, the trace of a training step:
+    ``jax.make_jaxpr(jax.grad(jamp.autocast_transform(loss)))`` against
+    ``jax.make_jaxpr(jax.grad(loss))`` with ``loss = cross_entropy(model.apply(p, x), labels)``;
+    there "rewrite only" is the rewrite of the forward ``loss`` jaxpr (what ``grad`` then
+    differentiates), per equation of that jaxpr.
 
 Samples of the two sides are interleaved and preceded by a garbage collection; the table shows
 medians, and the ratio is the median of per-repetition ratios. Time spent in full (generation-2)
@@ -32,11 +41,13 @@ with the largest cumulative time.
 Usage::
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/rewrite_overhead.py [--quick] [--profile]
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/rewrite_overhead.py --workloads lstm remat --grad
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import os
 import pstats
@@ -48,24 +59,29 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jamp  # noqa: E402
-from common import (Transformer, count_eqns, environment, jnp_mlp, jnp_mlp_params,  # noqa: E402
-                    loglog_slope, markdown_table, median, paired_ratio, timed)
+from common import (LSTM, Transformer, count_eqns, cross_entropy, environment,  # noqa: E402
+                    jnp_mlp, jnp_mlp_params, loglog_slope, markdown_table, median, paired_ratio,
+                    timed)
 
 GOAL_RATIO = 1.5
 
 
 def measure(make_fn: Callable[[], Callable], args: Sequence[Any], reps: int,
-            warmup: int) -> dict[str, Any]:
+            warmup: int, grad: bool = False) -> dict[str, Any]:
     """Median times of plain tracing, autocast tracing and the rewrite alone, plus eqn counts.
 
-    ``make_fn()`` must return a new function object on every call.
+    ``make_fn()`` must return a new function object on every call. With ``grad``, the traced
+    function is ``jax.grad(f)`` (``jax.grad(autocast_transform(f))``), and the rewrite alone is
+    that of ``f``'s jaxpr.
     """
-    plain = lambda: jax.make_jaxpr(make_fn())(*args)
-    amp = lambda: jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args)
+    outer = jax.grad if grad else (lambda f: f)
+    forward = lambda: jax.make_jaxpr(make_fn())(*args)
+    plain = lambda: jax.make_jaxpr(outer(make_fn()))(*args)
+    amp = lambda: jax.make_jaxpr(outer(jamp.autocast_transform(make_fn())))(*args)
     # The rewrite alone, of a freshly traced jaxpr (the trace is not timed). Rewriting one jaxpr
     # object again and again is up to ~20% faster on large programs (warm objects), which
     # would understate the cost inside autocast_transform.
-    sides = (("plain", plain, None), ("amp", amp, None), ("rewrite", jamp.autocast_jaxpr, plain))
+    sides = (("plain", plain, None), ("amp", amp, None), ("rewrite", jamp.autocast_jaxpr, forward))
     samples: dict[str, list[float]] = {name: [] for name, _, _ in sides}
     full_gc: dict[str, list[float]] = {name: [] for name, _, _ in sides}
     for i in range(warmup + reps):
@@ -74,9 +90,9 @@ def measure(make_fn: Callable[[], Callable], args: Sequence[Any], reps: int,
             if i >= warmup:
                 samples[name].append(t)
                 full_gc[name].append(gc_seconds)
-    closed = plain()
-    plain_counts, amp_counts = count_eqns(closed), count_eqns(amp())
+    plain_counts, amp_counts = count_eqns(plain()), count_eqns(amp())
     return {
+        "rewrite_eqns": sum(count_eqns(forward()).values()),
         "ratio": paired_ratio(samples["amp"], samples["plain"]),
         "ratio_no_gc": paired_ratio([t - g for t, g in zip(samples["amp"], full_gc["amp"])],
                                     [t - g for t, g in zip(samples["plain"], full_gc["plain"])]),
@@ -88,11 +104,26 @@ def measure(make_fn: Callable[[], Callable], args: Sequence[Any], reps: int,
     }
 
 
-def stack_case(n_blocks: int, d: int, heads: int, seq: int, batch: int):
-    model = Transformer(n_blocks, d=d, heads=heads)
-    x = jax.random.normal(jax.random.key(1), (batch, seq, d), jnp.float32)
+def flax_case(model: Any, x: jax.Array, grad: bool = False):
+    """``(make_fn, args)`` for ``model.apply``, or with ``grad`` for a cross-entropy loss of it."""
     params = model.init(jax.random.key(0), x)
-    return (lambda: (lambda p, x: model.apply(p, x))), (params, x)
+    if not grad:
+        return (lambda: (lambda p, x: model.apply(p, x))), (params, x)
+    out = jax.eval_shape(model.apply, params, x)
+    labels = jax.random.randint(jax.random.key(2), out.shape[:-1], 0, out.shape[-1])
+    return (lambda: (lambda p, x, y: cross_entropy(model.apply(p, x), y))), (params, x, labels)
+
+
+def stack_case(n_blocks: int, d: int, heads: int, seq: int, batch: int, remat: bool = False,
+               grad: bool = False):
+    model = Transformer(n_blocks, d=d, heads=heads, remat=remat)
+    x = jax.random.normal(jax.random.key(1), (batch, seq, d), jnp.float32)
+    return flax_case(model, x, grad)
+
+
+def lstm_case(layers: int, d: int, seq: int, batch: int, grad: bool = False):
+    x = jax.random.normal(jax.random.key(1), (batch, seq, d), jnp.float32)
+    return flax_case(LSTM(d, layers), x, grad)
 
 
 def mlp_case(layers: int, width: int, batch: int):
@@ -107,7 +138,7 @@ def row(name: str, r: dict[str, Any]) -> list[Any]:
             f"{r['rewrite'] * 1e3:.1f}",
             f"{r['plain'] / r['eqns'] * 1e6:.0f}", f"{r['amp'] / r['eqns'] * 1e6:.0f}",
             f"{(r['amp'] - r['plain']) / r['eqns'] * 1e6:.0f}",
-            f"{r['rewrite'] / r['eqns'] * 1e6:.0f}",
+            f"{r['rewrite'] / r['rewrite_eqns'] * 1e6:.0f}",
             f"{r['gc_plain'] * 1e3:.0f} / {r['gc_amp'] * 1e3:.0f}", f"{r['ratio_no_gc']:.2f}x"]
 
 
@@ -141,57 +172,99 @@ def profile_rewrite(make_fn: Callable[[], Callable], args: Sequence[Any], top: i
             "the primitives (tracing) and the profiler itself.")
 
 
+WORKLOADS = ("transformer", "mlp", "remat", "lstm")
+FLAX_WORKLOADS = ("transformer", "remat", "lstm")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller stacks")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["transformer", "mlp"],
+                        help="transformer: Flax pre-LN stack; mlp: pure-jnp MLP; remat: the stack "
+                             "with nn.remat blocks; lstm: nn.RNN(nn.LSTMCell) layers "
+                             "(default: transformer mlp)")
+    parser.add_argument("--grad", action="store_true",
+                        help="also trace jax.grad of a cross-entropy loss (Flax workloads)")
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="transformer depths (default 12 24 48; --quick: 12 24)")
+    parser.add_argument("--lstm-layers", type=int, nargs="+", default=None,
+                        help="LSTM depths (default 2 8 32; --quick: 2 8)")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions (default 7)")
-    parser.add_argument("--d", type=int, default=64, help="model width")
+    parser.add_argument("--d", type=int, default=64, help="model width (LSTM: features, hidden)")
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--mlp-layers", type=int, nargs="+", default=[50, 200])
     parser.add_argument("--profile", action="store_true",
-                        help="cProfile the rewrite of the largest stack")
+                        help="cProfile the rewrite of the largest model of the first Flax workload")
     parser.add_argument("--top", type=int, default=15, help="rows of the profile table")
     args = parser.parse_args()
     blocks = args.blocks or ([12, 24] if args.quick else [12, 24, 48])
+    lstm_layers = args.lstm_layers or ([2, 8] if args.quick else [2, 8, 32])
     reps = args.reps or (3 if args.quick else 7)
     warmup = 1
+
+    def sizes(workload: str) -> list[tuple[str, Callable[..., Any]]]:
+        """``(label, case(grad=...))`` per model size of one workload."""
+        dims = dict(d=args.d, seq=args.seq, batch=args.batch)
+        if workload in ("transformer", "remat"):
+            remat = workload == "remat"
+            name = "Flax remat transformer" if remat else "Flax transformer"
+            return [(f"{name}, {n} blocks", functools.partial(
+                stack_case, n, heads=args.heads, remat=remat, **dims)) for n in blocks]
+        if workload == "lstm":
+            return [(f"Flax LSTM (nn.RNN), {n} layer{'s' * (n > 1)}",
+                     functools.partial(lstm_case, n, **dims)) for n in lstm_layers]
+        return [(f"jnp MLP, {n} layers", lambda n=n, grad=False: mlp_case(n, args.d, 16))
+                for n in args.mlp_layers]
 
     print(f"# jamp rewrite overhead\n\n{environment()}\n")
     print(f"Transformer: d={args.d}, heads={args.heads}, seq={args.seq}, batch={args.batch}; "
           f"median of {reps} interleaved repetitions after {warmup} warm-up, fresh function "
-          f"objects on both sides. jnp MLP: width {args.d}, batch 16.\n")
-    rows, stack_results = [], []
-    for n in blocks:
-        r = measure(*stack_case(n, args.d, args.heads, args.seq, args.batch), reps, warmup)
-        stack_results.append(r)
-        rows.append(row(f"Flax transformer, {n} blocks", r))
-    for layers in args.mlp_layers:
-        r = measure(*mlp_case(layers, args.d, 16), reps, warmup)
-        rows.append(row(f"jnp MLP, {layers} layers", r))
+          f"objects on both sides. jnp MLP: width {args.d}, batch 16. LSTM: {args.d} features "
+          f"and hidden units, seq={args.seq}, batch={args.batch}.\n")
+    rows, families = [], []  # families: (label, grad, results over model sizes)
+    for workload in args.workloads:
+        for grad in (False, True) if args.grad and workload in FLAX_WORKLOADS else (False,):
+            results = []
+            for label, case in sizes(workload):
+                r = measure(*case(grad=grad), reps, warmup, grad=grad)
+                results.append(r)
+                rows.append(row(label + (", grad" if grad else ""), r))
+            families.append((workload, grad, results))
     print(markdown_table(HEADER, rows))
 
-    eqns = [r["eqns"] for r in stack_results]
-    ratios = [r["ratio"] for r in stack_results]
     print()
-    for label, key in (("plain trace", "plain"), ("autocast trace", "amp"),
-                       ("rewrite-only", "rewrite")):
-        slope = loglog_slope(eqns, [r[key] for r in stack_results])
-        if slope is not None:
-            print(f"- {label} time ~ eqns^{slope:.2f} over the transformer stacks "
-                  "(1.00 = linear)")
-    verdict = "met" if max(ratios) <= GOAL_RATIO else "NOT met"
-    print(f"- goal autocast/plain <= {GOAL_RATIO}x on the Flax stack: {verdict} "
-          f"(worst {max(ratios):.2f}x)")
+    for workload, grad, results in families:
+        if len(results) < 2:
+            continue
+        eqns = [r["eqns"] for r in results]
+        slopes = []
+        for label, key in (("plain trace", "plain"), ("autocast trace", "amp"),
+                           ("rewrite-only", "rewrite")):
+            slope = loglog_slope(eqns, [r[key] for r in results])
+            if slope is not None:
+                slopes.append(f"{label} k={slope:.2f}")
+        print(f"- {workload}{' (grad)' if grad else ''}: time ~ eqns^k over the sizes "
+              f"(1.00 = linear): {', '.join(slopes)}")
+    for grad in (False, True):
+        ratios = [r["ratio"] for workload, g, results in families if g == grad
+                  and workload in FLAX_WORKLOADS for r in results]
+        if ratios:
+            what = "jax.grad of the Flax workloads (no goal set)" if grad else \
+                "the Flax workloads"
+            verdict = "" if grad else \
+                f"{'met' if max(ratios) <= GOAL_RATIO else 'NOT met'} "
+            print(f"- {'goal ' if not grad else ''}autocast/plain"
+                  f"{f' <= {GOAL_RATIO}x' if not grad else ''} on {what}: {verdict}"
+                  f"(worst {max(ratios):.2f}x)")
 
     if args.profile:
-        print(f"\n## cProfile of the rewrite (`autocast_jaxpr`), {blocks[-1]}-block stack\n")
-        make_fn, case_args = stack_case(blocks[-1], args.d, args.heads, args.seq, args.batch)
-        print(profile_rewrite(make_fn, case_args, args.top))
+        workload = next((w for w in args.workloads if w in FLAX_WORKLOADS), "transformer")
+        label, case = sizes(workload)[-1]
+        print(f"\n## cProfile of the rewrite (`autocast_jaxpr`), {label}\n")
+        print(profile_rewrite(*case(), args.top))
 
 
 if __name__ == "__main__":
