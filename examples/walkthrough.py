@@ -1,6 +1,7 @@
 """A short autocast walkthrough: what runs in which dtype, regions, rules and gradients.
 
-Run with ./scripts/demo (the training demo arrives with the training issue).
+Run with `.venv/bin/python examples/walkthrough.py` (./scripts/demo runs the training demo,
+examples/digits.py).
 """
 import flax.linen as nn
 import jax
