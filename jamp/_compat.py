@@ -1,8 +1,9 @@
 """Every private or version-dependent JAX API jamp touches, in one place.
 
 Supported: jax 0.10.x (Python 3.11 here) and jax 0.12.x (Python 3.12). Differences handled here:
-``ClosedJaxpr`` merged into ``Jaxpr`` in 0.12 (both still expose ``.jaxpr``/``.consts``), and the
-primitive behind ``jax.jit`` is named ``jit`` (``pjit`` before 0.10).
+``ClosedJaxpr`` merged into ``Jaxpr`` in 0.12, scan's operand counts moved into ``ft_in`` in 0.11,
+and ``get_bind_params`` returned ``(subfuns, params)`` before 0.9.2. (The rules register both
+``jit`` and ``pjit``, the primitive's name before 0.10.)
 """
 from __future__ import annotations
 
@@ -82,17 +83,6 @@ def bind_params(eqn: Any) -> dict[str, Any]:
 def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
     """``convert_element_type`` that can keep a value weakly typed (public lax cannot)."""
     return _lax_internal._convert_element_type(x, np.dtype(dtype), weak_type=weak_type)
-
-
-def primitive_by_name(name: str) -> list[Primitive]:
-    """Primitives that may be named so on this JAX version (e.g. ``jit``/``pjit``)."""
-    from jax._src import pjit as _pjit
-    table = {"jit": [_pjit.jit_p] if hasattr(_pjit, "jit_p") else [_pjit.pjit_p]}
-    return table.get(name, [])
-
-
-def jit_primitive() -> Primitive:
-    return primitive_by_name("jit")[0]
 
 
 def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
