@@ -35,6 +35,9 @@ twice as much (the traced program and the rewritten one) and on large programs c
 collector's threshold for one full collection, whose cost depends on the whole Python heap rather
 than on jamp; the last column shows the ratio with that time taken out.
 
+``--interleave-rows`` samples every row in every repetition instead of row after row, so that
+rows (e.g. the remat stack against the plain one) are compared under the same load.
+
 ``--profile`` adds a cProfile of the rewrite of the largest stack and lists the jamp functions
 with the largest cumulative time.
 
@@ -74,34 +77,52 @@ def measure(make_fn: Callable[[], Callable], args: Sequence[Any], reps: int,
     function is ``jax.grad(f)`` (``jax.grad(autocast_transform(f))``), and the rewrite alone is
     that of ``f``'s jaxpr.
     """
-    outer = jax.grad if grad else (lambda f: f)
-    forward = lambda: jax.make_jaxpr(make_fn())(*args)
-    plain = lambda: jax.make_jaxpr(outer(make_fn()))(*args)
-    amp = lambda: jax.make_jaxpr(outer(jamp.autocast_transform(make_fn())))(*args)
-    # The rewrite alone, of a freshly traced jaxpr (the trace is not timed). Rewriting one jaxpr
-    # object again and again is up to ~20% faster on large programs (warm objects), which
-    # would understate the cost inside autocast_transform.
-    sides = (("plain", plain, None), ("amp", amp, None), ("rewrite", jamp.autocast_jaxpr, forward))
-    samples: dict[str, list[float]] = {name: [] for name, _, _ in sides}
-    full_gc: dict[str, list[float]] = {name: [] for name, _, _ in sides}
+    return measure_rows([(make_fn, args, grad)], reps, warmup)[0]
+
+
+def measure_rows(rows: Sequence[tuple[Callable[[], Callable], Sequence[Any], bool]], reps: int,
+                 warmup: int) -> list[dict[str, Any]]:
+    """``measure`` for several ``(make_fn, args, grad)`` rows, interleaved: every repetition
+    samples every row, so that load drifting on a shared machine affects all rows alike."""
+    all_sides = []
+    for make_fn, args, grad in rows:
+        outer = jax.grad if grad else (lambda f: f)
+        forward = lambda make_fn=make_fn, args=args: jax.make_jaxpr(make_fn())(*args)
+        plain = lambda make_fn=make_fn, args=args, outer=outer: \
+            jax.make_jaxpr(outer(make_fn()))(*args)
+        amp = lambda make_fn=make_fn, args=args, outer=outer: \
+            jax.make_jaxpr(outer(jamp.autocast_transform(make_fn())))(*args)
+        # The rewrite alone, of a freshly traced jaxpr (the trace is not timed). Rewriting one
+        # jaxpr object again and again is up to ~20% faster on large programs (warm objects),
+        # which would understate the cost inside autocast_transform.
+        all_sides.append((("plain", plain, None), ("amp", amp, None),
+                          ("rewrite", jamp.autocast_jaxpr, forward)))
+    samples = [{name: [] for name, _, _ in sides} for sides in all_sides]
+    full_gc = [{name: [] for name, _, _ in sides} for sides in all_sides]
     for i in range(warmup + reps):
-        for name, fn, setup in sides:
-            t, gc_seconds = timed(fn, setup)
-            if i >= warmup:
-                samples[name].append(t)
-                full_gc[name].append(gc_seconds)
-    plain_counts, amp_counts = count_eqns(plain()), count_eqns(amp())
-    return {
-        "rewrite_eqns": sum(count_eqns(forward()).values()),
-        "ratio": paired_ratio(samples["amp"], samples["plain"]),
-        "ratio_no_gc": paired_ratio([t - g for t, g in zip(samples["amp"], full_gc["amp"])],
-                                    [t - g for t, g in zip(samples["plain"], full_gc["plain"])]),
-        "plain": median(samples["plain"]), "amp": median(samples["amp"]),
-        "rewrite": median(samples["rewrite"]),
-        "gc_plain": median(full_gc["plain"]), "gc_amp": median(full_gc["amp"]),
-        "eqns": sum(plain_counts.values()), "amp_eqns": sum(amp_counts.values()),
-        "converts": amp_counts["convert_element_type"] - plain_counts["convert_element_type"],
-    }
+        for sides, row_samples, row_gc in zip(all_sides, samples, full_gc):
+            for name, fn, setup in sides:
+                t, gc_seconds = timed(fn, setup)
+                if i >= warmup:
+                    row_samples[name].append(t)
+                    row_gc[name].append(gc_seconds)
+    results = []
+    for sides, row_samples, row_gc in zip(all_sides, samples, full_gc):
+        (_, plain, _), (_, amp, _), (_, _, forward) = sides
+        plain_counts, amp_counts = count_eqns(plain()), count_eqns(amp())
+        results.append({
+            "rewrite_eqns": sum(count_eqns(forward()).values()),
+            "ratio": paired_ratio(row_samples["amp"], row_samples["plain"]),
+            "ratio_no_gc": paired_ratio(
+                [t - g for t, g in zip(row_samples["amp"], row_gc["amp"])],
+                [t - g for t, g in zip(row_samples["plain"], row_gc["plain"])]),
+            "plain": median(row_samples["plain"]), "amp": median(row_samples["amp"]),
+            "rewrite": median(row_samples["rewrite"]),
+            "gc_plain": median(row_gc["plain"]), "gc_amp": median(row_gc["amp"]),
+            "eqns": sum(plain_counts.values()), "amp_eqns": sum(amp_counts.values()),
+            "converts": amp_counts["convert_element_type"] - plain_counts["convert_element_type"],
+        })
+    return results
 
 
 def flax_case(model: Any, x: jax.Array, grad: bool = False):
@@ -196,6 +217,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--mlp-layers", type=int, nargs="+", default=[50, 200])
+    parser.add_argument("--interleave-rows", action="store_true",
+                        help="sample all rows in every repetition (instead of row after row), "
+                             "so that rows are compared under the same load")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the rewrite of the largest model of the first Flax workload")
     parser.add_argument("--top", type=int, default=15, help="rows of the profile table")
@@ -220,19 +244,26 @@ def main() -> None:
                 for n in args.mlp_layers]
 
     print(f"# jamp rewrite overhead\n\n{environment()}\n")
+    interleaved = "; all rows sampled in every repetition" if args.interleave_rows else ""
     print(f"Transformer: d={args.d}, heads={args.heads}, seq={args.seq}, batch={args.batch}; "
           f"median of {reps} interleaved repetitions after {warmup} warm-up, fresh function "
-          f"objects on both sides. jnp MLP: width {args.d}, batch 16. LSTM: {args.d} features "
+          f"objects on both sides{interleaved}. "
+          f"jnp MLP: width {args.d}, batch 16. LSTM: {args.d} features "
           f"and hidden units, seq={args.seq}, batch={args.batch}.\n")
-    rows, families = [], []  # families: (label, grad, results over model sizes)
-    for workload in args.workloads:
-        for grad in (False, True) if args.grad and workload in FLAX_WORKLOADS else (False,):
-            results = []
-            for label, case in sizes(workload):
-                r = measure(*case(grad=grad), reps, warmup, grad=grad)
-                results.append(r)
-                rows.append(row(label + (", grad" if grad else ""), r))
-            families.append((workload, grad, results))
+    plan = [(workload, grad, label, case) for workload in args.workloads
+            for grad in ((False, True) if args.grad and workload in FLAX_WORKLOADS else (False,))
+            for label, case in sizes(workload)]
+    if args.interleave_rows:
+        measured = measure_rows([(*case(grad=grad), grad) for _, grad, _, case in plan],
+                                reps, warmup)
+    else:
+        measured = [measure(*case(grad=grad), reps, warmup, grad=grad)
+                    for _, grad, _, case in plan]
+    rows, families = [], {}  # families: (workload, grad) -> results over model sizes
+    for (workload, grad, label, _), r in zip(plan, measured):
+        rows.append(row(label + (", grad" if grad else ""), r))
+        families.setdefault((workload, grad), []).append(r)
+    families = [(workload, grad, results) for (workload, grad), results in families.items()]
     print(markdown_table(HEADER, rows))
 
     print()

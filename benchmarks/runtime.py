@@ -45,7 +45,8 @@ never bf16 against f32 wall time.
 Usage::
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/runtime.py [--quick]
-    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/runtime.py --models lstm remat --modes forward grad
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/runtime.py --models lstm remat \
+        --modes forward grad [--hlo-evidence] [--dump-hlo DIR]
 """
 from __future__ import annotations
 
