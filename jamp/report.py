@@ -3,7 +3,7 @@
 Example::
 
     report = jamp.explain(loss_fn, params, batch)
-    print(report)                         # a table per primitive and dtype
+    str(report)                           # a table per primitive and dtype
     report.ops["dot_general"]             # {"bfloat16": 4}
     report.low_precision_flop_share       # share of matmul/conv FLOPs in 16-bit dtypes
     report.float32_reasons                # {("exp", "fp32 table"): 2, ...}
@@ -157,7 +157,7 @@ def explain(fn: Callable, *args: Any, policy: Optional[Policy] = None, **kwargs:
 
     Example::
 
-        print(jamp.explain(model.apply, params, x))
+        table = str(jamp.explain(model.apply, params, x))
     """
     from .transform import resolve_policy, rewrite_and_eval, trace_call
     policy = resolve_policy(policy)
