@@ -1,5 +1,12 @@
-"""tracing: torch.jit.trace-style trace checking and torch.jit.freeze-style freezing for JAX.
+"""tracing: torch.jit.trace-style trace checking and export for JAX functions and Flax modules.
 
-Not implemented yet: see the tracing and freeze issues. This package is a placeholder so that the
-``jamp-autocast`` distribution installs both import packages from the start.
+``tracing.trace(fn, example_inputs)`` returns a compiled, exportable ``TracedFunction`` after
+checking that the trace did not bake in what it should not have (see ``trace.py``);
+``tracing.check_trace`` runs only the checks; ``tracing.load`` reads an export back.
 """
+from .errors import TracerWarning, TracingCheckError
+from .export import LoadedFunction, load
+from .trace import TracedFunction, check_trace, trace
+
+__all__ = ["LoadedFunction", "TracedFunction", "TracerWarning", "TracingCheckError",
+           "check_trace", "load", "trace"]

@@ -1,0 +1,243 @@
+"""``trace`` and ``check_trace``: a traced program plus checks that it did not bake in state.
+
+In JAX, reading a traced value as a Python value already raises, so the dangerous traces are the
+ones that succeed: a Python counter or ``np.random`` read at trace time becomes a constant, a
+PRNG key closed over draws the same numbers on every call, a loop over ``x.shape[0]`` unrolls to
+a program for one size. The checks trace the function again, for the example inputs and for
+every ``check_inputs`` entry, and compare.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import numpy as np
+
+from jamp import _compat as compat
+
+from . import graph as graphs
+from . import randomness
+from .errors import TracerWarning, TracingCheckError
+from .program import Program, Signature, callable_name
+
+
+@dataclasses.dataclass
+class Trace:
+    """One trace of the function: its closed jaxpr, signature and output tree."""
+    closed: Any
+    signature: Signature
+    out_tree: Any
+
+    def same_avals(self, other: "Trace") -> bool:
+        return (self.signature.in_tree == other.signature.in_tree
+                and self.signature.avals == other.signature.avals)
+
+    def describe(self) -> str:
+        avals = ", ".join(graphs.aval_text(a, sizes=True) for a in self.signature.avals)
+        return f"({avals})"
+
+
+class TracedFunction(Program):
+    """The compiled program of a traced function.
+
+    Call it like the function (same pytree inputs, same shapes and dtypes). ``.jaxpr`` is the
+    closed jaxpr, ``.graph`` its text, ``.hlo`` the StableHLO, ``.export()`` the ``jax.export``
+    bytes that ``tracing.load`` reads back.
+    """
+
+
+def as_inputs(example_inputs: Any) -> tuple:
+    """A plain tuple is the positional arguments; anything else (a namedtuple too) is one."""
+    return example_inputs if type(example_inputs) is tuple else (example_inputs,)
+
+
+def resolve_function(fn: Any) -> tuple[Callable, str]:
+    """The function to trace, with its name; an NNX module is called with its state captured."""
+    if "flax" in sys.modules:
+        from flax import linen, nnx
+        if isinstance(fn, nnx.Module):
+            graphdef, state = nnx.split(fn)
+
+            def call_module(*args: Any) -> Any:
+                # Fresh Variables inside the trace (NNX refuses updates to ones made outside it,
+                # e.g. an Rngs counter); the updates are dropped with the trace.
+                return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, state))(*args)
+            return call_module, type(fn).__name__
+        if isinstance(fn, linen.Module):
+            raise TypeError(f"trace a linen module through its apply function: "
+                            f"tracing.trace({type(fn).__name__}(...).apply, (variables, x))")
+    if not callable(fn):
+        raise TypeError(f"tracing.trace expects a callable or an NNX module, got "
+                        f"{type(fn).__name__}")
+    return fn, callable_name(fn)
+
+
+_TRACE_ERROR_HINT = (
+    "Hint: a Python `if`, `int()`, `float()` or `np.asarray` on a traced value needs its concrete "
+    "value, which a trace does not have. Make such arguments static (bind them with "
+    "functools.partial before tracing), branch on data with lax.cond / lax.switch or select with "
+    "jnp.where, and keep values out of globals and attributes.")
+
+
+def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
+    """Trace ``fn`` at ``inputs``' avals, for real (never answered from JAX's trace cache)."""
+    signature = Signature.of(inputs)
+
+    def flat_fn(*leaves: Any) -> Any:
+        # A new function object per trace: jax.make_jaxpr caches traces on the function's
+        # identity, which would make a retrace of the same function repeat the first one.
+        return fn(*jax.tree.unflatten(signature.in_tree, leaves))
+
+    try:
+        with jax.checking_leaks():
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*signature.avals)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+            jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError) as err:
+        raise TracingCheckError(
+            f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
+            f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
+            f"{str(err).splitlines()[0]}") from err
+    except jax.errors.UnexpectedTracerError as err:
+        raise _leak_error(name, err) from err
+    except Exception as err:
+        if "Leaked trace" in str(err):  # jax.checking_leaks reports with a plain Exception
+            raise _leak_error(name, err) from err
+        raise
+    return Trace(closed, signature, jax.tree.structure(out_shape))
+
+
+def _leak_error(name: str, err: Exception) -> TracingCheckError:
+    return TracingCheckError(
+        f"Tracing {name} failed: a traced value leaked out of the trace (stored in a global, a "
+        "closure, a list or an object attribute, or used after its trace ended), so the traced "
+        f"program would not be self-contained.\n{_TRACE_ERROR_HINT}\nOriginal error: "
+        f"{type(err).__name__}: {str(err).splitlines()[0]}")
+
+
+def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
+          check_inputs: Optional[Sequence[Any]] = None,
+          check_tolerance: float = 1e-5) -> TracedFunction:
+    """Trace ``fn`` at ``example_inputs`` into a compiled, exportable program, and check it.
+
+    ``example_inputs`` is a tuple of positional arguments (anything else stands for a 1-tuple);
+    the entries of ``check_inputs`` likewise. The checks (see ``check_trace``) trace ``fn`` again
+    for the example inputs and every ``check_inputs`` entry, and raise ``TracingCheckError`` when
+    the graphs or their captured constants differ; they warn (``TracerWarning``) when the outputs
+    disagree with the function run op by op or when a captured PRNG key is drawn from.
+
+    ``fn`` may be a linen ``model.apply`` (the variables are then an input:
+    ``trace(model.apply, (variables, x))``) or an NNX module, whose current state is captured as
+    constants of the trace (updates the call makes to it, like BatchNorm statistics, are dropped).
+
+    Example::
+
+        traced = tracing.trace(f, (x, w), check_inputs=[(x2, w)])
+        traced(x, w)              # runs the compiled program
+        print(traced.graph)       # the jaxpr
+        blob = traced.export()    # tracing.load(blob)(x, w)
+    """
+    fn, name = resolve_function(fn)
+    primary = trace_once(fn, as_inputs(example_inputs), name)
+    randomness.warn_constant_keys(primary.closed, name)
+    if check_trace:
+        _run_checks(fn, name, primary, as_inputs(example_inputs), check_inputs, check_tolerance)
+    return TracedFunction(primary.closed, primary.signature, primary.out_tree, name)
+
+
+def check_trace(fn: Any, example_inputs: Any, check_inputs: Optional[Sequence[Any]] = None, *,
+                check_tolerance: float = 1e-5) -> None:
+    """Only the checks of ``trace``: raises ``TracingCheckError`` or warns ``TracerWarning``.
+
+    Example::
+
+        tracing.check_trace(f, (x,), check_inputs=[(x_other_batch,)])
+    """
+    fn, name = resolve_function(fn)
+    primary = trace_once(fn, as_inputs(example_inputs), name)
+    randomness.warn_constant_keys(primary.closed, name)
+    _run_checks(fn, name, primary, as_inputs(example_inputs), check_inputs, check_tolerance)
+
+
+def _run_checks(fn: Callable, name: str, primary: Trace, example: tuple,
+                check_inputs: Optional[Sequence[Any]], tolerance: float) -> None:
+    if check_inputs is not None and (isinstance(check_inputs, (str, bytes))
+                                     or not isinstance(check_inputs, Sequence)):
+        raise TypeError("check_inputs must be a list of input tuples, got "
+                        f"{type(check_inputs).__name__}")
+    # The example inputs are always traced again: that is what catches state read at trace time
+    # (literals may be sizes, so they are only comparable between traces at the same avals).
+    input_sets = [example] + [as_inputs(c) for c in (check_inputs or ())]
+    reference = graphs.canonicalize(primary.closed)
+    for number, inputs in enumerate(input_sets):
+        label = "the example inputs" if number == 0 else f"check_inputs[{number - 1}]"
+        again = trace_once(fn, inputs, name)
+        _compare_graphs(reference, graphs.canonicalize(again.closed), primary, again, label)
+        _compare_outputs(fn, name, primary if again.same_avals(primary) else again, inputs,
+                         tolerance)
+
+
+def _compare_graphs(reference: graphs.Graph, other: graphs.Graph, primary: Trace, again: Trace,
+                    label: str) -> None:
+    first_name = f"trace at the example inputs {primary.describe()}"
+    other_name = f"trace at {label} {again.describe()}"
+    diff = graphs.describe_difference(reference, other, first_name, other_name)
+    if diff:
+        raise TracingCheckError("Graphs differed across invocations!\n" + diff)
+    for i, ((a, where), (b, _)) in enumerate(zip(reference.consts, other.consts)):
+        if compat.aval_of(a).shape == compat.aval_of(b).shape and not graphs.values_equal(a, b):
+            raise TracingCheckError(
+                "Constants differed in value across invocations. This often indicates that the "
+                "function read state at trace time (a Python counter, np.random, a global array) "
+                f"that changes between calls.\nCaptured constant #{i}: {graphs.shape_dtype(a)}, "
+                f"first used at {where}. Pass the value as an input instead.")
+    if not again.same_avals(primary):
+        return
+    for (a, dtype, where), (b, _, _) in zip(reference.literals, other.literals):
+        if not graphs.values_equal(a, b):
+            raise TracingCheckError(
+                "Constants differed in value across invocations. This often indicates that the "
+                "function read state at trace time (a Python counter, np.random, a global) that "
+                f"changes between calls.\nCaptured scalar {dtype}: {np.asarray(a).item()!r} in the first "
+                f"trace, {np.asarray(b).item()!r} when traced again for {label}; used at {where}. "
+                "Pass it as an input instead.")
+
+
+def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
+                     tolerance: float) -> None:
+    program = Program(traced.closed, traced.signature, traced.out_tree, name)
+    got = program(*inputs)
+    with jax.disable_jit():
+        expected = fn(*inputs)
+    got_leaves, expected_leaves = jax.tree.leaves(got), jax.tree.leaves(expected)
+    if len(got_leaves) != len(expected_leaves):
+        warnings.warn(f"{name}: the traced function returns {len(got_leaves)} outputs, the "
+                      f"Python function {len(expected_leaves)}", TracerWarning, stacklevel=4)
+        return
+    for number, (a, b) in enumerate(zip(got_leaves, expected_leaves), start=1):
+        error = _mismatch(a, b, tolerance)
+        if error:
+            warnings.warn(
+                f"Output nr {number}. of the traced function does not match the corresponding "
+                f"output of the Python function. Detailed error:\n{error}", TracerWarning,
+                stacklevel=4)
+
+
+def _mismatch(traced: Any, python: Any, tolerance: float) -> str:
+    """Why two outputs disagree beyond ``tolerance`` (empty when they agree)."""
+    a, b = graphs._plain(traced), graphs._plain(python)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return (f"traced {a.dtype}{list(a.shape)} against Python {b.dtype}{list(b.shape)}")
+    if a.dtype.kind not in "fc":
+        return "" if np.array_equal(a, b) else f"{int(np.sum(a != b))} elements differ"
+    # Low-precision outputs may round differently when XLA fuses ops: allow a few ulps.
+    tol = max(tolerance, 4 * float(np.finfo(a.dtype).eps))
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    if np.allclose(a64, b64, rtol=tol, atol=tol, equal_nan=True):
+        return ""
+    abs_err = np.abs(a64 - b64)
+    rel_err = abs_err / np.maximum(np.abs(b64), np.finfo(np.float64).tiny)
+    return (f"Largest absolute error: {np.nanmax(abs_err):.6g}, largest relative error: "
+            f"{np.nanmax(rel_err):.6g} (tolerance {tol:g})")
