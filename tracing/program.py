@@ -96,10 +96,12 @@ class Signature:
 class Program:
     """A closed jaxpr with pytree inputs and outputs; see ``TracedFunction`` and ``FrozenFunction``."""
 
-    def __init__(self, closed: Any, signature: Signature, out_tree: Any, name: str) -> None:
+    def __init__(self, closed: Any, signature: Signature, out_tree: Any, name: str,
+                 out_template: Any = None) -> None:
         self._closed = closed
         self.signature = signature
         self.out_tree = out_tree
+        self._out_template = out_template  # ``order_skeleton`` of the function's own outputs
         self.__name__ = name
         self._compiled = jax.jit(self.flat_fn)
 
@@ -113,7 +115,9 @@ class Program:
 
     def __call__(self, *inputs: Any) -> Any:
         leaves = self.signature.flatten(inputs, self.__name__)
-        return jax.tree.unflatten(self.out_tree, self._compiled(*leaves))
+        outputs = jax.tree.unflatten(self.out_tree, self._compiled(*leaves))
+        return outputs if self._out_template is None else \
+            keep_dict_order(self._out_template, outputs)
 
     @property
     def jaxpr(self) -> Any:
@@ -137,6 +141,26 @@ class Program:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.__name__} inputs={self.signature.in_tree}>"
+
+
+def order_skeleton(tree: Any) -> Any:
+    """The dicts, lists and tuples of ``tree`` in their own order, leaves as None."""
+    if type(tree) is dict:
+        return {key: order_skeleton(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        children = [order_skeleton(x) for x in tree]
+        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
+    return None
+
+
+def keep_dict_order(template: Any, tree: Any) -> Any:
+    """``tree`` with its dicts' keys in ``template``'s order (pytrees sort dict keys)."""
+    if type(template) is dict and isinstance(tree, dict):
+        return {key: keep_dict_order(template[key], tree[key]) for key in template}
+    if isinstance(template, (list, tuple)) and type(template) is type(tree):
+        children = [keep_dict_order(t, x) for t, x in zip(template, tree)]
+        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
+    return tree
 
 
 def callable_name(fn: Callable) -> str:

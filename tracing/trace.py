@@ -21,7 +21,7 @@ from jamp import _compat as compat
 from . import graph as graphs
 from . import randomness
 from .errors import TracerWarning, TracingCheckError
-from .program import Program, Signature, callable_name
+from .program import Program, Signature, callable_name, order_skeleton
 
 
 @dataclasses.dataclass
@@ -30,6 +30,7 @@ class Trace:
     closed: Any
     signature: Signature
     out_tree: Any
+    out_template: Any  # ``order_skeleton`` of the function's outputs (its dict order)
 
     def same_avals(self, other: "Trace") -> bool:
         return (self.signature.in_tree == other.signature.in_tree
@@ -85,11 +86,14 @@ _TRACE_ERROR_HINT = (
 def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
     """Trace ``fn`` at ``inputs``' avals, for real (never answered from JAX's trace cache)."""
     signature = Signature.of(inputs)
+    skeleton = []
 
     def flat_fn(*leaves: Any) -> Any:
         # A new function object per trace: jax.make_jaxpr caches traces on the function's
         # identity, which would make a retrace of the same function repeat the first one.
-        return fn(*jax.tree.unflatten(signature.in_tree, leaves))
+        outputs = fn(*jax.tree.unflatten(signature.in_tree, leaves))
+        skeleton.append(order_skeleton(outputs))
+        return outputs
 
     try:
         with jax.checking_leaks():
@@ -106,7 +110,7 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
         if "Leaked trace" in str(err):  # jax.checking_leaks reports with a plain Exception
             raise _leak_error(name, err) from err
         raise
-    return Trace(closed, signature, jax.tree.structure(out_shape))
+    return Trace(closed, signature, jax.tree.structure(out_shape), skeleton[0])
 
 
 def _leak_error(name: str, err: Exception) -> TracingCheckError:
@@ -144,7 +148,8 @@ def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
     randomness.warn_constant_keys(primary.closed, name)
     if check_trace:
         _run_checks(fn, name, primary, as_inputs(example_inputs), check_inputs, check_tolerance)
-    return TracedFunction(primary.closed, primary.signature, primary.out_tree, name)
+    return TracedFunction(primary.closed, primary.signature, primary.out_tree, name,
+                          primary.out_template)
 
 
 def check_trace(fn: Any, example_inputs: Any, check_inputs: Optional[Sequence[Any]] = None, *,
@@ -207,7 +212,7 @@ def _compare_graphs(reference: graphs.Graph, other: graphs.Graph, primary: Trace
 
 def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
                      tolerance: float) -> None:
-    program = Program(traced.closed, traced.signature, traced.out_tree, name)
+    program = Program(traced.closed, traced.signature, traced.out_tree, name)  # leaves only
     got = program(*inputs)
     with jax.disable_jit():
         expected = fn(*inputs)

@@ -1,0 +1,389 @@
+"""tracing.trace / check_trace / TracedFunction / export: the API and each of the six checks."""
+import collections
+import subprocess
+import sys
+import warnings
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jamp
+import tracing
+from tracing import graph as graphs
+from tracing.trace import trace_once
+
+X = jnp.arange(12.0).reshape(3, 4)
+Pair = collections.namedtuple("Pair", "first second")
+
+
+def recorded_tracer_warnings(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = fn()
+    return result, [str(w.message) for w in caught if issubclass(w.category,
+                                                                  tracing.TracerWarning)]
+
+
+# --- the traced artifact -------------------------------------------------------------------------
+
+def test_traced_function_runs_the_program_and_exposes_its_forms():
+    traced = tracing.trace(lambda x, w: jnp.tanh(x @ w), (X, jnp.ones((4, 2))))
+    chex.assert_trees_all_close(traced(X, jnp.ones((4, 2))), jnp.tanh(X @ jnp.ones((4, 2))))
+    assert [e.primitive.name for e in traced.jaxpr.eqns] == ["dot_general", "tanh"]
+    assert "dot_general" in traced.graph and "tanh" in traced.graph
+    assert "stablehlo.dot_general" in traced.hlo and "stablehlo.tanh" in traced.hlo
+
+
+def test_single_array_stands_for_a_one_tuple_and_namedtuple_is_one_argument():
+    assert tracing.trace(lambda x: x * 2, X)(X).shape == (3, 4)
+    traced = tracing.trace(lambda p: p.first + p.second, Pair(X, X))
+    chex.assert_trees_all_close(traced(Pair(X, X)), 2 * X)
+
+
+def test_call_with_another_structure_dtype_or_shape_names_the_leaf():
+    traced = tracing.trace(lambda d, p: d["x"] + p.second, ({"x": X, "y": X}, Pair(X, X)))
+    with pytest.raises(TypeError, match=r"inputs\[0\]\['z'\].*expected a leaf at inputs\[0\]\['y'\]"):
+        traced({"x": X, "z": X}, Pair(X, X))
+    with pytest.raises(TypeError, match=r"inputs\[1\]\.second has dtype bfloat16.*float32"):
+        traced({"x": X, "y": X}, Pair(X, X.astype(jnp.bfloat16)))
+    with pytest.raises(ValueError, match=r"inputs\[1\]\.first has shape \(2, 4\).*\(3, 4\)"):
+        traced({"x": X, "y": X}, Pair(X[:2], X))
+    with pytest.raises(TypeError, match="missing inputs"):
+        traced({"x": X, "y": X})
+    with pytest.raises(TypeError, match=r"at inputs\[1\]\[0\]: expected a leaf at inputs\[1\]\.first"):
+        traced({"x": X, "y": X}, (X, X))
+    on_tuple = tracing.trace(lambda pair: pair[0] * pair[1], ((X, X),))
+    with pytest.raises(TypeError, match="container types"):
+        on_tuple([X, X])
+
+
+def test_non_array_inputs_are_rejected_with_their_path():
+    with pytest.raises(TypeError, match=r"inputs\[1\]\['mode'\] is a str"):
+        tracing.trace(lambda x, cfg: x, (X, {"mode": "train"}))
+
+
+def test_pytree_inputs_and_outputs_keep_structure_and_dict_order():
+    def fn(inputs, pair, items):
+        return {"z": inputs["b"] * 2, "a": [pair.second, None, (items[0] + items[1],)],
+                "m": Pair(inputs["a"], {"y": items[1], "b": items[0]})}
+
+    args = ({"b": X, "a": X + 1}, Pair(None, X * 3), [X, X - 1])
+    traced = tracing.trace(fn, args)
+    got, want = traced(*args), fn(*args)
+    chex.assert_trees_all_close(got, want)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    assert list(got) == ["z", "a", "m"] and list(got["m"].second) == ["y", "b"]
+    assert isinstance(got["m"], Pair) and got["a"][1] is None
+
+
+def test_export_round_trip_keeps_pytrees_and_checks_inputs():
+    def fn(inputs, pair):
+        return {"sum": inputs["x"] + pair.first, "parts": [pair.second, None]}
+
+    args = ({"x": X}, Pair(X * 2, jnp.ones(3, jnp.int32)))
+    blob = tracing.trace(fn, args).export()
+    assert isinstance(blob, bytes)
+    loaded = tracing.load(blob)
+    got = loaded(*args)
+    chex.assert_trees_all_close(got, fn(*args))
+    assert jax.tree.structure(got) == jax.tree.structure(fn(*args))
+    assert "stablehlo.add" in loaded.hlo
+    with pytest.raises(ValueError, match=r"inputs\[1\]\.second has shape \(4,\)"):
+        loaded({"x": X}, Pair(X, jnp.ones(4, jnp.int32)))
+    with pytest.raises(TypeError, match="inputs differ in structure"):
+        loaded({"y": X}, Pair(X, jnp.ones(3, jnp.int32)))
+
+
+def test_export_loads_in_a_fresh_process(tmp_path):
+    blob = tracing.trace(lambda x: jnp.sin(x) * 3, (X,)).export()
+    path = tmp_path / "f.jaxexport"
+    path.write_bytes(blob)
+    code = ("import sys, numpy as np, jax.numpy as jnp, tracing;"
+            f"g = tracing.load(open({str(path)!r}, 'rb').read());"
+            "x = jnp.arange(12.0).reshape(3, 4);"
+            "np.testing.assert_allclose(g(x), np.sin(np.asarray(x)) * 3, rtol=1e-6)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_load_rejects_bytes_that_are_not_an_export():
+    with pytest.raises(ValueError, match="not a jax.export serialization"):
+        tracing.load(b"not an export")
+    with pytest.raises(TypeError, match="bytes"):
+        tracing.load("a string")
+
+
+# --- check 1: graphs ------------------------------------------------------------------------------
+
+def test_shape_generic_function_passes_other_batch_sizes():
+    def layer(x, w):
+        h = jax.nn.softmax(x @ w, axis=-1)
+        return jnp.mean(h, axis=0), h.reshape(-1)[: x.shape[0]]
+
+    w = jnp.ones((4, 5))
+    tracing.check_trace(layer, (X, w), check_inputs=[(jnp.ones((7, 4)), w), (jnp.ones((1, 4)), w)])
+
+
+def test_unrolled_python_loop_over_a_size_differs_and_points_at_the_line():
+    def negate_per_row(x):
+        for _ in range(x.shape[0]):
+            x = -x
+        return x
+
+    with pytest.raises(tracing.TracingCheckError, match="Graphs differed across invocations!") as err:
+        tracing.trace(negate_per_row, X, check_inputs=[jnp.ones((4, 4))])
+    message = str(err.value)
+    assert "First difference" in message and "neg" in message
+    assert "test_tracing.py" in message and "negate_per_row)" in message
+
+
+def test_graph_comparison_abstracts_sizes_but_not_ranks_or_dtypes():
+    small = graphs.canonicalize(jax.make_jaxpr(lambda x: jnp.broadcast_to(x, (2,) + x.shape))(X))
+    large = graphs.canonicalize(
+        jax.make_jaxpr(lambda x: jnp.broadcast_to(x, (2,) + x.shape))(jnp.ones((5, 6))))
+    assert graphs.first_difference(small, large) is None
+    other_rank = graphs.canonicalize(
+        jax.make_jaxpr(lambda x: jnp.broadcast_to(x, (2,) + x.shape))(jnp.ones(5)))
+    assert graphs.first_difference(small, other_rank) is not None
+    other_dtype = graphs.canonicalize(
+        jax.make_jaxpr(lambda x: jnp.broadcast_to(x, (2,) + x.shape))(X.astype(jnp.bfloat16)))
+    assert graphs.first_difference(small, other_dtype) is not None
+
+
+def test_retrace_is_never_answered_from_jaxs_trace_cache():
+    calls = {"n": 0}
+
+    def branchy(x):
+        calls["n"] += 1
+        return x * 2 if calls["n"] == 1 else jnp.sin(x)
+
+    # jax.make_jaxpr of the same function object answers a second trace from its cache ...
+    jitted = jax.jit(branchy)
+    first, second = jax.make_jaxpr(jitted)(X), jax.make_jaxpr(jitted)(X)
+    assert str(first) == str(second) and calls["n"] == 1
+    # ... the checker traces afresh each time and sees the second behaviour.
+    calls["n"] = 0
+    with pytest.raises(tracing.TracingCheckError, match="Graphs differed"):
+        tracing.check_trace(branchy, (X,))
+    assert calls["n"] >= 2
+
+
+# --- check 2: constants ---------------------------------------------------------------------------
+
+def test_mutated_python_counter_is_a_differing_constant():
+    counter = [0]
+
+    def add_count(x):
+        counter[0] += 1
+        return x + counter[0]
+
+    with pytest.raises(tracing.TracingCheckError,
+                       match="Constants differed in value across invocations") as err:
+        tracing.trace(add_count, (X,))
+    assert "1.0 in the first trace, 2.0" in str(err.value) and "add_count" in str(err.value)
+
+
+def test_numpy_randomness_at_trace_time_is_a_differing_constant():
+    with pytest.raises(tracing.TracingCheckError, match="Constants differed") as err:
+        tracing.trace(lambda x: x + np.random.rand(4).astype(np.float32), (X,))
+    assert "float32[4]" in str(err.value) and "test_tracing.py" in str(err.value)
+    with pytest.raises(tracing.TracingCheckError, match="Constants differed"):
+        tracing.trace(lambda x: x * np.random.rand(), (X,), check_inputs=[(X + 1,)])
+
+
+def test_constant_captured_values_that_do_not_change_pass():
+    table = np.linspace(0.0, 1.0, 4, dtype=np.float32)
+    traced = tracing.trace(lambda x: x * table + 0.5, (X,), check_inputs=[(jnp.ones((6, 4)),)])
+    chex.assert_trees_all_close(traced(X), X * table + 0.5)
+
+
+def test_size_dependent_literals_do_not_fail_across_shapes():
+    tracing.check_trace(lambda x: x / x.shape[0] + jnp.mean(x), (X,),
+                        check_inputs=[(jnp.ones((9, 4)),)])
+
+
+def test_check_trace_false_skips_the_checks():
+    counter = [0]
+
+    def add_count(x):
+        counter[0] += 1
+        return x + counter[0]
+
+    traced = tracing.trace(add_count, (X,), check_trace=False)
+    chex.assert_trees_all_close(traced(X), X + 1)
+    assert counter[0] == 1
+
+
+# --- check 3: outputs against the function run op by op -------------------------------------------
+
+def test_outputs_that_differ_from_python_warn_with_errors():
+    def traced_path_differs(x):
+        scale = 1.001 if isinstance(x, jax.core.Tracer) else 1.0
+        return x, x * scale
+
+    _, warns = recorded_tracer_warnings(lambda: tracing.trace(traced_path_differs, (X + 1,)))
+    assert len(warns) == 1
+    assert warns[0].startswith("Output nr 2. of the traced function does not match the "
+                               "corresponding output of the Python function")
+    assert "Largest absolute error" in warns[0] and "relative error: 0.001" in warns[0]
+    _, warns = recorded_tracer_warnings(
+        lambda: tracing.trace(traced_path_differs, (X + 1,), check_tolerance=1e-2))
+    assert warns == []
+
+
+def test_nondeterministic_callback_output_warns():
+    def noisy(x):
+        noise = jax.pure_callback(lambda: np.random.rand(3, 4).astype(np.float32),
+                                  jax.ShapeDtypeStruct((3, 4), jnp.float32))
+        return x + noise
+
+    _, warns = recorded_tracer_warnings(lambda: tracing.trace(noisy, (X,)))
+    assert any(w.startswith("Output nr 1. of the traced function does not match") for w in warns)
+
+
+def test_autocast_functions_trace_check_and_show_their_casts():
+    mixed = jamp.autocast_transform(lambda x, w: jax.nn.gelu(x @ w))
+    w = jnp.linspace(-1, 1, 20).reshape(4, 5)
+    traced, warns = recorded_tracer_warnings(
+        lambda: tracing.trace(mixed, (X, w), check_inputs=[(jnp.ones((6, 4)), w)]))
+    assert warns == []
+    assert "convert_element_type" in traced.graph and "bf16" in traced.graph
+    assert traced(X, w).dtype == jnp.bfloat16
+    chex.assert_trees_all_close(traced(X, w), mixed(X, w))
+
+
+# --- check 4: PRNG keys ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey],
+                         ids=["typed key", "raw uint32 key data"])
+def test_captured_key_warns_that_every_call_draws_the_same_numbers(make_key):
+    key = make_key(0)
+
+    def dropout(x):
+        keep = jax.random.bernoulli(key, 0.5, x.shape)
+        return jnp.where(keep, x * 2, 0.0)
+
+    _, warns = recorded_tracer_warnings(lambda: tracing.trace(dropout, (X,)))
+    assert len(warns) == 1
+    assert "PRNG key" in warns[0] and "draws the same random numbers" in warns[0]
+    assert "test_tracing.py" in warns[0]  # the user's line, not jax.random's
+
+
+def test_key_made_from_a_fixed_seed_inside_warns_too():
+    _, warns = recorded_tracer_warnings(lambda: tracing.trace(
+        lambda x: x + jax.random.normal(jax.random.key(3), x.shape), (X,)))
+    assert len(warns) == 1 and "fixed seed" in warns[0]
+
+
+def test_keys_passed_as_inputs_do_not_warn_and_draws_inside_control_flow_are_followed():
+    def scan_noise(key, x):
+        def step(k, row):
+            k, sub = jax.random.split(k)
+            return k, row + jax.random.normal(sub, row.shape)
+        return jax.lax.scan(step, key, x)[1]
+
+    for key in (jax.random.key(0), jax.random.PRNGKey(0)):
+        traced, warns = recorded_tracer_warnings(lambda: tracing.trace(scan_noise, (key, X)))
+        assert warns == []
+        assert traced(key, X).shape == X.shape
+    captured = jax.random.key(1)
+    _, warns = recorded_tracer_warnings(
+        lambda: tracing.trace(lambda x: scan_noise(captured, x), (X,)))
+    assert len(warns) == 1
+    folded = jax.random.key(2)
+    _, warns = recorded_tracer_warnings(lambda: tracing.trace(
+        lambda step, x: x + jax.random.normal(jax.random.fold_in(folded, step), x.shape),
+        (jnp.int32(0), X)))
+    assert warns == []  # fold_in with an input step: a new stream per call
+
+
+# --- check 5: tracing errors ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("body", [
+    lambda x: x if x.sum() > 0 else -x,
+    lambda x: x * int(x[0, 0]),
+    lambda x: x + float(x.sum()),
+    lambda x: jnp.asarray(np.asarray(x)),
+], ids=["python if", "int()", "float()", "np.asarray"])
+def test_concretization_errors_become_check_errors_with_hints(body):
+    with pytest.raises(tracing.TracingCheckError, match="needs the concrete value") as err:
+        tracing.trace(body, (X,))
+    assert isinstance(err.value.__cause__, jax.errors.JAXTypeError) or \
+        isinstance(err.value.__cause__, jax.errors.ConcretizationTypeError)
+    assert "lax.cond" in str(err.value) and "functools.partial" in str(err.value)
+
+
+def test_leaked_tracer_is_a_check_error():
+    stash = []
+
+    def leaks(x):
+        stash.append(x * 2)
+        return x
+
+    with pytest.raises(tracing.TracingCheckError, match="leaked out of the trace") as err:
+        tracing.trace(leaks, (X,))
+    assert err.value.__cause__ is not None
+
+
+def test_check_inputs_must_be_a_list_of_input_tuples():
+    with pytest.raises(TypeError, match="check_inputs must be a list"):
+        tracing.check_trace(lambda x: x, (X,), check_inputs=X)
+
+
+# --- Flax ------------------------------------------------------------------------------------------
+
+def test_linen_apply_traces_with_variables_as_inputs():
+    from flax import linen as nn
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(4, (3, 3))(x)
+            x = nn.BatchNorm(use_running_average=True)(x)
+            return nn.Dense(3)(jax.nn.relu(x).mean((1, 2)))
+
+    x = jnp.ones((2, 8, 8, 3))
+    model = Net()
+    variables = model.init(jax.random.key(0), x)
+    traced = tracing.trace(model.apply, (variables, x),
+                           check_inputs=[(variables, jnp.ones((5, 8, 8, 3)))])
+    new_vars = jax.tree.map(lambda v: v * 1.5, variables)
+    chex.assert_trees_all_close(traced(new_vars, x), model.apply(new_vars, x), atol=1e-5)
+    loaded = tracing.load(traced.export())
+    chex.assert_trees_all_close(loaded(new_vars, x), model.apply(new_vars, x), atol=1e-5)
+    with pytest.raises(TypeError, match=r"Net\(...\)\.apply, \(variables, x\)"):
+        tracing.trace(model, (x,))
+
+
+def test_nnx_module_traces_with_its_state_captured():
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 3, rngs=rngs)
+            self.norm = nnx.BatchNorm(3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.norm(self.linear(x))
+
+    net = Net(nnx.Rngs(0))
+    net.eval()
+    traced = tracing.trace(net, (X,), check_inputs=[(jnp.ones((7, 4)),)])
+    chex.assert_trees_all_close(traced(X), net(X), atol=1e-5)
+    assert len(trace_once(lambda x: net(x), (X,), "net").closed.consts) >= 2  # state captured
+
+
+def test_nnx_dropout_with_its_own_rngs_warns_about_the_captured_key():
+    from flax import nnx
+
+    class Noisy(nnx.Module):
+        def __init__(self, rngs):
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(x)
+
+    _, warns = recorded_tracer_warnings(lambda: tracing.trace(Noisy(nnx.Rngs(0)), (X,)))
+    assert len(warns) == 1 and "PRNG key" in warns[0]
