@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Iterator, Sequence
+from typing import Any
 
+import jax
 import numpy as np
 
 from jamp import _compat as compat
@@ -167,19 +168,15 @@ def describe_difference(a: Graph, b: Graph, a_name: str, b_name: str,
             "Diff (sizes abstracted as ?):\n" + "\n".join(diff))
 
 
-def iter_lines(graph: Graph) -> Iterator[str]:
-    return (line.text for line in graph.lines)
-
-
 def values_equal(a: Any, b: Any) -> bool:
     """Exact equality of two captured values (NaNs equal), for the constants check."""
-    a, b = _plain(a), _plain(b)
+    a, b = plain_array(a), plain_array(b)
     return a.shape == b.shape and a.dtype == b.dtype and bool(
         np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
 
 
-def _plain(x: Any) -> np.ndarray:
-    import jax
+def plain_array(x: Any) -> np.ndarray:
+    """A NumPy array of ``x``; PRNG keys as their key data."""
     if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     return np.asarray(x)
@@ -187,7 +184,3 @@ def _plain(x: Any) -> np.ndarray:
 
 def shape_dtype(x: Any) -> str:
     return aval_text(compat.aval_of(x), sizes=True)
-
-
-def describe_sources(sources: Sequence[str]) -> str:
-    return ", ".join(sorted(set(sources)))

@@ -92,6 +92,11 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
         # A new function object per trace: jax.make_jaxpr caches traces on the function's
         # identity, which would make a retrace of the same function repeat the first one.
         outputs = fn(*jax.tree.unflatten(signature.in_tree, leaves))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(outputs)[0]:
+            if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float)):
+                raise TypeError(f"{name} returned a {type(leaf).__name__} at outputs"
+                                f"{jax.tree_util.keystr(path)}: traced functions return arrays, "
+                                "numbers and pytrees of them")
         skeleton.append(order_skeleton(outputs))
         return outputs
 
@@ -232,7 +237,9 @@ def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
 
 def _mismatch(traced: Any, python: Any, tolerance: float) -> str:
     """Why two outputs disagree beyond ``tolerance`` (empty when they agree)."""
-    a, b = graphs._plain(traced), graphs._plain(python)
+    if isinstance(python, (bool, int, float, complex)):
+        python = jax.numpy.asarray(python)  # a Python number becomes a canonical-dtype array
+    a, b = graphs.plain_array(traced), graphs.plain_array(python)
     if a.shape != b.shape or a.dtype != b.dtype:
         return (f"traced {a.dtype}{list(a.shape)} against Python {b.dtype}{list(b.shape)}")
     if a.dtype.kind not in "fc":
