@@ -21,7 +21,7 @@ from jamp import _compat as compat
 from . import graph as graphs
 from . import randomness
 from .errors import TracerWarning, TracingCheckError
-from .program import Program, Signature, callable_name, order_skeleton
+from .program import Program, Signature, callable_name, keep_dict_order, order_skeleton
 
 
 @dataclasses.dataclass
@@ -86,12 +86,13 @@ _TRACE_ERROR_HINT = (
 def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
     """Trace ``fn`` at ``inputs``' avals, for real (never answered from JAX's trace cache)."""
     signature = Signature.of(inputs)
-    skeleton = []
+    in_order, skeleton = order_skeleton(inputs), []
 
     def flat_fn(*leaves: Any) -> Any:
         # A new function object per trace: jax.make_jaxpr caches traces on the function's
         # identity, which would make a retrace of the same function repeat the first one.
-        outputs = fn(*jax.tree.unflatten(signature.in_tree, leaves))
+        # The function sees its input dicts in the caller's order (pytrees sort dict keys).
+        outputs = fn(*keep_dict_order(in_order, jax.tree.unflatten(signature.in_tree, leaves)))
         for path, leaf in jax.tree_util.tree_flatten_with_path(outputs)[0]:
             if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float)):
                 raise TypeError(f"{name} returned a {type(leaf).__name__} at outputs"
