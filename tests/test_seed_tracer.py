@@ -34,7 +34,8 @@ def assert_trace_matches(fn, inputs, *other_inputs):
 
 def test_simple():
     assert_trace_matches(lambda x, y: jax.nn.sigmoid(jnp.tanh(x * (x + y))),
-                         (jnp.array([0.4]), jnp.array([0.7])), (jnp.array([-2.0]), jnp.array([3.0])))
+                         (jnp.array([0.4]), jnp.array([0.7])),
+                         (jnp.array([-2.0]), jnp.array([3.0])))
 
 
 def test_constant():
@@ -82,7 +83,8 @@ def test_trace_tuple_and_nested_datatypes():
 
 
 def test_trace_namedtuple():
-    traced = assert_trace_matches(lambda p: Point(p.x + p.y, p.y), (Point(rand(3), rand(3, seed=1)),))
+    traced = assert_trace_matches(lambda p: Point(p.x + p.y, p.y),
+                                  (Point(rand(3), rand(3, seed=1)),))
     assert isinstance(traced(Point(rand(3), rand(3))), Point)
 
 
@@ -153,7 +155,8 @@ def test_trace_slice_index_and_casts():
     x = rand(4, 6)
     assert_trace_matches(lambda x: x[1:3, ::2] + x[-1, ::2], (x,))
     assert_trace_matches(lambda x, i: x[i], (x, jnp.array(2)), (x, jnp.array(0)))
-    traced = assert_trace_matches(lambda x: (x.astype(jnp.int32), x.astype(jnp.bfloat16)), (x * 10,))
+    traced = assert_trace_matches(lambda x: (x.astype(jnp.int32), x.astype(jnp.bfloat16)),
+                                  (x * 10,))
     assert [o.dtype for o in traced(x)] == [jnp.int32, jnp.bfloat16]
 
 

@@ -27,7 +27,7 @@ def recorded_tracer_warnings(fn):
                                                                   tracing.TracerWarning)]
 
 
-# --- the traced artifact -------------------------------------------------------------------------
+# --- the traced artifact ---
 
 def test_traced_function_runs_the_program_and_exposes_its_forms():
     traced = tracing.trace(lambda x, w: jnp.tanh(x @ w), (X, jnp.ones((4, 2))))
@@ -45,7 +45,8 @@ def test_single_array_stands_for_a_one_tuple_and_namedtuple_is_one_argument():
 
 def test_call_with_another_structure_dtype_or_shape_names_the_leaf():
     traced = tracing.trace(lambda d, p: d["x"] + p.second, ({"x": X, "y": X}, Pair(X, X)))
-    with pytest.raises(TypeError, match=r"inputs\[0\]\['z'\].*expected a leaf at inputs\[0\]\['y'\]"):
+    with pytest.raises(TypeError,
+                       match=r"inputs\[0\]\['z'\].*expected a leaf at inputs\[0\]\['y'\]"):
         traced({"x": X, "z": X}, Pair(X, X))
     with pytest.raises(TypeError, match=r"inputs\[1\]\.second has dtype bfloat16.*float32"):
         traced({"x": X, "y": X}, Pair(X, X.astype(jnp.bfloat16)))
@@ -53,7 +54,8 @@ def test_call_with_another_structure_dtype_or_shape_names_the_leaf():
         traced({"x": X, "y": X}, Pair(X[:2], X))
     with pytest.raises(TypeError, match="missing inputs"):
         traced({"x": X, "y": X})
-    with pytest.raises(TypeError, match=r"at inputs\[1\]\[0\]: expected a leaf at inputs\[1\]\.first"):
+    with pytest.raises(TypeError,
+                       match=r"at inputs\[1\]\[0\]: expected a leaf at inputs\[1\]\.first"):
         traced({"x": X, "y": X}, (X, X))
     on_tuple = tracing.trace(lambda pair: pair[0] * pair[1], ((X, X),))
     with pytest.raises(TypeError, match="container types"):
@@ -115,7 +117,7 @@ def test_load_rejects_bytes_that_are_not_an_export():
         tracing.load("a string")
 
 
-# --- check 1: graphs ------------------------------------------------------------------------------
+# --- check 1: graphs ---
 
 def test_shape_generic_function_passes_other_batch_sizes():
     def layer(x, w):
@@ -132,7 +134,8 @@ def test_unrolled_python_loop_over_a_size_differs_and_points_at_the_line():
             x = -x
         return x
 
-    with pytest.raises(tracing.TracingCheckError, match="Graphs differed across invocations!") as err:
+    with pytest.raises(tracing.TracingCheckError,
+                       match="Graphs differed across invocations!") as err:
         tracing.trace(negate_per_row, X, check_inputs=[jnp.ones((4, 4))])
     message = str(err.value)
     assert "First difference" in message and "neg" in message
@@ -170,7 +173,7 @@ def test_retrace_is_never_answered_from_jaxs_trace_cache():
     assert calls["n"] >= 2
 
 
-# --- check 2: constants ---------------------------------------------------------------------------
+# --- check 2: constants ---
 
 def test_mutated_python_counter_is_a_differing_constant():
     counter = [0]
@@ -216,7 +219,7 @@ def test_check_trace_false_skips_the_checks():
     assert counter[0] == 1
 
 
-# --- check 3: outputs against the function run op by op -------------------------------------------
+# --- check 3: outputs against the function run op by op ---
 
 def test_outputs_that_differ_from_python_warn_with_errors():
     def traced_path_differs(x):
@@ -254,7 +257,7 @@ def test_autocast_functions_trace_check_and_show_their_casts():
     chex.assert_trees_all_close(traced(X, w), mixed(X, w))
 
 
-# --- check 4: PRNG keys ---------------------------------------------------------------------------
+# --- check 4: PRNG keys ---
 
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey],
                          ids=["typed key", "raw uint32 key data"])
@@ -299,7 +302,7 @@ def test_keys_passed_as_inputs_do_not_warn_and_draws_inside_control_flow_are_fol
     assert warns == []  # fold_in with an input step: a new stream per call
 
 
-# --- check 5: tracing errors ----------------------------------------------------------------------
+# --- check 5: tracing errors ---
 
 @pytest.mark.parametrize("body", [
     lambda x: x if x.sum() > 0 else -x,
@@ -332,7 +335,7 @@ def test_check_inputs_must_be_a_list_of_input_tuples():
         tracing.check_trace(lambda x: x, (X,), check_inputs=X)
 
 
-# --- Flax ------------------------------------------------------------------------------------------
+# --- Flax ---
 
 def test_linen_apply_traces_with_variables_as_inputs():
     from flax import linen as nn

@@ -94,7 +94,7 @@ class Signature:
 
 
 class Program:
-    """A closed jaxpr with pytree inputs and outputs; see ``TracedFunction`` and ``FrozenFunction``."""
+    """A closed jaxpr with pytree inputs and outputs (``TracedFunction``, ``FrozenFunction``)."""
 
     def __init__(self, closed: Any, signature: Signature, out_tree: Any, name: str,
                  out_template: Any = None) -> None:

@@ -211,9 +211,9 @@ def _compare_graphs(reference: graphs.Graph, other: graphs.Graph, primary: Trace
             raise TracingCheckError(
                 "Constants differed in value across invocations. This often indicates that the "
                 "function read state at trace time (a Python counter, np.random, a global) that "
-                f"changes between calls.\nCaptured scalar {dtype}: {np.asarray(a).item()!r} in the first "
-                f"trace, {np.asarray(b).item()!r} when traced again for {label}; used at {where}. "
-                "Pass it as an input instead.")
+                f"changes between calls.\nCaptured scalar {dtype}: {np.asarray(a).item()!r} in "
+                f"the first trace, {np.asarray(b).item()!r} when traced again for {label}; used "
+                f"at {where}. Pass it as an input instead.")
 
 
 def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,

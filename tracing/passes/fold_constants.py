@@ -1,0 +1,170 @@
+"""Constant folding: evaluate, at freeze time, every equation whose inputs are all known.
+
+The leading inputs of the program (the variables) become known values; the rest stay inputs.
+The program is walked equation by equation under a fresh ``jax.make_jaxpr``: an equation whose
+inputs are all known is evaluated eagerly (``jax.ensure_compile_time_eval``) and its outputs are
+known too; any other equation is re-bound under the trace, and the known values it reads become
+constants of the new program. ``jit`` calls and other pure call wrappers are inlined (``RULES``),
+so folding reaches into them. Never folded: random primitives and everything downstream of them
+(a frozen sampler must still draw), equations with effects (callbacks, prints), and higher-order
+equations whose bodies hold either.
+
+Two details keep the folded program faithful and lean:
+- a folded value gets exactly the dtype and weak type the original program gave that value;
+- values built from scalars alone (``broadcast_in_dim`` of a literal, ``iota``) are known for
+  folding but re-emitted as the cheap equation when the program reads them, not stored as a
+  large constant (XLA builds them inside fusions for free).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from jamp import _compat as compat
+
+# Never evaluated at freeze time: a frozen sampler draws on every call, as the original did.
+RANDOM_PRIMITIVES = frozenset({
+    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_split",
+    "random_fold_in", "random_clone", "threefry2x32", "rng_bit_generator", "rng_uniform",
+})
+
+Rule = Callable[["Folder", Any, list], list]
+# Primitive name -> rule(folder, eqn, values) -> output values. The default is fold_or_bind.
+RULES: dict[str, Rule] = {}
+
+
+def register(*names: str) -> Callable[[Rule], Rule]:
+    def wrap(rule: Rule) -> Rule:
+        for name in names:
+            RULES[name] = rule
+        return rule
+    return wrap
+
+
+def is_known(value: Any) -> bool:
+    return not compat.is_tracer(value)
+
+
+class Folder:
+    """Walks a jaxpr with known values and traced unknowns; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._impure: dict[int, bool] = {}    # id(jaxpr) -> holds random or effectful eqns
+        self._generators: dict[int, tuple[Any, list]] = {}  # id(value) -> (eqn, its inputs)
+        self._staged: dict[int, Any] = {}     # id(value) -> the tracer it was re-emitted as
+        self._alive: list[Any] = []           # keeps ids above unique while the walk runs
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(var: Any) -> Any:
+            return var.val if isinstance(var, compat.Literal) else env[var]
+
+        for var, value in zip(jaxpr.constvars, consts):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args):
+            env[var] = value
+        for eqn in jaxpr.eqns:
+            values = [read(v) for v in eqn.invars]
+            outs = RULES.get(eqn.primitive.name, fold_or_bind)(self, eqn, values)
+            for var, out in zip(eqn.outvars, outs):
+                if not isinstance(var, compat.DropVar):
+                    env[var] = out
+        return [read(v) for v in jaxpr.outvars]
+
+    def foldable(self, eqn: Any) -> bool:
+        """Not random, no effects, and no sub-jaxpr holding either."""
+        if eqn.primitive.name in RANDOM_PRIMITIVES or eqn.effects:
+            return False
+        return not any(self._holds_impure(sub) for sub in compat.sub_jaxprs(eqn.params))
+
+    def _holds_impure(self, closed: Any) -> bool:
+        key = id(closed)
+        if key not in self._impure:
+            jaxpr, _ = compat.open_and_consts(closed)
+            self._impure[key] = any(not self.foldable(e) for e in jaxpr.eqns)
+        return self._impure[key]
+
+    def stage(self, value: Any) -> Any:
+        """A known value as the program reads it: re-emit a generator, else a constant."""
+        if not is_known(value) or id(value) not in self._generators:
+            return value
+        if id(value) not in self._staged:
+            eqn, inputs = self._generators[id(value)]
+            self._staged[id(value)] = bind(eqn, inputs)[0]
+        return self._staged[id(value)]
+
+    def note_generator(self, eqn: Any, values: list, outs: list) -> None:
+        if len(outs) == 1 and all(_size(v) <= 1 for v in values) and _size(outs[0]) > 1:
+            self._generators[id(outs[0])] = (eqn, values)
+            self._alive.append(outs[0])
+
+
+def _size(value: Any) -> int:
+    return math.prod(getattr(value, "shape", np.shape(value)))
+
+
+def bind(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """Bind the equation's primitive under the current trace, with its source info."""
+    with compat.equation_context(eqn):
+        out = eqn.primitive.bind(*values, **compat.bind_params(eqn))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def evaluate(eqn: Any, values: Sequence[Any]) -> list[Any]:
+    """Evaluate the equation now, on concrete values, with its outputs' exact avals."""
+    with jax.ensure_compile_time_eval():
+        outs = eqn.primitive.bind(*values, **compat.bind_params(eqn))
+        outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        return [with_aval(out, var.aval) for out, var in zip(outs, eqn.outvars)]
+
+
+def with_aval(value: Any, aval: Any) -> Any:
+    """``value`` with the dtype and weak type the original program gave it."""
+    got = compat.aval_of(value)
+    if got.dtype == aval.dtype and got.weak_type == aval.weak_type:
+        return value
+    return compat.convert(value, aval.dtype, weak_type=aval.weak_type)
+
+
+def fold_or_bind(folder: Folder, eqn: Any, values: list) -> list[Any]:
+    if all(is_known(v) for v in values) and folder.foldable(eqn):
+        outs = evaluate(eqn, values)
+        folder.note_generator(eqn, values, outs)
+        return outs
+    return bind(eqn, [folder.stage(v) for v in values])
+
+
+@register("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")
+def inline_call(folder: Folder, eqn: Any, values: list) -> list[Any]:
+    """Calls carry no meaning for a frozen program: fold through their bodies, inlined."""
+    body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    jaxpr, consts = compat.open_and_consts(body)
+    return folder.run(jaxpr, consts, values)
+
+
+def fold_constants(closed: Any, known: Sequence[Any]) -> Any:
+    """Fold ``closed`` with its leading inputs bound to ``known``; the rest stay inputs.
+
+    Returns a closed jaxpr over the remaining inputs, whose constants are the folded values.
+
+    Example::
+
+        closed = jax.make_jaxpr(lambda w, x: x @ (w * 2))(w, x)
+        folded = fold_constants(closed, [w])     # { lambda c; x. dot_general x c }
+    """
+    jaxpr, consts = compat.open_and_consts(closed)
+    if len(known) > len(jaxpr.invars):
+        raise ValueError(f"fold_constants: {len(known)} known values for a program with "
+                         f"{len(jaxpr.invars)} inputs")
+    unknown_avals = [v.aval for v in jaxpr.invars[len(known):]]
+    folder = Folder()
+
+    def folded(*args: Any) -> list[Any]:
+        outs = folder.run(jaxpr, consts, [*known, *args])
+        return [folder.stage(out) for out in outs]
+
+    return compat.trace_to_closed(folded, unknown_avals)
