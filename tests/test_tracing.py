@@ -32,9 +32,16 @@ def recorded_tracer_warnings(fn):
 def test_traced_function_runs_the_program_and_exposes_its_forms():
     traced = tracing.trace(lambda x, w: jnp.tanh(x @ w), (X, jnp.ones((4, 2))))
     chex.assert_trees_all_close(traced(X, jnp.ones((4, 2))), jnp.tanh(X @ jnp.ones((4, 2))))
-    assert [e.primitive.name for e in traced.jaxpr.eqns] == ["dot_general", "tanh"]
+    eqns = (traced.jaxpr.jaxpr if hasattr(traced.jaxpr, "jaxpr") else traced.jaxpr).eqns
+    assert [e.primitive.name for e in eqns] == ["dot_general", "tanh"]
     assert "dot_general" in traced.graph and "tanh" in traced.graph
     assert "stablehlo.dot_general" in traced.hlo and "stablehlo.tanh" in traced.hlo
+
+
+def test_hlo_of_nested_inputs_takes_one_argument_per_leaf():
+    traced = tracing.trace(lambda d, p: d["x"] * p.second, ({"x": X}, Pair(None, X)))
+    main = next(line for line in traced.hlo.splitlines() if "func.func public @main" in line)
+    assert main.count("tensor<3x4xf32>") == 3  # two arguments and the result
 
 
 def test_single_array_stands_for_a_one_tuple_and_namedtuple_is_one_argument():

@@ -132,7 +132,7 @@ class Program:
     @property
     def hlo(self) -> str:
         """StableHLO text of the program, as it is handed to XLA."""
-        return self._compiled.lower(*self.signature.specs()).as_text()
+        return self._compiled.lower(*jax.tree.leaves(self.signature.specs())).as_text()
 
     def export(self) -> bytes:
         """Serialize with ``jax.export``; ``tracing.load(blob)`` gives back a callable."""
