@@ -136,3 +136,24 @@ def shard_map(fn: Any, *, mesh: Any, in_specs: Any, out_specs: Any, axis_names: 
         from jax.experimental.shard_map import shard_map as public
     return public(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
                   **kwargs)
+
+
+def dce_closed(closed: Any) -> tuple[Any, list[Any]]:
+    """Dead-code elimination keeping every input: ``(open jaxpr over [*kept, *inputs], kept)``.
+
+    Uses JAX's own ``dce_jaxpr`` (it knows the rules of scan, while, cond, jit and effects).
+    """
+    from jax._src.interpreters import partial_eval as pe
+    jaxpr, consts = open_and_consts(closed)
+    as_inputs = pe.convert_constvars_jaxpr(jaxpr)
+    keep_inputs = [False] * len(consts) + [True] * len(jaxpr.invars)
+    dced, used = pe.dce_jaxpr(as_inputs, [True] * len(jaxpr.outvars), instantiate=keep_inputs)
+    return dced, [c for c, u in zip(consts, used[:len(consts)]) if u]
+
+
+def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
+    """Every jaxpr among an equation's parameters (also inside tuples, e.g. cond's branches)."""
+    for value in params.values():
+        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+            if is_jaxpr_like(item):
+                yield item

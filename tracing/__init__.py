@@ -6,7 +6,8 @@ checking that the trace did not bake in what it should not have (see ``trace.py`
 """
 from .errors import TracerWarning, TracingCheckError
 from .export import LoadedFunction, load
+from .freeze import FrozenFunction, freeze
 from .trace import TracedFunction, check_trace, trace
 
-__all__ = ["LoadedFunction", "TracedFunction", "TracerWarning", "TracingCheckError",
-           "check_trace", "load", "trace"]
+__all__ = ["FrozenFunction", "LoadedFunction", "TracedFunction", "TracerWarning",
+           "TracingCheckError", "check_trace", "freeze", "load", "trace"]

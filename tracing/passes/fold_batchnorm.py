@@ -177,7 +177,8 @@ class _Planner:
         var = eqn.outvars[0]
         if not _is_float(var.aval.dtype):
             return None
-        shape = tuple(n if axis in info.feature_axes else 1 for axis, n in enumerate(var.aval.shape))
+        shape = tuple(n if axis in info.feature_axes else 1
+                      for axis, n in enumerate(var.aval.shape))
         chain: list[tuple[Any, int, Optional[Any]]] = []
         while self.uses.get(var, 0) == 1 and var not in self.outputs:
             link = self._link(self.consumer[var], var, info.feature_axes)
