@@ -111,22 +111,26 @@ def _nnx_target(module: Any, variables: Any, method: Any, kwargs: dict) -> _Targ
         state = variables
 
     def call(state: Any, inputs: tuple, kwargs: dict) -> Any:
+        before = _leaves_by_path(state)  # merge shares Variables with ``state``: snapshot now
         model = nnx.merge(graphdef, state)
         fn = (getattr(model, method) if isinstance(method, str) else
               functools.partial(method, model) if method is not None else model)
         out = fn(*inputs, **kwargs)
-        _check_nnx_unchanged(name, state, nnx.split(model)[1])
+        _check_nnx_unchanged(name, before, nnx.split(model)[1])
         return out
     return _Target(name, state, call)
 
 
-def _check_nnx_unchanged(name: str, before: Any, after: Any) -> None:
+def _leaves_by_path(state: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
+def _check_nnx_unchanged(name: str, before: dict[str, Any], after: Any) -> None:
     """Raise ValueError naming the state a call updated (its leaves are new tracers)."""
     from flax import nnx
-    old = dict((jax.tree_util.keystr(p), leaf)
-               for p, leaf in jax.tree_util.tree_flatten_with_path(before)[0])
     changed = [(path, leaf) for path, leaf in jax.tree_util.tree_flatten_with_path(after)[0]
-               if old.get(jax.tree_util.keystr(path)) is not leaf]
+               if before.get(jax.tree_util.keystr(path)) is not leaf]
     if not changed:
         return
     kinds = {tuple(str(k) for k in path): type(var).__name__
