@@ -1,0 +1,186 @@
+"""How much does ``tracing.freeze`` save on a ResNet-style CNN, and how close is it to the limit?
+
+Three programs at batch 32 (32x32x3 images):
+- ``unfrozen``: ``jax.jit(model.apply)(variables, x)``, the variables as arguments;
+- ``frozen``: ``tracing.freeze(model, variables, x)`` called as ``frozen(x)``;
+- ``no_bn``: the same network written without BatchNorm (convs with bias), jitted like
+  ``unfrozen``: what BatchNorm folding can reach at best.
+
+Printed (markdown): work equations (recursing into calls, not counting the call wrappers), the
+median of per-round latency ratios over interleaved rounds, freeze time and the frozen program's
+agreement with the unfrozen one. Goals: frozen work equations <= no_bn; frozen latency <= 1.05x
+no_bn and < unfrozen.
+
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/freeze.py [--quick] [--rounds N]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tracing  # noqa: E402
+from benchmarks.common import environment, markdown_table, paired_ratio  # noqa: E402
+from benchmarks.runtime import latencies  # noqa: E402
+
+CALL_WRAPPERS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                           "custom_vjp_call", "checkpoint", "remat"})
+
+
+def work_eqns(closed: Any) -> collections.Counter:
+    """Equations by primitive, recursing into sub-jaxprs; call wrappers count only their bodies."""
+    jaxpr = closed.jaxpr if hasattr(closed, "jaxpr") and hasattr(closed.jaxpr, "eqns") else closed
+    counts: collections.Counter = collections.Counter()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in CALL_WRAPPERS:
+            counts[eqn.primitive.name] += 1
+        for value in eqn.params.values():
+            for sub in (value if isinstance(value, (tuple, list)) else (value,)):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    counts.update(work_eqns(sub))
+    return counts
+
+
+class Block(nn.Module):
+    """Basic residual block: conv-BN-relu, conv-BN, shortcut (1x1 conv-BN when shapes change)."""
+    features: int
+    strides: int = 1
+    batchnorm: bool = True
+
+    def norm_conv(self, x: jax.Array, kernel: int, strides: int = 1) -> jax.Array:
+        x = nn.Conv(self.features, (kernel, kernel), strides, use_bias=not self.batchnorm)(x)
+        return nn.BatchNorm(use_running_average=True)(x) if self.batchnorm else x
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nn.relu(self.norm_conv(x, 3, self.strides))
+        y = self.norm_conv(y, 3)
+        if x.shape != y.shape:
+            x = self.norm_conv(x, 1, self.strides)
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    """Stem conv, three stages of ``blocks`` residual blocks (16/32/64 features), pool, dense."""
+    blocks: int = 2
+    batchnorm: bool = True
+    classes: int = 10
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nn.Conv(16, (3, 3), use_bias=not self.batchnorm)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=True)(x) if self.batchnorm else x)
+        for stage, features in enumerate((16, 32, 64)):
+            for block in range(self.blocks):
+                strides = 2 if stage > 0 and block == 0 else 1
+                x = Block(features, strides, self.batchnorm)(x)
+        return nn.Dense(self.classes)(x.mean(axis=(1, 2)))
+
+
+def trained_like(variables: Any, key: jax.Array) -> Any:
+    """Non-trivial BatchNorm statistics (init gives mean 0, var 1)."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, leaf), k in zip(leaves, keys):
+        name = jax.tree_util.keystr(path)
+        if "mean" in name:
+            leaf = jax.random.normal(k, leaf.shape) * 0.1
+        elif "var" in name:
+            leaf = jax.random.uniform(k, leaf.shape, minval=0.5, maxval=1.5)
+        out.append(leaf)
+    return jax.tree.unflatten(jax.tree.structure(variables), out)
+
+
+def time_freeze(model: nn.Module, variables: Any, x: jax.Array, reps: int) -> tuple[float, float]:
+    """(median seconds of ``tracing.freeze``, seconds of the first call: compile + run)."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        frozen = tracing.freeze(model, variables, x)
+        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    jax.block_until_ready(frozen(x))
+    return statistics.median(times), time.perf_counter() - start
+
+
+def run(batch: int, blocks: int, rounds: int, min_sample_s: float, freeze_reps: int) -> str:
+    x = jax.random.normal(jax.random.key(0), (batch, 32, 32, 3))
+    model, plain = ResNet(blocks), ResNet(blocks, batchnorm=False)
+    variables = trained_like(model.init(jax.random.key(1), x), jax.random.key(2))
+    plain_vars = plain.init(jax.random.key(1), x)
+
+    freeze_s, first_call_s = time_freeze(model, variables, x, freeze_reps)
+    frozen = tracing.freeze(model, variables, x)
+    unfrozen, no_bn = jax.jit(model.apply), jax.jit(plain.apply)
+    fns: dict[str, Callable[[], Any]] = {
+        "unfrozen": lambda: unfrozen(variables, x),
+        "frozen": lambda: frozen(x),
+        "no_bn": lambda: no_bn(plain_vars, x),
+    }
+    error = float(jnp.max(jnp.abs(frozen(x) - unfrozen(variables, x))))
+    eqns = {"unfrozen": work_eqns(jax.make_jaxpr(model.apply)(variables, x)),
+            "frozen": work_eqns(frozen.jaxpr),
+            "no_bn": work_eqns(jax.make_jaxpr(plain.apply)(plain_vars, x))}
+    times = latencies(fns, rounds, min_sample_s)
+
+    rows = []
+    for name in fns:
+        c = eqns[name]
+        rows.append([name, sum(c.values()), c["conv_general_dilated"],
+                     c["rsqrt"], c["sub"], c["mul"], c["add"],
+                     f"{statistics.median(times[name]) * 1e3:.2f}",
+                     f"{paired_ratio(times[name], times['no_bn']):.3f}",
+                     f"{paired_ratio(times[name], times['unfrozen']):.3f}"])
+    table = markdown_table(
+        ["program", "work eqns", "conv", "rsqrt", "sub", "mul", "add", "median ms",
+         "/ no_bn", "/ unfrozen"], rows)
+    frozen_eqns, plain_eqns = sum(eqns["frozen"].values()), sum(eqns["no_bn"].values())
+    vs_plain = paired_ratio(times["frozen"], times["no_bn"])
+    vs_unfrozen = paired_ratio(times["frozen"], times["unfrozen"])
+    goals = [
+        f"- frozen work eqns <= no_bn: {frozen_eqns} <= {plain_eqns}: "
+        f"{'met' if frozen_eqns <= plain_eqns else 'NOT met'}",
+        f"- frozen latency <= 1.05x no_bn: {vs_plain:.3f}x: "
+        f"{'met' if vs_plain <= 1.05 else 'NOT met'}",
+        f"- frozen latency < unfrozen: {vs_unfrozen:.3f}x: "
+        f"{'met' if vs_unfrozen < 1 else 'NOT met'}",
+    ]
+    frozen_primitives = ", ".join(f"{k} {v}" for k, v in sorted(eqns["frozen"].items()))
+    return "\n".join([
+        f"ResNet-style CNN, {3 * blocks} blocks ({len(jax.tree.leaves(variables))} variable "
+        f"arrays), batch {batch}, 32x32x3, float32; {rounds} interleaved rounds",
+        "", table, "",
+        f"freeze time (median of {freeze_reps}): {freeze_s:.2f} s; first frozen call (compile + "
+        f"run): {first_call_s:.2f} s; max |frozen - unfrozen| = {error:.2e}",
+        f"frozen program: {frozen_primitives}", "", *goals])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=2, help="residual blocks per stage")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--min-sample-ms", type=float, default=200.0)
+    parser.add_argument("--freeze-reps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="5 rounds, short samples")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.min_sample_ms, args.freeze_reps = 5, 50.0, 1
+    print(environment())
+    print()
+    print(run(args.batch, args.blocks, args.rounds, args.min_sample_ms / 1e3, args.freeze_reps))
+
+
+if __name__ == "__main__":
+    main()
