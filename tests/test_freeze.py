@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import collections
 import gc
+import pathlib
+import re
 import weakref
 
 import chex
@@ -690,3 +692,14 @@ def test_errors_name_what_was_wrong():
         frozen(jnp.ones((2, 3)))
     with pytest.raises(TypeError, match="frozen without rngs"):
         frozen(x, rngs={"dropout": jax.random.key(0)})
+
+
+def test_readme_example_runs():
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Freezing for inference", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, "README.md (Freezing for inference)", "exec"), namespace)
+    frozen, x = namespace["frozen"], namespace["x"]
+    assert counts(frozen.jaxpr)["conv_general_dilated"] == 1
+    assert namespace["bf16"](x).shape == frozen(x).shape
