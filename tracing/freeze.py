@@ -214,7 +214,8 @@ def freeze(target: Any, variables: Any = None, *example_inputs: Any,
         blob = frozen.export()                            # tracing.load(blob)(x)
 
         frozen16 = tracing.freeze(model, variables, x, policy=jamp.Policy())   # bf16 weights
-        nnx_frozen = tracing.freeze(nnx_model.eval(), None, x)                 # NNX
+        nnx_model.eval()                                                       # NNX
+        nnx_frozen = tracing.freeze(nnx_model, None, x)
     """
     if policy is not None and not isinstance(policy, Policy):
         raise TypeError(f"freeze: policy must be a jamp.Policy, got {type(policy).__name__}")

@@ -219,6 +219,8 @@ class _Planner:
     def _fold(self, eqn: Any, info: Base, chain: list, shape: tuple, end: Any) -> Optional[Fold]:
         kernel_var = eqn.invars[info.kernel_index]
         kernel = self.const_of(kernel_var)
+        if not _is_float(kernel_var.aval.dtype):
+            return None  # e.g. an int8 kernel: a per-feature scale cannot be stored in it
         dtypes = [kernel_var.aval.dtype, end.aval.dtype] + [
             v.aval.dtype for e, _, _ in chain for v in e.invars]
         acc = np.float64 if any(np.dtype(d) == np.float64 for d in dtypes) else np.float32
