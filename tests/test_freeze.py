@@ -703,3 +703,40 @@ def test_readme_example_runs():
     frozen, x = namespace["frozen"], namespace["x"]
     assert counts(frozen.jaxpr)["conv_general_dilated"] == 1
     assert namespace["bf16"](x).shape == frozen(x).shape
+
+
+def test_cond_with_a_known_predicate_is_resolved():
+    def f(v, x):
+        y = jax.lax.cond(v["w"].sum() > 0, lambda a: a * v["w"], lambda a: a - v["w"], x)
+        return jax.lax.cond(x.sum() > 0, lambda a: a * 2, lambda a: a * 3, y)  # stays
+
+    x = jnp.linspace(-1, 1, 4)
+    for w in (jnp.ones(4), -jnp.ones(4)):
+        v = {"w": w}
+        frozen = checked(tracing.freeze(f, v, x))
+        assert counts(frozen.jaxpr)["cond"] == 1
+        chex.assert_trees_all_close(frozen(x), f(v, x), **F32_TOL)
+        chex.assert_trees_all_close(frozen(-x), f(v, -x), **F32_TOL)
+
+
+def test_higher_order_primitives_and_gradients_through_the_frozen_function():
+    @jax.custom_vjp
+    def clip_grad(x):
+        return x
+    clip_grad.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -1, 1),))
+
+    def f(v, x):
+        w = clip_grad(jax.nn.relu(v["w"]))                                   # all known
+        s = jax.lax.scan(lambda c, a: (c + a, c * a), 0.0, v["w"])[0]       # all known
+        y = jax.lax.scan(lambda c, a: (c * v["w"].sum() + a, c), x[0], x)[1]  # mixed
+        return y + jax.nn.relu(x * w) + s + clip_grad(x)
+
+    v = {"w": jnp.linspace(-1, 1, 4)}
+    x = jnp.linspace(0.5, 1, 4)
+    frozen = checked(tracing.freeze(f, v, x))
+    c = counts(frozen.jaxpr)
+    assert c["scan"] == 1 and c["custom_vjp_call"] + c["custom_vjp_call_jaxpr"] == 1, c
+    chex.assert_trees_all_close(frozen(x), f(v, x), **F32_TOL)
+    loss = lambda fn: lambda x: fn(x).sum()
+    chex.assert_trees_all_close(jax.grad(loss(frozen))(x), jax.grad(loss(lambda x: f(v, x)))(x),
+                                **F32_TOL)

@@ -4,8 +4,9 @@ The leading inputs of the program (the variables) become known values; the rest 
 The program is walked equation by equation under a fresh ``jax.make_jaxpr``: an equation whose
 inputs are all known is evaluated eagerly (``jax.ensure_compile_time_eval``) and its outputs are
 known too; any other equation is re-bound under the trace, and the known values it reads become
-constants of the new program. ``jit`` calls and other pure call wrappers are inlined (``RULES``),
-so folding reaches into them. Never folded: random primitives and everything downstream of them
+constants of the new program. ``jit`` calls and other pure call wrappers are inlined, and a
+``cond`` whose branch index is known runs the chosen branch inline (``RULES``), so folding reaches
+into them. Never folded: random primitives and everything downstream of them
 (a frozen sampler must still draw), equations with effects (callbacks, prints), and higher-order
 equations whose bodies hold either.
 
@@ -144,6 +145,18 @@ def inline_call(folder: Folder, eqn: Any, values: list) -> list[Any]:
     body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
     jaxpr, consts = compat.open_and_consts(body)
     return folder.run(jaxpr, consts, values)
+
+
+@register("cond")
+def known_branch(folder: Folder, eqn: Any, values: list) -> list[Any]:
+    """A branch index known at freeze time (a config flag, a variable) selects the branch now."""
+    index, operands = values[0], values[1:]
+    if not is_known(index):
+        return fold_or_bind(folder, eqn, values)
+    branches = eqn.params["branches"]
+    chosen = branches[min(max(int(index), 0), len(branches) - 1)]  # clamped, as lax.switch does
+    jaxpr, consts = compat.open_and_consts(chosen)
+    return folder.run(jaxpr, consts, operands)
 
 
 def fold_constants(closed: Any, known: Sequence[Any]) -> Any:
