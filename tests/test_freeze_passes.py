@@ -1,0 +1,96 @@
+"""The freezing passes on their own: fold_constants, fold_batchnorm, dce (tracing/passes/)."""
+from __future__ import annotations
+
+import collections
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jamp import _compat as compat
+from tests.jaxpr_utils import iter_eqns
+from tracing.passes import dce, fold_batchnorm, fold_constants
+
+
+def counts(closed) -> collections.Counter:
+    return collections.Counter(e.primitive.name for e in iter_eqns(closed))
+
+
+def run(closed, *args):
+    jaxpr, consts = compat.open_and_consts(closed)
+    return compat.eval_jaxpr(jaxpr, consts, args)
+
+
+def test_fold_constants_binds_the_leading_inputs():
+    w, x = jnp.arange(6.0).reshape(3, 2), jnp.ones((4, 3))
+    closed = jax.make_jaxpr(lambda w, x: x @ (w * 2))(w, x)
+    folded = fold_constants(closed, [w])
+    compat.check_closed_jaxpr(folded)
+    assert counts(folded) == collections.Counter({"dot_general": 1})
+    assert [v.aval.shape for v in compat.open_and_consts(folded)[0].invars] == [(4, 3)]
+    chex.assert_trees_all_close(run(folded, x)[0], x @ (w * 2))
+    with pytest.raises(ValueError, match="3 known values for a program with 2 inputs"):
+        fold_constants(closed, [w, x, x])
+
+
+def test_values_made_from_scalars_are_not_stored():
+    """jnp.zeros / iota are folded but re-emitted, not kept as large constants."""
+    def f(s, x):
+        return x + jnp.zeros((256, 256)) + jnp.arange(256.0) * s
+
+    closed = jax.make_jaxpr(f)(jnp.asarray(2.0), jnp.ones((256, 256)))
+    folded = fold_constants(closed, [jnp.asarray(2.0)])
+    _, consts = compat.open_and_consts(folded)
+    assert all(np.size(c) <= 256 for c in consts), [np.shape(c) for c in consts]
+    x = jnp.ones((256, 256))
+    chex.assert_trees_all_close(run(folded, x)[0], f(2.0, x))
+
+
+def test_fold_batchnorm_general_affine_chains():
+    """c - y, division and negation fold too; the conv's NCHW feature axis is found."""
+    k = jax.random.split(jax.random.key(0), 3)
+    kernel = jax.random.normal(k[0], (6, 2, 3, 3))
+    a, b = jax.random.uniform(k[1], (1, 6, 1, 1), minval=0.5), jax.random.normal(k[2], (1, 6, 1, 1))
+    x = jax.random.normal(jax.random.key(1), (2, 2, 8, 8))
+
+    def f(x):
+        y = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
+                                         dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return -((b - y) / a) * 3.0
+
+    closed = jax.make_jaxpr(f)(x)
+    folded = fold_batchnorm(closed)
+    compat.check_closed_jaxpr(folded)
+    assert counts(folded) == collections.Counter({"conv_general_dilated": 1, "add": 1})
+    chex.assert_trees_all_close(run(folded, x)[0], f(x), atol=1e-4, rtol=1e-4)
+
+
+def test_fold_batchnorm_leaves_what_it_cannot_fold():
+    kernel = jnp.ones((3, 4))
+    x = jnp.ones((2, 3))
+
+    def casts_only(x):  # a round trip through bfloat16 is not affine: keep it
+        return (x @ kernel).astype(jnp.bfloat16).astype(jnp.float32)
+
+    def scale_varies_over_batch(x):
+        return (x @ kernel) * jnp.arange(2.0)[:, None]
+
+    for f in (casts_only, scale_varies_over_batch):
+        closed = jax.make_jaxpr(f)(x)
+        assert fold_batchnorm(closed) is closed
+
+
+def test_dce_keeps_inputs_and_effects():
+    def f(x, unused):
+        jnp.sin(x)
+        jax.debug.callback(lambda v: None, x)
+        return x * 2
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(2))
+    out = dce(closed)
+    compat.check_closed_jaxpr(out)
+    c = counts(out)
+    assert c["sin"] == 0 and c["mul"] == 1 and c["debug_callback"] == 1, c
+    assert len(compat.open_and_consts(out)[0].invars) == 2
