@@ -81,8 +81,7 @@ def _linen_target(module: Any, variables: Any, method: Any, kwargs: dict) -> _Ta
                         f"tracing.freeze(model, variables, *example_inputs)")
     mutable = kwargs.get("mutable", False)
     if mutable:
-        collections = "all collections" if mutable is True else repr(
-            [mutable] if isinstance(mutable, str) else list(mutable))
+        collections = "every collection" if mutable is True else repr(mutable)
         raise ValueError(f"freeze: {name}.apply(..., mutable={mutable!r}) updates {collections}; "
                          f"a frozen function cannot update variables. {_inference_hint(False)}")
     from flax import errors as flax_errors
