@@ -2,8 +2,9 @@
 
 Supported: jax 0.10.x (Python 3.11 here) and jax 0.12.x (Python 3.12). Differences handled here:
 ``ClosedJaxpr`` merged into ``Jaxpr`` in 0.12, scan's operand counts moved into ``ft_in`` in 0.11,
-and ``get_bind_params`` returned ``(subfuns, params)`` before 0.9.2. (The rules register both
-``jit`` and ``pjit``, the primitive's name before 0.10.)
+and ``get_bind_params`` returned ``(subfuns, params)`` before 0.9.2; ``jax.nn.softmax`` traces as a
+custom-JVP call only under the ``jax_softmax_custom_jvp`` flag. (The rules register both ``jit``
+and ``pjit``, the primitive's name before 0.10.)
 """
 from __future__ import annotations
 
@@ -83,6 +84,13 @@ def bind_params(eqn: Any) -> dict[str, Any]:
 def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:
     """``convert_element_type`` that can keep a value weakly typed (public lax cannot)."""
     return _lax_internal._convert_element_type(x, np.dtype(dtype), weak_type=weak_type)
+
+
+def softmax_as_custom_jvp() -> Any:
+    """Context in which ``jax.nn.softmax`` traces as its custom-JVP call (JAX's
+    ``jax_softmax_custom_jvp``, off by default in 0.10-0.12); a no-op once the flag is gone."""
+    flag = getattr(jax, "softmax_custom_jvp", None)
+    return flag(True) if flag is not None else contextlib.nullcontext()
 
 
 def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:

@@ -352,14 +352,41 @@ def lower_rule(step: Step) -> Sequence[Any]:
 
 
 def fp32_rule(step: Step) -> Sequence[Any]:
-    """Numerically sensitive op: floating operands in float32 (float64 stays float64)."""
-    if not step.state.enabled:
+    """Numerically sensitive op: floating operands in float32 (float64 stays float64).
+
+    In a state with ``keep_compute_dtype`` (derivative rules of a custom-derivative call that
+    returns the compute dtype) an op whose operands all arrive in the compute dtype still computes
+    in float32 but returns the compute dtype.
+    """
+    state = step.state
+    if not state.enabled:
         return default_rule(step)
     avals = step.avals()
     targets = {i: F32 for i in step.floating() if avals[i].dtype not in (F32, F64)}
     if any(avals[i].dtype == F64 for i in step.floating()):
         return equalize_rule(step)
-    return step.bind(step.with_cast(targets))
+    outs = step.bind(step.with_cast(targets))
+    if state.keep_compute_dtype and in_compute_dtype(step):
+        with compat.equation_context(step.eqn):
+            outs = [compat.convert(x, state.dtype) if compat.aval_of(x).dtype == F32 else x
+                    for x in outs]
+    return outs
+
+
+def is_scalar_like(step: Step, i: int) -> bool:
+    """Operand ``i`` is a weakly typed, rank-0 or broadcast scalar (it adapts in promotions)."""
+    aval = step.aval(i)
+    return getattr(aval, "weak_type", False) or aval.ndim == 0 or step.has_tag(i, "scalar_like")
+
+
+def in_compute_dtype(step: Step) -> bool:
+    """Whether the floating operands arrive in the (narrower than float32) compute dtype.
+
+    Scalar-like operands do not count; at least one other floating operand must exist.
+    """
+    dtype = step.state.dtype
+    operands = [step.aval(i) for i in step.floating() if not is_scalar_like(step, i)]
+    return dtype != F32 and bool(operands) and all(a.dtype == dtype for a in operands)
 
 
 # torch's linear/addmm/conv include the bias; JAX adds it with a separate `add`.
@@ -370,7 +397,7 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
     """Whether operand ``i`` takes the dtype of the others rather than widening them."""
     if aval.dtype == F64:
         return False
-    if getattr(aval, "weak_type", False) or aval.ndim == 0 or step.has_tag(i, "scalar_like"):
+    if is_scalar_like(step, i):
         return True
     # A bias is a parameter (an input or constant, maybe reshaped) broadcast over the batch:
     # fewer elements than the output. A full-size operand (a residual) or a computed one (a

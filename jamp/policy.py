@@ -155,6 +155,10 @@ class RegionState:
 
     ``matched`` holds the rules that already applied at a shallower scope, so a rule whose glob
     also matches deeper paths (``Block_0*``) does not override a region entered in between.
+    ``keep_compute_dtype`` is set inside the derivative rules of a custom-derivative call that
+    returns the compute dtype under ``Policy(cast_inputs=True)`` (``rules/custom_ad.py``): there an
+    fp32-table op whose operands arrive in the compute dtype computes in float32 and returns the
+    compute dtype, as ``jnp`` does for bfloat16 arrays.
     """
 
     enabled: bool
@@ -162,6 +166,7 @@ class RegionState:
     path: tuple[str, ...] = ()
     matched: frozenset = frozenset()
     decided_by: str = "policy"  # what set enabled/dtype last: "policy", "region" or "rule '<glob>'"
+    keep_compute_dtype: bool = False
 
     def enter_scope(self, name: str, rules: tuple) -> "RegionState":
         path = self.path + (name,)

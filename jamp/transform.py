@@ -1,6 +1,7 @@
 """``autocast_transform`` and ``autocast_jaxpr``: trace, rewrite, evaluate, with a rewrite cache."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any, Callable, Optional, Sequence
@@ -157,7 +158,10 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict) -> tuple
         return fn(*call_args, **call_kwargs)
 
     def tracer() -> _Traced:
-        with tracing_under(True, policy.compute_dtype):
+        # cast_inputs: softmax as one call, which then returns the compute dtype and keeps only
+        # its compute-dtype output for the backward pass (rules/custom_ad.py).
+        softmax = compat.softmax_as_custom_jvp() if policy.cast_inputs else contextlib.nullcontext()
+        with tracing_under(True, policy.compute_dtype), softmax:
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
         # A function closing over an outer trace's values captures tracers: never cache those.
         cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])

@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jamp
-from tests.jaxpr_utils import operand_dtypes
+from jamp import _compat as compat
+from tests.jaxpr_utils import eqns_named, operand_dtypes
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 W = jax.random.normal(jax.random.PRNGKey(0), (8, 8)) * 0.3
@@ -78,3 +79,120 @@ def test_custom_vjp_with_cast_inputs_decorator_runs_in_float32():
     assert f(W, X).dtype == F32
     g = jax.grad(lambda w: f(w, X).sum())(W)
     assert g.dtype == F32 and jnp.all(jnp.isfinite(g))
+
+
+# --- Policy(cast_inputs=True): custom-derivative calls return the compute dtype ------------------
+
+T, D = 16, 8  # an attention matrix [T, T] is told apart from the [T, D] activations by shape
+Q, K, V = (jax.random.normal(key, (T, D)) for key in jax.random.split(jax.random.PRNGKey(2), 3))
+CAST_INPUTS = jamp.Policy(cast_inputs=True)
+
+
+def attention(q, k, v):
+    return jax.nn.softmax(q @ k.T, axis=-1) @ v
+
+
+def _residuals(fn, *args):
+    """Dtype names of the [T, T] leaves ``jax.vjp`` keeps for the backward pass, eager and jit."""
+    out = {}
+    for jit in (False, True):
+        _, vjp_fn = jax.vjp(jax.jit(fn) if jit else fn, *args)
+        out[jit] = sorted(x.dtype.name for x in jax.tree.leaves(vjp_fn) if x.shape == (T, T))
+    return out
+
+
+def test_cast_inputs_attention_keeps_no_float32_attention_matrix_for_backward():
+    f = jamp.autocast_transform(attention, CAST_INPUTS)
+    residuals = _residuals(f, Q, K, V)
+    assert residuals[False] and residuals[True]
+    assert "float32" not in residuals[False] + residuals[True], residuals
+    # The softmax still exponentiates and sums in float32 inside; only its output is bfloat16.
+    jaxpr = jax.make_jaxpr(f)(Q, K, V)
+    for name in ("exp", "reduce_sum"):
+        eqns = eqns_named(jaxpr, name)
+        assert [e.invars[0].aval.shape for e in eqns] == [(T, T)]
+        assert all(v.aval.dtype == F32 for e in eqns for v in (*e.invars, *e.outvars))
+    softmax = eqns_named(jaxpr, "custom_jvp_call")
+    assert [e.outvars[0].aval.dtype for e in softmax] == [BF16]
+
+
+def test_cast_inputs_attention_gradients_are_float32_close_and_type_check():
+    f = jamp.autocast_transform(attention, CAST_INPUTS)
+    loss = lambda q, k, v: f(q, k, v).astype(F32).sum()
+    reference = jax.grad(lambda q, k, v: attention(q, k, v).sum(), argnums=(0, 1, 2))(Q, K, V)
+    for grad_fn in (jax.grad(loss, argnums=(0, 1, 2)), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))):
+        grads = grad_fn(Q, K, V)
+        for g, r in zip(grads, reference):
+            assert g.dtype == F32 and jnp.all(jnp.isfinite(g))
+            np.testing.assert_allclose(g, r, rtol=0.1, atol=0.1)
+    compat.check_closed_jaxpr(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(Q, K, V))
+    compat.check_closed_jaxpr(jax.make_jaxpr(jax.hessian(lambda q: loss(q, K, V)))(Q))
+    # The JVP's tangent has the primal output's dtype.
+    out, tangent = jax.jvp(lambda q: f(q, K, V), (Q,), (jnp.ones_like(Q),))
+    assert out.dtype == tangent.dtype == BF16
+
+
+def test_default_policy_keeps_the_softmax_output_in_float32():
+    softmax = lambda q, k: jax.nn.softmax(q @ k.T, axis=-1)
+    assert jamp.autocast_transform(softmax)(Q, K).dtype == F32          # torch semantics
+    assert jamp.autocast_transform(softmax, CAST_INPUTS)(Q, K).dtype == BF16
+    assert "float32" in _residuals(jamp.autocast_transform(attention), Q, K, V)[True]
+    # Also when the user traces softmax as its custom-JVP call.
+    with jax.softmax_custom_jvp(True):
+        f = jamp.autocast_transform(softmax)
+        assert [e.outvars[0].aval.dtype for e in eqns_named(jax.make_jaxpr(f)(Q, K),
+                                                              "custom_jvp_call")] == [F32]
+        assert f(Q, K).dtype == F32
+
+
+def test_cast_inputs_keeps_float32_for_reductions_and_float32_operands():
+    @jax.custom_jvp
+    def sq_norm(x):
+        return jnp.sum(x * x)
+
+    @sq_norm.defjvp
+    def sq_norm_jvp(primals, tangents):
+        (x,), (tx,) = primals, tangents
+        return sq_norm(x), 2 * jnp.sum(x * tx)
+
+    reduced = jamp.autocast_transform(lambda w, x: sq_norm(x @ w), CAST_INPUTS)
+    assert reduced(W, X).dtype == F32 and jax.grad(reduced)(W, X).dtype == F32
+    # An operand that arrives in float32 (here from the fp32 table) keeps the output float32.
+    mixed = jamp.autocast_transform(lambda w, x: jax.nn.softmax(jnp.exp(x @ w)), CAST_INPUTS)
+    assert mixed(W, X).dtype == F32
+
+
+def test_cast_inputs_losses_stay_float32():
+    import optax
+    labels = jnp.arange(4) % 8
+    for loss in (lambda w, x: optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean(),
+                 lambda w, x: -jnp.mean(jax.nn.log_softmax(x @ w)[jnp.arange(4), labels]),
+                 lambda w, x: jnp.mean(jax.scipy.special.xlogy(jax.nn.softmax(x @ w), 2.0))):
+        f = jamp.autocast_transform(loss, CAST_INPUTS)
+        value, grad = jax.value_and_grad(f)(W, X)
+        assert value.dtype == F32 and grad.dtype == F32 and jnp.isfinite(grad).all()
+
+
+def test_cast_inputs_custom_vjp_returns_compute_dtype_and_saves_it_as_residual():
+    @jax.custom_vjp
+    def sigmoid(x):
+        return 1 / (1 + jnp.exp(-x))
+
+    def fwd(x):
+        y = sigmoid(x)
+        return y, (y,)
+
+    def bwd(res, g):
+        (y,) = res
+        return (g * y * (1 - y),)
+
+    sigmoid.defvjp(fwd, bwd)
+    f = jamp.autocast_transform(lambda w, x: sigmoid(x @ w), CAST_INPUTS)
+    assert f(W, X).dtype == BF16
+    assert jamp.autocast_transform(lambda w, x: sigmoid(x @ w))(W, X).dtype == F32
+    _, vjp_fn = jax.vjp(f, W, X)
+    assert {x.dtype.name for x in jax.tree.leaves(vjp_fn) if x.shape == (4, 8)} == {"bfloat16"}
+    g = jax.grad(lambda w: f(w, X).astype(F32).sum())(W)
+    expected = jax.grad(lambda w: jax.nn.sigmoid(X @ w).sum())(W)
+    assert g.dtype == F32
+    np.testing.assert_allclose(g, expected, rtol=5e-2, atol=5e-2)
