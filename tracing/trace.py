@@ -146,7 +146,7 @@ def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
 
         traced = tracing.trace(f, (x, w), check_inputs=[(x2, w)])
         traced(x, w)              # runs the compiled program
-        print(traced.graph)       # the jaxpr
+        text = traced.graph       # the jaxpr as text
         blob = traced.export()    # tracing.load(blob)(x, w)
     """
     fn, name = resolve_function(fn)
