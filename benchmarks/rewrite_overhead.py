@@ -191,7 +191,8 @@ def row(name: str, r: dict[str, Any], depths: bool = False) -> list[Any]:
              f"{r['rewrite'] / r['rewrite_eqns'] * 1e6:.0f}",
              f"{r['gc_plain'] * 1e3:.0f} / {r['gc_amp'] * 1e3:.0f}", f"{r['ratio_no_gc']:.2f}x"]
     if depths:
-        cells += [f"**{r['ratio_best_depth']:.2f}x**", "{:.2f}–{:.2f}x".format(*r["depth_ratios"])]
+        low, high = r["depth_ratios"]
+        cells += [f"**{r['ratio_best_depth']:.2f}x**", f"{low:.2f}–{high:.2f}x"]
     return cells
 
 
