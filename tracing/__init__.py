@@ -1,8 +1,9 @@
-"""tracing: torch.jit.trace-style trace checking and export for JAX functions and Flax modules.
+"""tracing: torch.jit.trace-style checking and torch.jit.freeze-style freezing for JAX and Flax.
 
 ``tracing.trace(fn, example_inputs)`` returns a compiled, exportable ``TracedFunction`` after
 checking that the trace did not bake in what it should not have (see ``trace.py``);
-``tracing.check_trace`` runs only the checks; ``tracing.load`` reads an export back.
+``tracing.check_trace`` runs only the checks; ``tracing.freeze`` folds a module's variables into
+an inference program (``freeze.py``); ``tracing.load`` reads an export of either back.
 """
 from .errors import TracerWarning, TracingCheckError
 from .export import LoadedFunction, load
