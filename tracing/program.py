@@ -23,10 +23,10 @@ def input_path(path: Sequence[Any]) -> str:
 
 def leaf_aval(leaf: Any, where: str) -> Any:
     """The aval an input leaf is traced at; a clear TypeError for leaves that are not arrays."""
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)) or \
-            isinstance(leaf, jax.ShapeDtypeStruct):
-        return compat.aval_of(leaf) if not isinstance(leaf, jax.ShapeDtypeStruct) else \
-            compat.ShapedArray(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return compat.ShapedArray(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return compat.aval_of(leaf)
     raise TypeError(
         f"{where} is a {type(leaf).__name__}, not an array: traced functions take arrays (and "
         "pytrees of arrays) only; bind other arguments with functools.partial before tracing")

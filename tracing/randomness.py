@@ -32,14 +32,9 @@ def _sub_jaxpr_operands(eqn: Any) -> list[tuple[Any, list[Any]]]:
         carry = list(eqn.invars[nc + nb:])
         return [(eqn.params["cond_jaxpr"], list(eqn.invars[:nc]) + carry),
                 (eqn.params["body_jaxpr"], list(eqn.invars[nc:nc + nb]) + carry)]
-    found = []
-    for value in eqn.params.values():
-        for sub in value if isinstance(value, (tuple, list)) else (value,):
-            if compat.is_jaxpr_like(sub):
-                inner = compat.open_and_consts(sub)[0]
-                if len(inner.invars) == len(eqn.invars):
-                    found.append((sub, list(eqn.invars)))
-    return found
+    # Calls, scan, remat, custom rules, shard_map: a body taking the operands one to one.
+    return [(sub, list(eqn.invars)) for sub in compat.sub_jaxprs(eqn.params)
+            if len(compat.open_and_consts(sub)[0].invars) == len(eqn.invars)]
 
 
 class _InputDependence:
@@ -90,4 +85,4 @@ def warn_constant_keys(closed: Any, name: str) -> None:
             f"{name}: the PRNG key {aval.str_short()} drawn from at {where} is a constant of the "
             "trace (captured from outside, or made from a fixed seed inside), so every call of "
             "the traced function draws the same random numbers. Pass the key as an input "
-            "instead: trace(fn, (key, x)).", TracerWarning, stacklevel=3)
+            "instead: trace(fn, (key, x)).", TracerWarning, stacklevel=4)

@@ -149,11 +149,8 @@ def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
         text = traced.graph       # the jaxpr as text
         blob = traced.export()    # tracing.load(blob)(x, w)
     """
-    fn, name = resolve_function(fn)
-    primary = trace_once(fn, as_inputs(example_inputs), name)
-    randomness.warn_constant_keys(primary.closed, name)
-    if check_trace:
-        _run_checks(fn, name, primary, as_inputs(example_inputs), check_inputs, check_tolerance)
+    primary, name = _trace_and_check(fn, example_inputs, check_inputs, check_tolerance,
+                                     run_checks=check_trace)
     return TracedFunction(primary.closed, primary.signature, primary.out_tree, name,
                           primary.out_template)
 
@@ -166,10 +163,18 @@ def check_trace(fn: Any, example_inputs: Any, check_inputs: Optional[Sequence[An
 
         tracing.check_trace(f, (x,), check_inputs=[(x_other_batch,)])
     """
+    _trace_and_check(fn, example_inputs, check_inputs, check_tolerance, run_checks=True)
+
+
+def _trace_and_check(fn: Any, example_inputs: Any, check_inputs: Optional[Sequence[Any]],
+                     tolerance: float, run_checks: bool) -> tuple[Trace, str]:
+    """The trace at the example inputs (with the PRNG-key check) and, if asked, the others."""
     fn, name = resolve_function(fn)
     primary = trace_once(fn, as_inputs(example_inputs), name)
     randomness.warn_constant_keys(primary.closed, name)
-    _run_checks(fn, name, primary, as_inputs(example_inputs), check_inputs, check_tolerance)
+    if run_checks:
+        _run_checks(fn, name, primary, as_inputs(example_inputs), check_inputs, tolerance)
+    return primary, name
 
 
 def _run_checks(fn: Callable, name: str, primary: Trace, example: tuple,
@@ -225,7 +230,7 @@ def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
     got_leaves, expected_leaves = jax.tree.leaves(got), jax.tree.leaves(expected)
     if len(got_leaves) != len(expected_leaves):
         warnings.warn(f"{name}: the traced function returns {len(got_leaves)} outputs, the "
-                      f"Python function {len(expected_leaves)}", TracerWarning, stacklevel=4)
+                      f"Python function {len(expected_leaves)}", TracerWarning, stacklevel=5)
         return
     for number, (a, b) in enumerate(zip(got_leaves, expected_leaves), start=1):
         error = _mismatch(a, b, tolerance)
@@ -233,7 +238,7 @@ def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
             warnings.warn(
                 f"Output nr {number}. of the traced function does not match the corresponding "
                 f"output of the Python function. Detailed error:\n{error}", TracerWarning,
-                stacklevel=4)
+                stacklevel=5)
 
 
 def _mismatch(traced: Any, python: Any, tolerance: float) -> str:
