@@ -4,7 +4,8 @@ Supported: jax 0.10.x (Python 3.11 here) and jax 0.12.x (Python 3.12). Differenc
 ``ClosedJaxpr`` merged into ``Jaxpr`` in 0.12, scan's operand counts moved into ``ft_in`` in 0.11,
 and ``get_bind_params`` returned ``(subfuns, params)`` before 0.9.2; ``jax.nn.softmax`` traces as a
 custom-JVP call only under the ``jax_softmax_custom_jvp`` flag. (The rules register both ``jit``
-and ``pjit``, the primitive's name before 0.10.)
+and ``pjit``, the primitive's name before 0.10.) ``partial_eval.trace_to_jaxpr_dynamic`` and
+``linear_util.DebugInfo``, used to trace rewritten sub-jaxprs, are the same in 0.10 and 0.12.
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def softmax_as_custom_jvp() -> Any:
 
 
 def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
-    """Trace ``fn`` (flat arguments, a list of outputs) at abstract values, keeping weak types,
+    """Trace ``fn`` (flat arguments; outputs flattened) at abstract values, keeping weak types,
     to a closed jaxpr.
 
     This is what ``jax.make_jaxpr`` does minus its jit front end (argument names, signature
@@ -105,7 +106,8 @@ def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
     from jax._src import linear_util as lu
     from jax._src.interpreters import partial_eval as pe
     debug = lu.DebugInfo("jamp", getattr(fn, "__name__", "<jamp>"), None, None)
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=debug),
+    flat_fn = lambda *args: jax.tree.leaves(fn(*args))  # outputs may be a pytree (a vjp's)
+    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat_fn, debug_info=debug),
                                                  list(in_avals))
     # jax < 0.12: ClosedJaxpr(jaxpr, consts); from 0.12 Jaxpr(jaxpr, consts) attaches them.
     return (_ClosedJaxpr or _core.Jaxpr)(jaxpr, consts)

@@ -15,7 +15,6 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
-import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat

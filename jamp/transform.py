@@ -7,7 +7,6 @@ import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat
