@@ -142,13 +142,13 @@ def measure_rows(rows: Sequence[tuple[Callable[[], Callable], Sequence[Any], boo
         medians_no_gc = {key: median(ts) for key, ts in row_depth_no_gc.items()}
         depth_ratios = [medians["amp", d] / medians["plain", d] for d in depths]
         (_, plain, _), (_, amp, _), (_, _, forward) = sides
+        no_gc = {name: [t - g for t, g in zip(row_samples[name], row_gc[name])]
+                 for name in ("plain", "amp")}
         plain_counts, amp_counts = count_eqns(plain()), count_eqns(amp())
         results.append({
             "rewrite_eqns": sum(count_eqns(forward()).values()),
             "ratio": paired_ratio(row_samples["amp"], row_samples["plain"]),
-            "ratio_no_gc": paired_ratio(
-                [t - g for t, g in zip(row_samples["amp"], row_gc["amp"])],
-                [t - g for t, g in zip(row_samples["plain"], row_gc["plain"])]),
+            "ratio_no_gc": paired_ratio(no_gc["amp"], no_gc["plain"]),
             "plain": median(row_samples["plain"]), "amp": median(row_samples["amp"]),
             "rewrite": median(row_samples["rewrite"]),
             "gc_plain": median(row_gc["plain"]), "gc_amp": median(row_gc["amp"]),
@@ -162,8 +162,7 @@ def measure_rows(rows: Sequence[tuple[Callable[[], Callable], Sequence[Any], boo
             / min(medians_no_gc["plain", d] for d in depths),
             # timeit's statistic: each side's fastest sample over all depths and repetitions,
             # full-GC time taken out (timeit turns the collector off while it times).
-            "ratio_fastest": min(t - g for t, g in zip(row_samples["amp"], row_gc["amp"]))
-            / min(t - g for t, g in zip(row_samples["plain"], row_gc["plain"])),
+            "ratio_fastest": min(no_gc["amp"]) / min(no_gc["plain"]),
             "depth_ratios": (min(depth_ratios), max(depth_ratios)),
         })
     return results
@@ -272,8 +271,9 @@ def main() -> None:
                         help="sample all rows in every repetition (instead of row after row), "
                              "so that rows are compared under the same load")
     parser.add_argument("--caller-depths", type=int, nargs="+", default=[0],
-                        help="sample every side at these extra Python stack depths and add the "
-                             "ratio of the best depth of each side (e.g. 0 8 16 24 32 40 48 56 64)")
+                        help="sample every side at these Python stack depths and add the ratio "
+                             "of each side's best depth and of its fastest sample, which the "
+                             "verdict then uses (e.g. 0 4 8 ... 60)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile the rewrite of the largest model of the first Flax workload")
     parser.add_argument("--top", type=int, default=15, help="rows of the profile table")

@@ -15,7 +15,9 @@ from typing import Any, Iterator, Sequence
 import jax
 import numpy as np
 from jax._src import core as _core
+from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
+from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 
 Literal = _core.Literal
@@ -103,12 +105,10 @@ def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
     sub-jaxpr (each ``checkpoint``, ``scan`` and ``cond`` body) this way. Values ``fn`` closes
     over from an outer trace become constants, as with ``make_jaxpr``.
     """
-    from jax._src import linear_util as lu
-    from jax._src.interpreters import partial_eval as pe
-    debug = lu.DebugInfo("jamp", getattr(fn, "__name__", "<jamp>"), None, None)
+    debug = _lu.DebugInfo("jamp", getattr(fn, "__name__", "<jamp>"), None, None)
     flat_fn = lambda *args: jax.tree.leaves(fn(*args))  # outputs may be a pytree (a vjp's)
-    jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(flat_fn, debug_info=debug),
-                                                 list(in_avals))
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(flat_fn, debug_info=debug),
+                                                  list(in_avals))
     # jax < 0.12: ClosedJaxpr(jaxpr, consts); from 0.12 Jaxpr(jaxpr, consts) attaches them.
     return (_ClosedJaxpr or _core.Jaxpr)(jaxpr, consts)
 
@@ -131,9 +131,8 @@ def as_closed(jaxpr: Any) -> Any:
 
 def hoist_consts(closed: Any) -> tuple[Any, list[Any]]:
     """(open jaxpr whose leading invars are the consts, consts): for primitives taking open jaxprs."""
-    from jax._src.interpreters import partial_eval as pe
     jaxpr, consts = open_and_consts(closed)
-    return pe.convert_constvars_jaxpr(jaxpr), consts
+    return _pe.convert_constvars_jaxpr(jaxpr), consts
 
 
 def tangent_aval(aval: ShapedArray) -> ShapedArray:
@@ -166,11 +165,10 @@ def dce_closed(closed: Any) -> tuple[Any, list[Any]]:
 
     Uses JAX's own ``dce_jaxpr`` (it knows the rules of scan, while, cond, jit and effects).
     """
-    from jax._src.interpreters import partial_eval as pe
     jaxpr, consts = open_and_consts(closed)
-    as_inputs = pe.convert_constvars_jaxpr(jaxpr)
+    as_inputs = _pe.convert_constvars_jaxpr(jaxpr)
     keep_inputs = [False] * len(consts) + [True] * len(jaxpr.invars)
-    dced, used = pe.dce_jaxpr(as_inputs, [True] * len(jaxpr.outvars), instantiate=keep_inputs)
+    dced, used = _pe.dce_jaxpr(as_inputs, [True] * len(jaxpr.outvars), instantiate=keep_inputs)
     return dced, [c for c, u in zip(consts, used[:len(consts)]) if u]
 
 
