@@ -2,7 +2,7 @@
 from .interpreter import RewriteError, UnsupportedPrimitiveWarning
 from .loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
                          scaled_value_and_grad, select_tree)
-from .policy import Policy
+from .policy import Policy, UnmatchedRuleWarning
 from .report import Report, explain
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
 from .transform import autocast_jaxpr, autocast_transform
@@ -11,6 +11,6 @@ __all__ = [
     "Policy", "autocast_transform", "autocast_jaxpr", "autocast", "is_autocast_enabled",
     "get_autocast_dtype", "AutocastWarning", "RewriteError", "UnsupportedPrimitiveWarning",
     "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "all_finite", "select_tree",
-    "scaled_value_and_grad", "explain", "Report",
+    "scaled_value_and_grad", "explain", "Report", "UnmatchedRuleWarning",
 ]
 __version__ = "0.1.0"

@@ -178,3 +178,39 @@ def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
         for item in (value if isinstance(value, (tuple, list)) else (value,)):
             if is_jaxpr_like(item):
                 yield item
+
+
+# --- primitive names and function labels (Policy validation, unmatched-rule warnings) ----------
+
+def _primitive_tables() -> list[Any]:
+    """JAX's registries keyed by Primitive: every primitive that can be lowered or differentiated
+    is a key of one of them (jit's and remat's too; their names change across versions)."""
+    from jax._src.interpreters import ad as _ad
+    from jax._src.interpreters import mlir as _mlir
+    return [_mlir._lowerings, *_mlir._platform_specific_lowerings.values(), _ad.primitive_jvps,
+            _ad.primitive_transposes, _pe.partial_eval_jaxpr_custom_rules,
+            _pe.custom_partial_eval_rules]
+
+
+_primitive_names_cache: tuple[int, frozenset[str]] = (-1, frozenset())
+
+
+def primitive_names() -> frozenset[str]:
+    """Names (``str(eqn.primitive)``) of the primitives the running JAX has registered.
+
+    Recomputed when a registry grows (a module defining primitives imported later, a user's own
+    primitive registering its lowering)."""
+    global _primitive_names_cache
+    tables = _primitive_tables()
+    size = sum(len(t) for t in tables)
+    if size != _primitive_names_cache[0]:
+        names = frozenset(getattr(p, "name", str(p)) for t in tables for p in list(t))
+        _primitive_names_cache = (size, names)
+    return _primitive_names_cache[1]
+
+
+def function_label(closed: Any) -> str:
+    """``"loss_fn at model.py:12"`` for a traced jaxpr (from its debug info), or ``""``."""
+    jaxpr, _ = open_and_consts(closed)
+    info = getattr(jaxpr, "debug_info", None)
+    return getattr(info, "func_src_info", None) or getattr(info, "func_name", None) or ""

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat
-from .policy import Policy, RegionState
+from .policy import Policy, RegionState, ScopeLog, report_unmatched_rules
 from .regions import apply_marker
 
 Rule = Callable[["Step"], Sequence[Any]]
@@ -218,10 +218,15 @@ class Rewriter:
     """Evaluates jaxprs under one policy, starting from one region state."""
 
     def __init__(self, policy: Policy, state: RegionState,
-                 rewritten: Optional[dict[Any, Any]] = None, recorder: Any = None):
+                 rewritten: Optional[dict[Any, Any]] = None, recorder: Any = None,
+                 scope_log: Optional[ScopeLog] = None):
         self.policy = policy
         self.base = state
         self.recorder = recorder  # report.Recorder for jamp.explain, else None
+        # Scope paths entered anywhere in this program, for the rules that matched none of them;
+        # the rewriter that creates the log (the top-level one) reports those when it finishes.
+        self._owns_scope_log = scope_log is None
+        self.scope_log = ScopeLog() if scope_log is None else scope_log
         self._states: dict[tuple[str, ...], RegionState] = {}
         # Sub-jaxprs already rewritten in this program, shared with child rewriters: jnp's
         # jitted helpers (`_where`, ...) recur with the same avals many times in a model.
@@ -230,7 +235,7 @@ class Rewriter:
 
     def child(self, state: RegionState) -> "Rewriter":
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
-        return Rewriter(self.policy, state, self._rewritten, self.recorder)
+        return Rewriter(self.policy, state, self._rewritten, self.recorder, self.scope_log)
 
     def state_for(self, eqn: Any) -> RegionState:
         scopes = compat.scope_names(eqn)
@@ -239,6 +244,7 @@ class Rewriter:
             state = self.base
             for name in scopes:
                 state = apply_marker(name, state) or state.enter_scope(name, self.policy.rules)
+                self.scope_log.add(state.path)
             self._states[scopes] = state
         return state
 
@@ -279,6 +285,8 @@ class Rewriter:
                 if not isinstance(var, compat.DropVar):
                     env.values[var] = value
             _track_derived(step, outs)
+        if self._owns_scope_log and self.policy.rules:
+            report_unmatched_rules(self, jaxpr)
         return [env.read(v) for v in jaxpr.outvars]
 
     def _apply(self, step: Step) -> Sequence[Any]:

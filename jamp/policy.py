@@ -6,15 +6,27 @@ extended without importing JAX internals::
 
     policy = jamp.Policy(jnp.bfloat16)
     policy = policy.replace(fp32=policy.fp32 | {"tanh"}, rules=(("*/head", None),))
+    policy                          # Policy(fp32=FP32 | {'tanh'}, rules=(('*/head', None),))
+    jamp.Policy.from_string("compute=bf16,output=f32")    # jmp.get_policy's format
+
+Table names are checked against the running JAX's primitives and rule globs against regex
+syntax at construction; a rule that matched no scope warns (``UnmatchedRuleWarning``).
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
-from typing import Any, Iterable, Optional
+import os
+import sys
+import warnings
+from typing import Any, Callable, Iterable, Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+from . import _compat as compat
 
 # Matrix multiplies and convolutions: operands in the compute dtype, output in the compute dtype.
 LOWER: frozenset[str] = frozenset({
@@ -42,6 +54,23 @@ PROMOTE: frozenset[str] = frozenset({
 })
 
 _FLOATING_COMPUTE = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+_DEFAULT_TABLES = {"lower": ("LOWER", lambda: LOWER), "fp32": ("FP32", lambda: FP32),
+                   "promote": ("PROMOTE", lambda: PROMOTE)}
+
+
+class UnmatchedRuleWarning(UserWarning):
+    """A ``Policy.rules`` glob matched no scope of the function it was applied to."""
+
+
+class _DefaultTable:
+    """Sentinel default of a table argument: the signature reads ``lower=LOWER`` instead of
+    listing every primitive name (``help(jamp.Policy)`` stays readable)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
 
 
 def _dtype_or_none(value: Any, field: str) -> Optional[np.dtype]:
@@ -57,22 +86,148 @@ def _dtype_or_none(value: Any, field: str) -> Optional[np.dtype]:
     return dtype
 
 
-def _names(value: Iterable[str], field: str) -> frozenset[str]:
-    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+def _suggestions(name: str, known: Iterable[str]) -> list[str]:
+    """Known names close to ``name``: the same up to case and ``-``/``_`` (``scatter_add`` ->
+    ``scatter-add``), difflib's close matches, then names it is a prefix of (``dot``)."""
+    norm = lambda s: s.lower().replace("-", "_")
+    known = sorted(known)
+    same = [k for k in known if norm(k) == norm(name)]
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    prefixed = sorted((k for k in known if norm(k).startswith(norm(name))), key=len)
+    return list(dict.fromkeys(same + prefixed[:1] + close + prefixed))[:3]
+
+
+def _names(value: Any, field: str) -> frozenset[str]:
+    if isinstance(value, _DefaultTable):
+        return _DEFAULT_TABLES[field][1]()
+    items = None if isinstance(value, str) or not isinstance(value, Iterable) else list(value)
+    if items is None or not all(isinstance(v, str) for v in items):
         raise TypeError(f"Policy.{field} must be a set of primitive names (str), got {value!r}")
-    return frozenset(value)
+    names = frozenset(items)
+    # Names of the default tables are accepted even where this JAX lacks them (log2 before 0.11).
+    known = compat.primitive_names() | LOWER | FP32 | PROMOTE
+    for name in sorted(names - known):
+        close = _suggestions(name, known)
+        hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
+        raise ValueError(
+            f"Policy.{field}: {name!r} is not a primitive of this JAX ({jax.__version__}){hint} "
+            "Tables hold primitive names as jaxprs print them (`jax.make_jaxpr(f)(x)`), e.g. "
+            "'dot_general', 'scatter-add'. A primitive of your own must be defined (its lowering "
+            "registered) before the Policy is built.")
+    return names
 
 
-def _rules(value: Iterable[Any]) -> tuple[tuple[str, Optional[np.dtype]], ...]:
+# Signs that a rule was written as a regular expression: rules are fnmatch globs.
+_REGEX_SIGNS = ("^", "$", ".*", ".+", "\\", "(?", "|")
+
+
+def _glob_for(regex_like: str) -> str:
+    """The glob a regex-looking rule most likely meant: ``^.*head$`` -> ``*head``."""
+    glob = regex_like.removeprefix("^").removesuffix("$")
+    for regex, wildcard in ((".*", "*"), (".+", "?*"), ("\\.", ".")):
+        glob = glob.replace(regex, wildcard)
+    return glob
+
+
+def _rules(value: Any) -> tuple[tuple[str, Optional[np.dtype]], ...]:
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) \
+            and not isinstance(value[1], (tuple, list)):
+        raise TypeError(f"Policy.rules must be a sequence of (glob, dtype or None) pairs, got the "
+                        f"single pair {value!r}: write rules=({value!r},)")
     rules = []
     for i, rule in enumerate(value):
-        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise TypeError(f"Policy.rules[{i}] must be a (glob pattern, dtype or None) pair, got {rule!r}")
-        rules.append((rule[0], _dtype_or_none(rule[1], f"rules[{i}][1]")))
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+            raise TypeError(f"Policy.rules[{i}] must be a (glob pattern, dtype or None) pair, "
+                            f"got {rule!r}")
+        glob, dtype = rule
+        if not isinstance(glob, str) or not glob:
+            raise TypeError(f"Policy.rules[{i}][0] must be a non-empty glob string such as "
+                            f"'*/head', got {glob!r}")
+        if any(sign in glob for sign in _REGEX_SIGNS):
+            raise ValueError(
+                f"Policy.rules[{i}][0] = {glob!r} looks like a regular expression; rules are "
+                "shell-style globs (fnmatch: '*' any text, '?' one character, '[ab]' a set) "
+                f"matched against the whole scope path, e.g. {_glob_for(glob)!r}")
+        rules.append((glob, _dtype_or_none(dtype, f"rules[{i}][1]")))
     return tuple(rules)
 
 
-@dataclasses.dataclass(frozen=True)
+def _dtype_repr(dtype: Optional[np.dtype]) -> str:
+    return "None" if dtype is None else f"jnp.{dtype.name}"
+
+
+def _set_repr(names: Iterable[str]) -> str:
+    return "{" + ", ".join(repr(n) for n in sorted(names)) + "}"
+
+
+def _table_repr(names: frozenset, field: str) -> Optional[str]:
+    """``FP32 - {'exp'} | {'tanh'}`` for a table that differs from its default, else None."""
+    const, default = _DEFAULT_TABLES[field][0], _DEFAULT_TABLES[field][1]()
+    if names == default:
+        return None
+    added, removed = names - default, default - names
+    if len(added) + len(removed) > len(names):
+        return _set_repr(names)
+    return const + (f" - {_set_repr(removed)}" if removed else "") + \
+        (f" | {_set_repr(added)}" if added else "")
+
+
+# jmp's dtype spellings (``jmp.get_policy``); ``half`` is platform-dependent as in jmp.
+_DTYPE_NAMES = {
+    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16, "float16": jnp.float16,
+    "full": jnp.float32, "f32": jnp.float32, "float32": jnp.float32,
+    "f64": jnp.float64, "float64": jnp.float64,
+}
+_BOOL_NAMES = {"true": True, "1": True, "yes": True, "on": True,
+               "false": False, "0": False, "no": False, "off": False}
+
+
+def _half() -> np.dtype:
+    """jmp's ``half``: bfloat16 on TPU, float16 elsewhere."""
+    return np.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
+
+
+def _parse_dtype(key: str, value: str) -> np.dtype:
+    if value == "half":
+        return _half()
+    if value not in _DTYPE_NAMES:
+        close = _suggestions(value, [*_DTYPE_NAMES, "half"])
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"Policy.from_string: {key}={value!r} is not a dtype{hint}; use one of "
+                         "bf16, bfloat16, f16, float16, half, f32, float32, full")
+    return np.dtype(_DTYPE_NAMES[value])
+
+
+def _parse_params(key: str, value: str) -> dict[str, Any]:
+    if _parse_dtype(key, value) != np.float32:
+        raise ValueError(
+            f"Policy.from_string: {key}={value!r}: jamp never casts parameters (gradients come "
+            "back in the dtype you store them in), so params=float32 is the only value it "
+            "accepts. Store them in 16 bits yourself, or add cast_inputs=true to compute from "
+            "16-bit copies of every floating input.")
+    return {}
+
+
+def _parse_bool(key: str, value: str) -> bool:
+    if value.lower() not in _BOOL_NAMES:
+        raise ValueError(f"Policy.from_string: {key}={value!r} must be true or false")
+    return _BOOL_NAMES[value.lower()]
+
+
+# key (jmp's long and short spellings) -> (Policy argument, parser returning keyword changes).
+_STRING_KEYS: dict[str, Callable[[str, str], dict[str, Any]]] = {
+    "compute": lambda k, v: {"compute_dtype": _parse_dtype(k, v)},
+    "output": lambda k, v: {"output_dtype": _parse_dtype(k, v)},
+    "params": _parse_params,
+    "accumulate": lambda k, v: {"accumulate_dtype": _parse_dtype(k, v)},
+    "cast_inputs": lambda k, v: {"cast_inputs": _parse_bool(k, v)},
+}
+_STRING_KEYS.update({"c": _STRING_KEYS["compute"], "o": _STRING_KEYS["output"],
+                     "p": _STRING_KEYS["params"]})
+
+
+@dataclasses.dataclass(frozen=True, init=False, repr=False)
 class Policy:
     """How ``autocast_transform`` assigns precisions.
 
@@ -82,30 +237,40 @@ class Policy:
         the compute dtype. Costs memory and makes backward matmuls mix dtypes; use for logits only.
       output_dtype: if set, floating (non-float64) outputs of the function are cast to it.
       cast_inputs: cast floating (non-float64) inputs to the compute dtype on entry.
-      lower, fp32, promote: the primitive-name tables (see README for the full tables).
+      lower, fp32, promote: sets of primitive names (``LOWER``, ``FP32``, ``PROMOTE`` in
+        ``jamp.policy`` by default; see the README for the full tables). Every name must be a
+        primitive of the running JAX: ``Policy(lower={"dot"})`` raises ``ValueError`` suggesting
+        ``'dot_general'``.
       rules: ``((glob, dtype_or_None), ...)`` matched against each equation's scope path
         (``jax.named_scope`` names and Flax module paths joined by ``/``). ``None`` disables
         autocast there, a dtype changes the compute dtype. The innermost matching scope wins; at the
         same scope the later rule wins; ``jamp.autocast`` regions inside a scope win over rules.
+        Globs, not regular expressions (``^.*head$`` raises ``ValueError``). A rule that matches no
+        scope of a transformed function warns once (:class:`jamp.UnmatchedRuleWarning`, naming the
+        closest scope paths) and is listed by ``jamp.explain``.
 
     Example::
 
         policy = jamp.Policy(jnp.float16, rules=(("*/LayerNorm_*", None),))
         f16_fn = jamp.autocast_transform(fn, policy)
+        policy.replace(fp32=policy.fp32 | {"tanh"})   # repr: Policy(jnp.float16, fp32=FP32 | ...)
+        jamp.Policy.from_string("compute=bf16,output=f32")   # jmp.get_policy's format
     """
 
-    compute_dtype: Any = jnp.bfloat16
-    accumulate_dtype: Any = None
-    output_dtype: Any = None
-    cast_inputs: bool = False
-    lower: frozenset = LOWER
-    fp32: frozenset = FP32
-    promote: frozenset = PROMOTE
-    rules: tuple = ()
+    compute_dtype: np.dtype
+    accumulate_dtype: Optional[np.dtype]
+    output_dtype: Optional[np.dtype]
+    cast_inputs: bool
+    lower: frozenset
+    fp32: frozenset
+    promote: frozenset
+    rules: tuple
 
     def __init__(self, compute_dtype: Any = jnp.bfloat16, *, accumulate_dtype: Any = None,
-                 output_dtype: Any = None, cast_inputs: bool = False, lower: Iterable[str] = LOWER,
-                 fp32: Iterable[str] = FP32, promote: Iterable[str] = PROMOTE,
+                 output_dtype: Any = None, cast_inputs: bool = False,
+                 lower: Iterable[str] = _DefaultTable("LOWER"),
+                 fp32: Iterable[str] = _DefaultTable("FP32"),
+                 promote: Iterable[str] = _DefaultTable("PROMOTE"),
                  rules: Iterable[Any] = ()):
         compute = _dtype_or_none(compute_dtype, "compute_dtype")
         if compute is None or compute not in _FLOATING_COMPUTE:
@@ -127,6 +292,53 @@ class Policy:
             raise ValueError(f"Policy tables overlap on {sorted(overlap)}: each primitive belongs to "
                              "at most one of lower / fp32 / promote")
 
+    @classmethod
+    def from_string(cls, spec: str) -> "Policy":
+        """A policy from jmp's ``get_policy`` format, for config files and command lines.
+
+        ``"compute=bfloat16,output=float32"``; keys ``compute``/``c``, ``output``/``o``,
+        ``params``/``p``, ``accumulate`` and ``cast_inputs`` (``true``/``false``); dtypes
+        ``bf16``/``bfloat16``, ``f16``/``float16``, ``f32``/``float32``/``full`` and ``half``
+        (bfloat16 on TPU, float16 elsewhere, as jmp). A bare dtype (``"bf16"``) sets the compute
+        and output dtypes. Unlike jmp, a missing ``output`` leaves outputs in the dtypes the
+        rewrite gives them (a float32 loss stays float32), and ``params`` accepts only float32:
+        jamp never casts parameters. Bad keys or values raise ``ValueError`` naming them.
+
+        Example::
+
+            jamp.Policy.from_string("c=f16,o=f32")   # Policy(jnp.float16, output_dtype=jnp.float32)
+        """
+        if not isinstance(spec, str):
+            raise TypeError(f"Policy.from_string expects a str, got {type(spec).__name__}")
+        text = spec.strip()
+        if not text:
+            raise ValueError("Policy.from_string: empty policy string; write e.g. "
+                             "'compute=bfloat16,output=float32'")
+        if "=" not in text and "," not in text:  # jmp's bare dtype form
+            dtype = _parse_dtype("dtype", text)
+            return cls(dtype, output_dtype=dtype)
+        changes: dict[str, Any] = {}
+        seen: dict[str, str] = {}
+        for part in text.split(","):
+            key, sep, value = (s.strip() for s in part.partition("="))
+            if not sep or not key or not value:
+                raise ValueError(f"Policy.from_string: {part.strip()!r} in {spec!r} is not "
+                                 "key=value")
+            if key not in _STRING_KEYS:
+                close = _suggestions(key, [k for k in _STRING_KEYS if len(k) > 1])
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise ValueError(f"Policy.from_string: unknown key {key!r} in {spec!r}{hint}; "
+                                 "keys are compute, output, params, accumulate, cast_inputs")
+            canonical = next(k for k, f in _STRING_KEYS.items() if f is _STRING_KEYS[key])
+            if canonical in seen:
+                raise ValueError(f"Policy.from_string: {canonical!r} given twice in {spec!r}")
+            seen[canonical] = value
+            changes.update(_STRING_KEYS[key](key, value))
+        try:
+            return cls(**changes)
+        except ValueError as err:
+            raise ValueError(f"Policy.from_string({spec!r}): {err}") from err
+
     def replace(self, **changes: Any) -> "Policy":
         """A copy with some fields changed: ``policy.replace(compute_dtype=jnp.float16)``."""
         fields = [f.name for f in dataclasses.fields(self)]
@@ -147,6 +359,128 @@ class Policy:
         if primitive_name in self.promote:
             return "promote"
         return None
+
+    def __repr__(self) -> str:
+        """Only what differs from ``Policy()``: ``Policy(jnp.float16, fp32=FP32 | {'tanh'})``."""
+        parts = [] if self.compute_dtype == jnp.bfloat16 else [_dtype_repr(self.compute_dtype)]
+        for name in ("accumulate_dtype", "output_dtype"):
+            if getattr(self, name) is not None:
+                parts.append(f"{name}={_dtype_repr(getattr(self, name))}")
+        if self.cast_inputs:
+            parts.append("cast_inputs=True")
+        for name in _DEFAULT_TABLES:
+            table = _table_repr(getattr(self, name), name)
+            if table is not None:
+                parts.append(f"{name}={table}")
+        if self.rules:
+            rules = ", ".join(f"({glob!r}, {_dtype_repr(dtype)})" for glob, dtype in self.rules)
+            parts.append(f"rules=({rules}{',' if len(self.rules) == 1 else ''})")
+        return f"Policy({', '.join(parts)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class UnmatchedRule:
+    """A rule whose glob matched no scope path of a traced function (see ``ScopeLog``)."""
+
+    index: int
+    glob: str
+    dtype: Optional[np.dtype]
+    closest: tuple[str, ...]  # the scope paths seen that come closest to the glob
+    hint: str
+
+    def message(self, where: str = "") -> str:
+        seen = (f"; closest scope paths seen: {', '.join(map(repr, self.closest))}"
+                if self.closest else "")
+        return (f"Policy.rules[{self.index}] ({self.glob!r}, {_dtype_repr(self.dtype)}) matched "
+                f"no scope{' of ' + where if where else ''}{seen}. {self.hint}")
+
+
+class ScopeLog:
+    """The scope paths one rewrite entered, to find the rules that matched none of them."""
+
+    def __init__(self) -> None:
+        self.paths: set[str] = set()
+
+    def add(self, path: tuple[str, ...]) -> None:
+        if path:
+            self.paths.add("/".join(path))
+
+    def unmatched(self, rules: tuple) -> tuple[UnmatchedRule, ...]:
+        matched = lambda glob: any(fnmatch.fnmatchcase(p, glob) for p in self.paths)
+        return tuple(UnmatchedRule(i, glob, dtype, self._closest(glob), self._hint(glob))
+                     for i, (glob, dtype) in enumerate(rules) if not matched(glob))
+
+    def _closest(self, glob: str) -> tuple[str, ...]:
+        """Seen paths nearest the glob, by difflib on the whole path and on its last name."""
+        core = glob.replace("*", "").replace("?", "")
+        last = core.rsplit("/", 1)[-1]
+        score = lambda path: max(difflib.SequenceMatcher(None, core, path).ratio(),
+                                 difflib.SequenceMatcher(None, last.lower(),
+                                                         path.rsplit("/", 1)[-1].lower()).ratio())
+        ranked = sorted(self.paths, key=lambda p: (-score(p), p))
+        return tuple(p for p in ranked[:3] if score(p) >= 0.3)
+
+    def _hint(self, glob: str) -> str:
+        """Why the glob probably missed, from the nearest variant that would have matched."""
+        if not self.paths:
+            return ("The function entered no scopes: rules match jax.named_scope names and Flax "
+                    "module paths joined by '/'.")
+        for variant, why in ((glob + "*", "Flax linen names unnamed submodules with a _<n> "
+                              "suffix ('Head_0')"),
+                             ("*/" + glob, "the glob must match the whole path from the top"),
+                             ("*" + glob, "the glob must match the whole path from the top")):
+            hits = sorted(p for p in self.paths if fnmatch.fnmatchcase(p, variant))
+            if hits:
+                return f"{why}: {variant!r} would match {hits[0]!r}."
+        lower = sorted(p for p in self.paths if fnmatch.fnmatchcase(p.lower(), glob.lower()))
+        if lower:
+            return f"Globs are case-sensitive: {lower[0]!r} differs only in case."
+        return "Rules are case-sensitive globs over the whole '/'-joined scope path."
+
+
+_warned: set[tuple[str, str, tuple[str, ...]]] = set()
+_OWN_PACKAGES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax,))
+
+
+def warn_unmatched(unmatched: Iterable[UnmatchedRule], where: str, paths: Iterable[str]) -> None:
+    """Warn once per (function, rule) about rules that matched nothing.
+
+    ``where`` labels the function (``"loss_fn at model.py:12"``) and, with the scope paths seen,
+    keys the once-only check, so a retrace at new shapes does not warn again."""
+    if _is_internal(where):  # a label naming jamp's own wrapper says nothing to the user
+        where = ""
+    seen = tuple(sorted(paths))
+    for rule in unmatched:
+        key = (where, rule.glob, seen)
+        if key in _warned:
+            continue
+        _warned.add(key)
+        warnings.warn(rule.message(where), UnmatchedRuleWarning, stacklevel=_user_stacklevel())
+
+
+def report_unmatched_rules(rewriter: Any, jaxpr: Any) -> None:
+    """Called by the top-level ``interpreter.Rewriter`` when it finishes a program: a recorder
+    (``jamp.explain``) lists the rules that matched no scope, a plain rewrite warns."""
+    unmatched = rewriter.scope_log.unmatched(rewriter.policy.rules)
+    record = getattr(rewriter.recorder, "unmatched_rules", None)
+    if callable(record):
+        record(unmatched)
+    elif unmatched:
+        warn_unmatched(unmatched, compat.function_label(jaxpr), rewriter.scope_log.paths)
+
+
+def _is_internal(filename: str) -> bool:
+    here = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    return here in filename or any(filename.startswith(p) for p in _OWN_PACKAGES)
+
+
+def _user_stacklevel() -> int:
+    """The stacklevel of the first caller frame outside jamp and JAX (the user's line)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (_is_internal(frame.f_code.co_filename)
+                                 or frame.f_code.co_filename.startswith("<")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import _compat as compat
 from .interpreter import F64, Step, has_subprograms, is_float
-from .policy import Policy
+from .policy import Policy, UnmatchedRule
 
 
 @dataclasses.dataclass
@@ -37,6 +37,8 @@ class Report:
         ``"accumulate_dtype"``, ``"explicit preferred_element_type"``, ``"compute dtype"`` or
         ``"inputs arrived in float32"``.
       calls: higher-order primitives (jit, scan, cond, ...) whose bodies were rewritten.
+      unmatched_rules: the ``Policy.rules`` whose glob matched no scope of the function, each
+        with the closest scope paths seen (``jamp.policy.UnmatchedRule``; ``.message()`` says why).
     """
 
     policy: Policy
@@ -46,6 +48,7 @@ class Report:
     flops: dict[str, int]
     float32_reasons: dict[tuple[str, str], int]
     calls: dict[str, int]
+    unmatched_rules: tuple[UnmatchedRule, ...] = ()
 
     @property
     def low_precision_flop_share(self) -> float:
@@ -74,6 +77,7 @@ class Report:
             for (name, reason), count in sorted(self.float32_reasons.items(),
                                                 key=lambda kv: (-kv[1], kv[0])):
                 lines.append(f"  {name:<{width}}  {reason}  x{count}")
+        lines.extend(f"unmatched rule: {rule.message()}" for rule in self.unmatched_rules)
         return "\n".join(lines)
 
 
@@ -102,6 +106,11 @@ class Recorder:
         self.flops: collections.Counter = collections.Counter()
         self.reasons: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
+        self.unmatched: tuple[UnmatchedRule, ...] = ()
+
+    def unmatched_rules(self, rules: tuple[UnmatchedRule, ...]) -> None:
+        """Told by the top-level rewriter which rules matched no scope (instead of a warning)."""
+        self.unmatched = tuple(rules)
 
     def cast(self, constant: bool) -> None:
         if constant:
@@ -146,7 +155,8 @@ class Recorder:
 
     def report(self) -> Report:
         return Report(self.policy, {k: dict(v) for k, v in self.ops.items()}, self.casts,
-                      self.constant_casts, dict(self.flops), dict(self.reasons), dict(self.calls))
+                      self.constant_casts, dict(self.flops), dict(self.reasons), dict(self.calls),
+                      self.unmatched)
 
 
 def explain(fn: Callable, *args: Any, policy: Optional[Policy] = None, **kwargs: Any) -> Report:
