@@ -17,25 +17,76 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _compat as compat
+
 F32 = jnp.float32
+F32_MAX = float(np.finfo(np.float32).max)
+F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _coerce(value: Any, dtype: Any) -> Any:
-    """Numbers and arrays become ``dtype`` arrays; other leaves (the placeholders JAX passes while
-    flattening and unflattening pytrees) are left alone."""
+    """Numbers and arrays become ``dtype`` arrays; other leaves (tracers of another dtype stay
+    arrays; placeholders such as ``jax.ShapeDtypeStruct`` are left alone)."""
     if isinstance(value, (bool, int, float, np.ndarray, np.generic, jax.Array)):
         return jnp.asarray(value, dtype)
     return value
 
 
+def _concrete(cls: str, field: str, value: Any) -> Optional[np.ndarray]:
+    """The value as a numpy scalar for validation, or None when it is not known here (a tracer
+    inside ``jit``, an abstract placeholder): validation then skips it."""
+    if compat.is_tracer(value) or not isinstance(
+            value, (bool, int, float, np.ndarray, np.generic, jax.Array)):
+        return None
+    array = np.asarray(value)
+    if array.shape != ():
+        raise ValueError(f"{cls}.{field} must be a scalar, got shape {array.shape}")
+    if array.dtype == np.bool_ or not (np.issubdtype(array.dtype, np.integer)
+                                       or np.issubdtype(array.dtype, np.floating)):
+        raise TypeError(f"{cls}.{field} must be a real number, got {value!r}")
+    return array
+
+
+def _check_scale(cls: str, field: str, value: Any) -> Optional[float]:
+    """A loss scale: finite, > 0 and representable in float32 (the scale's dtype)."""
+    array = _concrete(cls, field, value)
+    if array is None:
+        return None
+    number = float(array)
+    if not np.isfinite(number):
+        why = (f" ({array.dtype.name} cannot hold the value you meant: pass a Python float or "
+               "float32)" if np.isinf(number) and array.dtype.itemsize < 4 else "")
+        raise ValueError(f"{cls}.{field} must be finite, got {number}{why}")
+    if number <= 0:
+        raise ValueError(f"{cls}.{field} must be > 0, got {number}")
+    if number > F32_MAX:
+        raise ValueError(f"{cls}.{field}={number} overflows float32 (max {F32_MAX:.4g}), the "
+                         "dtype loss scales are kept in")
+    return number
+
+
+def _check_count(cls: str, field: str, value: Any, minimum: int) -> Optional[int]:
+    array = _concrete(cls, field, value)
+    if array is None:
+        return None
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"{cls}.{field} must be an int, got {value!r}")
+    if int(array) < minimum:
+        raise ValueError(f"{cls}.{field} must be >= {minimum}, got {int(array)}")
+    return int(array)
+
+
 def _scale_leaf(x: Any, scale: jax.Array) -> Any:
-    return x * scale.astype(x.dtype) if jnp.issubdtype(jnp.result_type(x), jnp.floating) else x
+    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+        return x
+    x = jnp.asarray(x)  # Python and numpy scalars too: the product, as jmp returns
+    return x * scale.astype(x.dtype)
 
 
 def _unscale_leaf(x: Any, scale: jax.Array) -> Any:
@@ -46,11 +97,38 @@ def _unscale_leaf(x: Any, scale: jax.Array) -> Any:
     return jnp.asarray(x).astype(wide) / scale.astype(wide)
 
 
+def _register(cls: type) -> type:
+    """Register a loss-scale dataclass as a pytree whose leaves are all its fields.
+
+    Unflattening bypasses ``__init__``: JAX rebuilds scales from tracers and placeholders
+    (``jit``, ``tree.map``) that the constructor's validation must not see."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+
+    def unflatten(_: Any, leaves: Any) -> Any:
+        return _unchecked(cls, **dict(zip(fields, leaves)))
+
+    jax.tree_util.register_pytree_with_keys(
+        cls, lambda s: ([(jax.tree_util.GetAttrKey(f), getattr(s, f)) for f in fields], None),
+        unflatten, lambda s: ([getattr(s, f) for f in fields], None))
+    return cls
+
+
+def _unchecked(cls: type, **values: Any) -> Any:
+    """An instance with these field values, without validation (values jamp computed itself)."""
+    obj = object.__new__(cls)
+    for name, value in values.items():
+        object.__setattr__(obj, name, value)
+    return obj
+
+
 class _LossScale:
     loss_scale: jax.Array
 
     def scale(self, tree: Any) -> Any:
-        """Multiply every floating leaf (usually the loss) by the loss scale."""
+        """Multiply every floating leaf (usually the loss) by the loss scale.
+
+        Python and numpy floats are multiplied too (``StaticLossScale(8.0).scale(3.0)`` is a
+        float32 ``24.0``); integer leaves are returned unchanged."""
         return jax.tree.map(lambda x: _scale_leaf(x, self.loss_scale), tree)
 
     def unscale(self, tree: Any) -> Any:
@@ -58,10 +136,20 @@ class _LossScale:
         return jax.tree.map(lambda x: _unscale_leaf(x, self.loss_scale), tree)
 
     def adjust(self, grads_finite: jax.Array) -> "_LossScale":
+        """The loss scale for the next step (unchanged for static scales)."""
+        _check_grads_finite(grads_finite)
         return self
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=[])
+def _check_grads_finite(grads_finite: Any) -> jax.Array:
+    aval = compat.aval_of(jnp.asarray(grads_finite))
+    if aval.shape != () or aval.dtype != jnp.bool_:
+        raise ValueError("adjust(grads_finite) expects a scalar bool such as "
+                         f"jamp.all_finite(grads), got {aval.str_short()}")
+    return jnp.asarray(grads_finite)
+
+
+@_register
 @dataclasses.dataclass(frozen=True)
 class NoOpLossScale(_LossScale):
     """A loss scale of 1 that never changes (for bfloat16/float32 training)."""
@@ -74,27 +162,42 @@ class NoOpLossScale(_LossScale):
         return tree
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["loss_scale"], meta_fields=[])
+@_register
 @dataclasses.dataclass(frozen=True)
 class StaticLossScale(_LossScale):
-    """A fixed loss scale: ``jamp.StaticLossScale(2.0 ** 12)``."""
+    """A fixed loss scale: ``jamp.StaticLossScale(2.0 ** 12)``.
+
+    ``loss_scale`` must be finite, > 0 and fit float32 (``ValueError`` naming the field)."""
 
     loss_scale: Any
 
     def __post_init__(self) -> None:
+        _check_scale("StaticLossScale", "loss_scale", self.loss_scale)
         object.__setattr__(self, "loss_scale", _coerce(self.loss_scale, F32))
 
 
-@functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["loss_scale", "counter", "period", "factor", "min_loss_scale"],
-                   meta_fields=[])
+@_register
 @dataclasses.dataclass(frozen=True)
 class DynamicLossScale(_LossScale):
     """A loss scale that grows after ``period`` finite steps and backs off on overflow.
 
     ``adjust(grads_finite)``: after ``period`` consecutive finite steps the scale is multiplied by
-    ``factor``; on a non-finite step it is divided by ``factor`` (never below
-    ``min_loss_scale``) and the counter restarts.
+    ``factor``, never above ``max_loss_scale`` (default: the float32 maximum, as flax's
+    ``DynamicScale``, so it cannot become inf); on a non-finite step it is divided by ``factor``,
+    never below ``min_loss_scale``, and the counter restarts.
+
+    Every field is checked at construction, with a ``ValueError``/``TypeError`` naming it:
+    ``loss_scale`` finite, > 0 and within float32 (``jnp.float16(2**16)`` is already inf);
+    ``counter`` an int in ``[0, period)``; ``period`` an int >= 1; ``factor`` finite and > 1;
+    ``min_loss_scale`` finite, > 0 and <= ``loss_scale`` (``None``: no minimum beyond the
+    smallest normal float32, as flax's ``minimum_scale=None``; the scale never reaches 0);
+    ``max_loss_scale`` finite and >= ``loss_scale``. Values under ``jax.jit`` (tracers) are not
+    checked.
+
+    Example::
+
+        scale = jamp.DynamicLossScale(loss_scale=2.0 ** 15, period=2000, factor=2)
+        scale = scale.adjust(jamp.all_finite(grads))
     """
 
     loss_scale: Any = 2.0 ** 15
@@ -102,21 +205,44 @@ class DynamicLossScale(_LossScale):
     period: Any = 2000
     factor: Any = 2
     min_loss_scale: Any = 1.0
+    max_loss_scale: Any = F32_MAX
 
     def __post_init__(self) -> None:
-        for name, dtype in (("loss_scale", F32), ("counter", jnp.int32), ("period", jnp.int32),
-                            ("factor", F32), ("min_loss_scale", F32)):
-            object.__setattr__(self, name, _coerce(getattr(self, name), dtype))
+        name = "DynamicLossScale"
+        if self.min_loss_scale is None:  # flax's "no minimum"
+            object.__setattr__(self, "min_loss_scale", F32_TINY)
+        scale = _check_scale(name, "loss_scale", self.loss_scale)
+        period = _check_count(name, "period", self.period, 1)
+        counter = _check_count(name, "counter", self.counter, 0)
+        if counter is not None and period is not None and counter >= period:
+            raise ValueError(f"{name}.counter must be < period ({period}), got {counter}: the "
+                             "scale grows when the counter reaches period - 1")
+        factor = _concrete(name, "factor", self.factor)
+        if factor is not None and not (np.isfinite(float(factor)) and float(factor) > 1):
+            raise ValueError(
+                f"{name}.factor must be finite and > 1, got {float(factor)}: the scale is "
+                "multiplied by factor after `period` finite steps and divided by it on overflow "
+                "(flax's backoff_factor=0.5 is factor=2 here)")
+        low = _check_scale(name, "min_loss_scale", self.min_loss_scale)
+        high = _check_scale(name, "max_loss_scale", self.max_loss_scale)
+        if scale is not None and low is not None and low > scale:
+            raise ValueError(f"{name}.min_loss_scale={low} must be <= loss_scale={scale}")
+        if scale is not None and high is not None and high < scale:
+            raise ValueError(f"{name}.max_loss_scale={high} must be >= loss_scale={scale}")
+        for field, dtype in (("loss_scale", F32), ("counter", jnp.int32), ("period", jnp.int32),
+                             ("factor", F32), ("min_loss_scale", F32), ("max_loss_scale", F32)):
+            object.__setattr__(self, field, _coerce(getattr(self, field), dtype))
 
     def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
-        grads_finite = jnp.asarray(grads_finite)
+        grads_finite = _check_grads_finite(grads_finite)
         grow = self.counter == self.period - 1
-        grown = jnp.where(grow, self.loss_scale * self.factor, self.loss_scale)
+        grown = jnp.where(grow, jnp.minimum(self.loss_scale * self.factor, self.max_loss_scale),
+                          self.loss_scale)
         backed_off = jnp.maximum(self.min_loss_scale, self.loss_scale / self.factor)
-        return dataclasses.replace(
-            self,
-            loss_scale=jnp.where(grads_finite, grown, backed_off),
-            counter=jnp.where(grads_finite, jnp.where(grow, 0, self.counter + 1), 0))
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(loss_scale=jnp.where(grads_finite, grown, backed_off),
+                      counter=jnp.where(grads_finite, jnp.where(grow, 0, self.counter + 1), 0))
+        return _unchecked(DynamicLossScale, **values)
 
 
 LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
@@ -147,7 +273,12 @@ def scaled_value_and_grad(fn: Callable, *, argnums: Union[int, Sequence[int]] = 
     Returns ``step(loss_scale, *args, **kwargs) -> (value, grads, new_loss_scale, grads_finite)``:
     the loss is multiplied by the current scale, gradients are unscaled with that same scale
     (then checked for inf/NaN), and only then is the scale adjusted. ``value`` is the unscaled
-    loss (``(loss, aux)`` with ``has_aux``); ``grads`` are float32.
+    loss (``(loss, aux)`` with ``has_aux``); ``grads`` are float32. ``argnums`` counts ``fn``'s
+    arguments, as ``jax.value_and_grad`` does (the loss scale is not one of them).
+
+    Mistakes are reported in these terms: a first argument that is not a loss scale (a float, or
+    the arguments swapped), ``argnums`` out of range for the call, ``fn`` returning a tuple
+    without ``has_aux=True`` or a non-scalar loss.
 
     Example::
 
@@ -155,14 +286,37 @@ def scaled_value_and_grad(fn: Callable, *, argnums: Union[int, Sequence[int]] = 
         loss, grads, loss_scale, finite = step(loss_scale, params, batch)
         params = jamp.select_tree(finite, optax.apply_updates(params, updates), params)
     """
+    if not callable(fn):
+        raise TypeError(f"scaled_value_and_grad expects a callable, got {type(fn).__name__}")
+    if not isinstance(has_aux, bool):
+        raise TypeError(f"scaled_value_and_grad(has_aux=...) must be a bool, got {has_aux!r}")
+    requested = _argnums_tuple(argnums)
+    name = getattr(fn, "__name__", type(fn).__name__)
+
     def scaled(loss_scale: LossScale, *args: Any, **kwargs: Any) -> Any:
         out = fn(*args, **kwargs)
-        loss, aux = out if has_aux else (out, None)
+        if has_aux:
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(f"scaled_value_and_grad(has_aux=True): {name} must return a "
+                                f"(loss, aux) pair, got {_describe(out)}")
+            loss, aux = out
+        elif isinstance(out, (tuple, list)):
+            raise TypeError(f"scaled_value_and_grad: {name} returned {_describe(out)}; the loss "
+                            "must be a scalar. If it returns (loss, aux), pass has_aux=True.")
+        else:
+            loss, aux = out, None
+        aval = compat.aval_of(jnp.asarray(loss)) if _is_arraylike(loss) else None
+        if aval is None or aval.shape != () or not jnp.issubdtype(aval.dtype, jnp.floating):
+            raise TypeError(f"scaled_value_and_grad: {name} must return a scalar floating loss"
+                            f"{' (the first of (loss, aux))' if has_aux else ''}, got "
+                            f"{_describe(loss)}")
         return loss_scale.scale(loss), (loss, aux)
 
-    grad_fn = jax.value_and_grad(scaled, argnums=_shift(argnums), has_aux=True)
-
+    @functools.wraps(fn)
     def step(loss_scale: LossScale, *args: Any, **kwargs: Any) -> Any:
+        _check_loss_scale_argument(loss_scale, args)
+        positions = _positions(requested, argnums, len(args))
+        grad_fn = jax.value_and_grad(scaled, argnums=positions, has_aux=True)
         (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
         grads = loss_scale.unscale(grads)  # the scale the loss was multiplied by
         finite = all_finite(grads)
@@ -172,5 +326,57 @@ def scaled_value_and_grad(fn: Callable, *, argnums: Union[int, Sequence[int]] = 
     return step
 
 
-def _shift(argnums: Union[int, Sequence[int]]) -> Union[int, tuple[int, ...]]:
-    return argnums + 1 if isinstance(argnums, int) else tuple(a + 1 for a in argnums)
+_LOSS_SCALES = "a jamp loss scale (NoOpLossScale, StaticLossScale or DynamicLossScale)"
+
+
+def _is_arraylike(x: Any) -> bool:
+    return isinstance(x, (float, int, np.ndarray, np.generic, jax.Array)) and type(x) is not bool
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    if isinstance(x, (int, float)) and type(x) is not bool:
+        return f"{type(x).__name__} {x!r}"
+    if _is_arraylike(x):
+        return compat.aval_of(jnp.asarray(x)).str_short()
+    return type(x).__name__
+
+
+def _check_loss_scale_argument(loss_scale: Any, args: tuple) -> None:
+    if isinstance(loss_scale, _LossScale):
+        return
+    swapped = [i for i, a in enumerate(args) if isinstance(a, _LossScale)]
+    if swapped:
+        raise TypeError(
+            f"step(loss_scale, *args): the first argument must be {_LOSS_SCALES}, got "
+            f"{_describe(loss_scale)}, and a loss scale as argument {swapped[0] + 2} (counting "
+            "from 1): are the arguments swapped? Call step(loss_scale, params, ...)")
+    fix = (f"; wrap it: jamp.StaticLossScale({loss_scale!r}) or "
+           f"jamp.DynamicLossScale(loss_scale={loss_scale!r})" if _is_arraylike(loss_scale) else "")
+    raise TypeError(f"step(loss_scale, *args): the first argument must be {_LOSS_SCALES}, got "
+                    f"{_describe(loss_scale)}{fix}")
+
+
+def _argnums_tuple(argnums: Any) -> tuple[int, ...]:
+    items = (argnums,) if not isinstance(argnums, (tuple, list)) else tuple(argnums)
+    if not items or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool)
+                            for a in items):
+        raise TypeError("scaled_value_and_grad(argnums=...) must be an int or a non-empty "
+                        f"sequence of ints, got {argnums!r}")
+    return tuple(int(a) for a in items)
+
+
+def _positions(requested: tuple[int, ...], argnums: Any, n_args: int) -> Any:
+    """``argnums`` (counting ``fn``'s arguments, negatives from the end) as positions of the
+    step's inner function, whose argument 0 is the loss scale."""
+    bad = [a for a in requested if not -n_args <= a < n_args]
+    if bad:
+        raise ValueError(
+            f"scaled_value_and_grad: argnums={argnums!r} is out of range: step(loss_scale, "
+            f"*args) was called with {n_args} argument{'s' if n_args != 1 else ''} after the "
+            f"loss scale, so argnums must be in [{-n_args}, {n_args - 1}]" if n_args else
+            "scaled_value_and_grad: step(loss_scale, *args) was called with no arguments to "
+            "differentiate after the loss scale")
+    shifted = tuple(a % n_args + 1 for a in requested)
+    return shifted if isinstance(argnums, (tuple, list)) else shifted[0]
