@@ -427,6 +427,7 @@ class ScopeLog:
                     "module paths joined by '/'.")
         for variant, why in ((glob + "*", "Flax linen names unnamed submodules with a _<n> "
                               "suffix ('Head_0')"),
+                             (glob.removeprefix("*/"), "a '*/' prefix needs a parent scope"),
                              ("*/" + glob, "the glob must match the whole path from the top"),
                              ("*" + glob, "the glob must match the whole path from the top")):
             hits = sorted(p for p in self.paths if fnmatch.fnmatchcase(p, variant))
