@@ -40,10 +40,12 @@ def _coerce(value: Any, dtype: Any) -> Any:
 
 def _concrete(cls: str, field: str, value: Any) -> Optional[np.ndarray]:
     """The value as a numpy scalar for validation, or None when it is not known here (a tracer
-    inside ``jit``, an abstract placeholder): validation then skips it."""
-    if compat.is_tracer(value) or not isinstance(
-            value, (bool, int, float, np.ndarray, np.generic, jax.Array)):
+    inside ``jit``, a ``jax.ShapeDtypeStruct``): validation then skips it."""
+    if compat.is_tracer(value) or isinstance(value, jax.ShapeDtypeStruct):
         return None
+    if not isinstance(value, (bool, int, float, np.ndarray, np.generic, jax.Array)):
+        raise TypeError(f"{cls}.{field} must be a real number, got {type(value).__name__} "
+                        f"{value!r}")
     array = np.asarray(value)
     if array.shape != ():
         raise ValueError(f"{cls}.{field} must be a scalar, got shape {array.shape}")
