@@ -4,7 +4,10 @@ The names follow DeepMind's jmp so code can switch, without its known bugs: ever
 (``min_loss_scale`` included) is a pytree leaf, so a scale survives ``jax.jit`` and
 ``jax.tree.map``; ``unscale`` casts gradients to float32 before dividing; the scale itself is
 float32 whatever the compute dtype; and :func:`scaled_value_and_grad` unscales with the scale the
-loss was multiplied by, not the adjusted one.
+loss was multiplied by, not the adjusted one. Growth is capped at ``max_loss_scale`` (the float32
+maximum by default, as flax's ``DynamicScale``), and every field is validated at construction
+with an error naming it (``DynamicLossScale(factor=0.5)`` raises ``ValueError``), so a scale
+cannot stall training by reaching inf, 0 or NaN.
 
 Example::
 
