@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
@@ -317,7 +316,6 @@ def scaled_value_and_grad(fn: Callable, *, argnums: Union[int, Sequence[int]] = 
                             f"{_describe(loss)}")
         return loss_scale.scale(loss), (loss, aux)
 
-    @functools.wraps(fn)
     def step(loss_scale: LossScale, *args: Any, **kwargs: Any) -> Any:
         _check_loss_scale_argument(loss_scale, args)
         positions = _positions(requested, argnums, len(args))
@@ -328,6 +326,9 @@ def scaled_value_and_grad(fn: Callable, *, argnums: Union[int, Sequence[int]] = 
         value = (loss, aux) if has_aux else loss
         return value, grads, loss_scale.adjust(finite), finite
 
+    # fn's name for jit's messages, but not its signature (step takes the loss scale first)
+    step.__name__ = name
+    step.__qualname__ = getattr(fn, "__qualname__", name)
     return step
 
 
