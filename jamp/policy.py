@@ -131,9 +131,13 @@ def _glob_for(regex_like: str) -> str:
 
 def _rules(value: Any) -> tuple[tuple[str, Optional[np.dtype]], ...]:
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) \
-            and not isinstance(value[1], (tuple, list)):
+            and not isinstance(value[1], (str, tuple, list)):
+        try:
+            pair = f"({value[0]!r}, {_dtype_repr(_dtype_or_none(value[1], 'rules'))})"
+        except ValueError:
+            pair = repr(value)
         raise TypeError(f"Policy.rules must be a sequence of (glob, dtype or None) pairs, got the "
-                        f"single pair {value!r}: write rules=({value!r},)")
+                        f"single pair {pair}: write rules=({pair},)")
     rules = []
     for i, rule in enumerate(value):
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
@@ -157,7 +161,8 @@ def _dtype_repr(dtype: Optional[np.dtype]) -> str:
 
 
 def _set_repr(names: Iterable[str]) -> str:
-    return "{" + ", ".join(repr(n) for n in sorted(names)) + "}"
+    names = sorted(names)
+    return "{" + ", ".join(map(repr, names)) + "}" if names else "set()"
 
 
 def _table_repr(names: frozenset, field: str) -> Optional[str]:

@@ -173,6 +173,10 @@ def test_malformed_rules_name_the_culprit(rules, culprit):
 def test_a_single_pair_instead_of_a_sequence_of_pairs_is_explained():
     with pytest.raises(TypeError, match=re.escape("write rules=(('*/head', None),)")):
         jamp.Policy(rules=("*/head", None))
+    with pytest.raises(TypeError, match=re.escape("write rules=(('*/head', jnp.float16),)")):
+        jamp.Policy(rules=("*/head", jnp.float16))
+    with pytest.raises(TypeError, match=re.escape("Policy.rules[0] must be a (glob pattern")):
+        jamp.Policy(rules=("Dense_0", "head"))  # two globs without dtypes: not "a single pair"
     assert jamp.Policy(rules=[["*/head", None]]).rules == (("*/head", None),)
 
 
@@ -192,6 +196,8 @@ def test_repr_shows_only_what_differs_from_the_defaults():
     assert eval(repr(policy), namespace) == policy
     assert repr(jamp.Policy(lower=LOWER - {"ragged_dot_general"})) == \
         "Policy(lower=LOWER - {'ragged_dot_general'})"
+    assert repr(jamp.Policy(promote=())) == "Policy(promote=set())"
+    assert eval(repr(jamp.Policy(promote=())), namespace) == jamp.Policy(promote=())
 
 
 def test_help_does_not_dump_the_tables():
