@@ -20,6 +20,7 @@ from jamp import _compat as compat
 
 from . import graph as graphs
 from . import randomness
+from . import tolerance as tolerances
 from .errors import TracerWarning, TracingCheckError
 from .program import Program, Signature, callable_name, keep_dict_order, order_skeleton
 
@@ -222,7 +223,9 @@ def _compare_graphs(reference: graphs.Graph, other: graphs.Graph, primary: Trace
 
 
 def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
-                     tolerance: float) -> None:
+                     check_tolerance: float) -> None:
+    """Warn for each output of the compiled program that disagrees with ``fn`` run op by op,
+    beyond the tolerance of the precision it was computed in (``tolerance.py``)."""
     program = Program(traced.closed, traced.signature, traced.out_tree, name)  # leaves only
     got = program(*inputs)
     with jax.disable_jit():
@@ -232,30 +235,19 @@ def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
         warnings.warn(f"{name}: the traced function returns {len(got_leaves)} outputs, the "
                       f"Python function {len(expected_leaves)}", TracerWarning, stacklevel=5)
         return
-    for number, (a, b) in enumerate(zip(got_leaves, expected_leaves), start=1):
-        error = _mismatch(a, b, tolerance)
+    tols = [tolerances.tolerance(d, check_tolerance)
+            for d in tolerances.path_dtypes(traced.closed)]
+    errors = [tolerances.mismatch(a, b, tol, check_tolerance)
+              for a, b, tol in zip(got_leaves, expected_leaves, tols)]
+    if any(errors):  # second pass: the magnitudes of the values the outputs were computed from
+        involved = tolerances.accumulation_magnitudes(
+            traced.closed, traced.signature.flatten(inputs, name))
+        errors = [error and tolerances.mismatch(a, b, tol, check_tolerance, scale)
+                  for error, a, b, tol, scale in zip(errors, got_leaves, expected_leaves, tols,
+                                                     involved)]
+    for number, error in enumerate(errors, start=1):
         if error:
             warnings.warn(
                 f"Output nr {number}. of the traced function does not match the corresponding "
                 f"output of the Python function. Detailed error:\n{error}", TracerWarning,
                 stacklevel=5)
-
-
-def _mismatch(traced: Any, python: Any, tolerance: float) -> str:
-    """Why two outputs disagree beyond ``tolerance`` (empty when they agree)."""
-    if isinstance(python, (bool, int, float, complex)):
-        python = jax.numpy.asarray(python)  # a Python number becomes a canonical-dtype array
-    a, b = graphs.plain_array(traced), graphs.plain_array(python)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return (f"traced {a.dtype}{list(a.shape)} against Python {b.dtype}{list(b.shape)}")
-    if a.dtype.kind not in "fc":
-        return "" if np.array_equal(a, b) else f"{int(np.sum(a != b))} elements differ"
-    # Low-precision outputs may round differently when XLA fuses ops: allow a few ulps.
-    tol = max(tolerance, 4 * float(np.finfo(a.dtype).eps))
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    if np.allclose(a64, b64, rtol=tol, atol=tol, equal_nan=True):
-        return ""
-    abs_err = np.abs(a64 - b64)
-    rel_err = abs_err / np.maximum(np.abs(b64), np.finfo(np.float64).tiny)
-    return (f"Largest absolute error: {np.nanmax(abs_err):.6g}, largest relative error: "
-            f"{np.nanmax(rel_err):.6g} (tolerance {tol:g})")
