@@ -19,7 +19,7 @@ import numpy as np
 from jamp import _compat as compat
 
 from . import graph as graphs
-from . import randomness
+from . import leaks, randomness
 from . import tolerance as tolerances
 from .errors import TracerWarning, TracingCheckError
 from .program import Program, Signature, callable_name, keep_dict_order, order_skeleton
@@ -103,29 +103,28 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
         return outputs
 
     try:
-        with jax.checking_leaks():
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*signature.avals)
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*signature.avals)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
             jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError) as err:
         raise TracingCheckError(
             f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
             f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
             f"{str(err).splitlines()[0]}") from err
-    except jax.errors.UnexpectedTracerError as err:
-        raise _leak_error(name, err) from err
-    except Exception as err:
-        if "Leaked trace" in str(err):  # jax.checking_leaks reports with a plain Exception
-            raise _leak_error(name, err) from err
-        raise
+    except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
+        raise TracingCheckError(
+            f"Tracing {name} failed: it used a traced value that leaked out of an earlier trace "
+            "(kept in a global, a closure, a list or an object attribute).\n"
+            f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
+            f"{str(err).splitlines()[0]}") from err
+    leaked = leaks.find_leaked_tracer(fn, name)
+    if leaked is not None:
+        tracer, where = leaked
+        raise TracingCheckError(
+            f"Tracing {name} failed: a traced value leaked out of the trace: {where} holds a "
+            f"tracer ({graphs.aval_text(tracer.aval, sizes=True)}) stored while tracing, so the "
+            "traced program would not be self-contained and a later call would read a stale "
+            f"tracer. Return the value instead of storing it.\n{_TRACE_ERROR_HINT}")
     return Trace(closed, signature, jax.tree.structure(out_shape), skeleton[0])
-
-
-def _leak_error(name: str, err: Exception) -> TracingCheckError:
-    return TracingCheckError(
-        f"Tracing {name} failed: a traced value leaked out of the trace (stored in a global, a "
-        "closure, a list or an object attribute, or used after its trace ended), so the traced "
-        f"program would not be self-contained.\n{_TRACE_ERROR_HINT}\nOriginal error: "
-        f"{type(err).__name__}: {str(err).splitlines()[0]}")
 
 
 def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
