@@ -121,6 +121,8 @@ def _function_children(fn: types.FunctionType) -> Iterator[tuple[Any, str, str]]
                 for attr in sorted(_code_names(fn.__code__)):
                     if attr in vars(value):
                         yield vars(value)[attr], f"{value.__name__}.{attr}", "a global"
+    for key, value in vars(fn).items():  # attributes set on the function (memoization)
+        yield value, f"{fn.__name__}.{key}", f"an attribute of the function {name}"
     for i, default in enumerate(fn.__defaults__ or ()):
         yield default, f"defaults[{i}]", f"a default argument of {name}"
     for key, default in (fn.__kwdefaults__ or {}).items():

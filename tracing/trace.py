@@ -9,6 +9,7 @@ every ``check_inputs`` entry, and compare.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -22,6 +23,7 @@ from . import graph as graphs
 from . import leaks, randomness
 from . import tolerance as tolerances
 from .errors import TracerWarning, TracingCheckError
+from .inputs import as_inputs, check_binds, reject_tracers, validate_check_inputs
 from .program import Program, Signature, callable_name, keep_dict_order, order_skeleton
 
 
@@ -51,11 +53,6 @@ class TracedFunction(Program):
     """
 
 
-def as_inputs(example_inputs: Any) -> tuple:
-    """A plain tuple is the positional arguments; anything else (a namedtuple too) is one."""
-    return example_inputs if type(example_inputs) is tuple else (example_inputs,)
-
-
 def resolve_function(fn: Any) -> tuple[Callable, str]:
     """The function to trace, with its name; an NNX module is called with its state captured."""
     if "flax" in sys.modules:
@@ -67,6 +64,10 @@ def resolve_function(fn: Any) -> tuple[Callable, str]:
                 # Fresh Variables inside the trace (NNX refuses updates to ones made outside it,
                 # e.g. an Rngs counter); the updates are dropped with the trace.
                 return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, state))(*args)
+            try:  # for the arity checks of the example and check inputs
+                call_module.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+            except (TypeError, ValueError):
+                pass
             return call_module, type(fn).__name__
         if isinstance(fn, linen.Module):
             raise TypeError(f"trace a linen module through its apply function: "
@@ -170,22 +171,22 @@ def _trace_and_check(fn: Any, example_inputs: Any, check_inputs: Optional[Sequen
                      tolerance: float, run_checks: bool) -> tuple[Trace, str]:
     """The trace at the example inputs (with the PRNG-key check) and, if asked, the others."""
     fn, name = resolve_function(fn)
-    primary = trace_once(fn, as_inputs(example_inputs), name)
+    example = as_inputs(example_inputs)
+    reject_tracers(example, "example_inputs")
+    check_binds(fn, name, example_inputs, example, "example_inputs")
+    primary = trace_once(fn, example, name)
     randomness.warn_constant_keys(primary.closed, name)
     if run_checks:
-        _run_checks(fn, name, primary, as_inputs(example_inputs), check_inputs, tolerance)
+        _run_checks(fn, name, primary, example, check_inputs, tolerance)
     return primary, name
 
 
 def _run_checks(fn: Callable, name: str, primary: Trace, example: tuple,
                 check_inputs: Optional[Sequence[Any]], tolerance: float) -> None:
-    if check_inputs is not None and (isinstance(check_inputs, (str, bytes))
-                                     or not isinstance(check_inputs, Sequence)):
-        raise TypeError("check_inputs must be a list of input tuples, got "
-                        f"{type(check_inputs).__name__}")
+    checks = validate_check_inputs(check_inputs, primary.signature, len(example))
     # The example inputs are always traced again: that is what catches state read at trace time
     # (literals may be sizes, so they are only comparable between traces at the same avals).
-    input_sets = [example] + [as_inputs(c) for c in (check_inputs or ())]
+    input_sets = [example] + checks
     reference = graphs.canonicalize(primary.closed)
     for number, inputs in enumerate(input_sets):
         label = "the example inputs" if number == 0 else f"check_inputs[{number - 1}]"
