@@ -129,6 +129,15 @@ def _function_children(fn: types.FunctionType) -> Iterator[tuple[Any, str, str]]
         yield default, key, f"the default of {name}(..., {key}=)"
 
 
+def _safe_children(obj: Any, where: str) -> list[tuple[Any, str]]:
+    """``_children``, or nothing for an object whose attributes cannot be read (a proxy whose
+    ``__getattr__`` raises): the walk looks for leaks and must never fail a trace itself."""
+    try:
+        return list(_children(obj, where))
+    except Exception:
+        return []
+
+
 class _Root(str):
     """An expression that starts a new path (a global, a closure variable), with its context."""
 
@@ -146,7 +155,7 @@ def find_leaked_tracer(fn: Any, name: str) -> Optional[tuple[Any, str]]:
     for _ in range(MAX_DEPTH):
         next_frontier = []
         for obj, where, context in frontier:
-            for child, path in _children(obj, where):
+            for child, path in _safe_children(obj, where):
                 child_context = path.context if isinstance(path, _Root) else context
                 if compat.is_tracer(child):
                     return child, f"`{path}` ({child_context})"

@@ -115,9 +115,24 @@ def path_dtypes(closed: Any) -> list[Optional[np.dtype]]:
     return result
 
 
-def accumulation_magnitudes(closed: Any, leaves: list[Any]) -> list[float]:
+def accumulation_magnitudes(closed: Any, leaves: list[Any],
+                            default: Optional[float] = None) -> list[float]:
     """For each output, the largest finite magnitude among the results of the additive
-    accumulations on its path, from one op-by-op evaluation of the program at ``leaves``."""
+    accumulations on its path, from one op-by-op evaluation of the program at ``leaves``.
+
+    With ``default`` given, an equation that cannot run op by op (an effect that refuses it)
+    gives ``default`` for every output instead of raising: the tolerance then stays the first
+    pass's.
+    """
+    try:
+        return _accumulation_magnitudes(closed, leaves)
+    except Exception:
+        if default is None:
+            raise
+        return [default] * len(compat.open_and_consts(closed)[0].outvars)
+
+
+def _accumulation_magnitudes(closed: Any, leaves: list[Any]) -> list[float]:
     paths = _Paths(closed)
     jaxpr, consts = compat.open_and_consts(closed)
     magnitude: dict[int, float] = {}

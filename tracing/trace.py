@@ -139,6 +139,15 @@ def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
     the graphs or their captured constants differ; they warn (``TracerWarning``) when the outputs
     disagree with the function run op by op or when a captured PRNG key is drawn from.
 
+    Outputs are compared within ``max(check_tolerance, 4 * eps)`` of the narrowest floating dtype
+    on each output's computation path (bfloat16 intermediates give bfloat16 tolerance to a float32
+    output), relative to each element and to the output's magnitude, or, for an output that still
+    disagrees, to the magnitude of the accumulations on its path (``tracing/tolerance.py`` has
+    the exact rule). ``example_inputs`` must be a tuple for several arguments (a list is one
+    argument); ``check_inputs`` entries must have its pytree structure (``TypeError`` naming
+    ``check_inputs[i]`` otherwise). A tracer the function stores where it can read it again (a
+    global, a closure, an attribute) raises ``TracingCheckError``; JAX's own caches do not.
+
     ``fn`` may be a linen ``model.apply`` (the variables are then an input:
     ``trace(model.apply, (variables, x))``) or an NNX module, whose current state is captured as
     constants of the trace (updates the call makes to it, like BatchNorm statistics, are dropped).
@@ -241,7 +250,7 @@ def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
               for a, b, tol in zip(got_leaves, expected_leaves, tols)]
     if any(errors):  # second pass: the magnitudes of the values the outputs were computed from
         involved = tolerances.accumulation_magnitudes(
-            traced.closed, traced.signature.flatten(inputs, name))
+            traced.closed, traced.signature.flatten(inputs, name), default=0.0)
         errors = [error and tolerances.mismatch(a, b, tol, check_tolerance, scale)
                   for error, a, b, tol, scale in zip(errors, got_leaves, expected_leaves, tols,
                                                      involved)]
