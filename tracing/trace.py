@@ -124,7 +124,8 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
             f"Tracing {name} failed: a traced value leaked out of the trace: {where} holds a "
             f"tracer ({graphs.aval_text(tracer.aval, sizes=True)}) stored while tracing, so the "
             "traced program would not be self-contained and a later call would read a stale "
-            f"tracer. Return the value instead of storing it.\n{_TRACE_ERROR_HINT}")
+            "tracer. Return the value as an output instead of storing it (and clear what holds "
+            "it now).")
     return Trace(closed, signature, jax.tree.structure(out_shape), skeleton[0])
 
 
