@@ -178,3 +178,11 @@ def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
         for item in (value if isinstance(value, (tuple, list)) else (value,)):
             if is_jaxpr_like(item):
                 yield item
+
+
+# --- tracing (issue 13): helpers for the tracing package -------------------------------------
+
+def under_transformation() -> bool:
+    """True while JAX is tracing (inside ``jax.jit``, ``grad``, ``vmap``, ...): the current
+    trace is not the eager one. Same private ``trace_ctx`` in jax 0.10 and 0.12."""
+    return not isinstance(_core.trace_ctx.trace, _core.EvalTrace)

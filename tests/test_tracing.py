@@ -584,6 +584,15 @@ def test_trace_inside_jit_is_a_clear_error():
                                         r"jax.jit"):
         outer(X)
 
+    @jax.jit
+    def outer_with_concrete_examples(x):
+        return tracing.trace(jnp.sin, (np.ones((3, 4), np.float32),))(x)
+
+    with pytest.raises(TypeError, match=r"JAX is tracing.*cannot run inside jax.jit"):
+        outer_with_concrete_examples(X)
+    with pytest.raises(TypeError, match=r"JAX is tracing"):
+        jax.vmap(lambda x: tracing.check_trace(jnp.sin, (np.ones(4, np.float32),)) or x)(X)
+
 
 def test_damaged_blob_is_a_clear_value_error_without_mlir_noise(capfd):
     blob = bytearray(tracing.trace(lambda x: jnp.sin(x) @ x.T, (X,)).export())

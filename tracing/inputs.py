@@ -23,16 +23,20 @@ def as_inputs(example_inputs: Any) -> tuple:
     return example_inputs if type(example_inputs) is tuple else (example_inputs,)
 
 
+_OUTSIDE = ("tracing.trace and check_trace cannot run inside jax.jit, grad, vmap or another "
+            "transformation. Call them outside, with concrete arrays or jax.ShapeDtypeStruct; "
+            "the TracedFunction they return can then be called inside jit.")
+
+
 def reject_tracers(inputs: tuple, label: str) -> None:
-    """TypeError when an input is a tracer: ``trace`` was called inside jit, grad or vmap."""
+    """TypeError when an input is a tracer, or JAX is tracing: ``trace`` was called inside jit,
+    grad or vmap."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]:
         if compat.is_tracer(leaf):
-            raise TypeError(
-                f"{label}{jax.tree_util.keystr(path)} is a traced value "
-                f"({getattr(leaf, 'aval', leaf)}): tracing.trace and check_trace cannot run "
-                "inside jax.jit, grad, vmap or another transformation. Call them outside, with "
-                "concrete arrays or jax.ShapeDtypeStruct; the TracedFunction they return can "
-                "then be called inside jit.")
+            raise TypeError(f"{label}{jax.tree_util.keystr(path)} is a traced value "
+                            f"({getattr(leaf, 'aval', leaf)}): {_OUTSIDE}")
+    if compat.under_transformation():
+        raise TypeError(f"JAX is tracing (the call is inside a transformation): {_OUTSIDE}")
 
 
 def check_binds(fn: Callable, name: str, raw: Any, inputs: tuple, label: str) -> None:
