@@ -214,3 +214,11 @@ def function_label(closed: Any) -> str:
     jaxpr, _ = open_and_consts(closed)
     info = getattr(jaxpr, "debug_info", None)
     return getattr(info, "func_src_info", None) or getattr(info, "func_name", None) or ""
+
+
+# --- tracing (issue 13): helpers for the tracing package -------------------------------------
+
+def under_transformation() -> bool:
+    """True while JAX is tracing (inside ``jax.jit``, ``grad``, ``vmap``, ...): the current
+    trace is not the eager one. Same private ``trace_ctx`` in jax 0.10 and 0.12."""
+    return not isinstance(_core.trace_ctx.trace, _core.EvalTrace)

@@ -118,7 +118,7 @@ def test_export_loads_in_a_fresh_process(tmp_path):
 
 
 def test_load_rejects_bytes_that_are_not_an_export():
-    with pytest.raises(ValueError, match="not a jax.export serialization"):
+    with pytest.raises(ValueError, match="not an intact jax.export serialization"):
         tracing.load(b"not an export")
     with pytest.raises(TypeError, match="bytes"):
         tracing.load("a string")
@@ -368,7 +368,7 @@ def test_leaked_tracer_is_a_check_error():
 
     with pytest.raises(tracing.TracingCheckError, match="leaked out of the trace") as err:
         tracing.trace(leaks, (X,))
-    assert err.value.__cause__ is not None
+    assert "`stash[0]` (closed over by" in str(err.value)
 
 
 def test_check_inputs_must_be_a_list_of_input_tuples():
@@ -431,3 +431,181 @@ def test_nnx_dropout_with_its_own_rngs_warns_about_the_captured_key():
 
     _, warns = recorded_tracer_warnings(lambda: tracing.trace(Noisy(nnx.Rngs(0)), (X,)))
     assert len(warns) == 1 and "PRNG key" in warns[0]
+
+
+# --- tolerance: the precision each output was computed in ---
+
+def test_bfloat16_outputs_are_compared_as_floats_within_a_few_ulps():
+    from tracing import tolerance
+    one = jnp.ones(4, jnp.bfloat16)
+    next_up = jnp.nextafter(one, jnp.bfloat16(2))
+    tol = tolerance.tolerance(jnp.dtype(jnp.bfloat16), 1e-5)
+    assert tol == 4 * float(jnp.finfo(jnp.bfloat16).eps)
+    assert tolerance.mismatch(next_up, one, tol, 1e-5) == ""
+    assert "Largest absolute error" in tolerance.mismatch(one * 2, one, tol, 1e-5)
+
+
+def test_the_tolerance_follows_the_narrowest_dtype_on_each_outputs_path():
+    from tracing import tolerance
+
+    def f(x, w):
+        h = (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
+        normed = (h - h.mean(-1, keepdims=True)) / (h.std(-1, keepdims=True) + 1e-6)
+        inner = jax.lax.cond(True, lambda v: v.astype(jnp.float16).astype(jnp.float32) * 2,
+                             lambda v: v, x)
+        return normed, x * 2.0, inner
+
+    closed = jax.make_jaxpr(f)(jnp.ones((2, 3)), jnp.ones((3, 4)))
+    assert tolerance.path_dtypes(closed) == [jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32),
+                                             jnp.dtype(jnp.float16)]
+
+
+def test_float32_through_bfloat16_intermediates_does_not_warn():
+    def layer(x, w):
+        h = (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
+        return jax.nn.log_softmax(h - h.mean(-1, keepdims=True))
+
+    x, w = jax.random.normal(jax.random.key(1), (16, 64)), jax.random.normal(
+        jax.random.key(2), (64, 32))
+    _, warns = recorded_tracer_warnings(lambda: tracing.check_trace(layer, (x, w)))
+    assert warns == []
+
+
+def test_large_float32_accumulations_scale_the_tolerance_by_their_magnitude():
+    from tracing import tolerance
+
+    def variance(x):
+        return jnp.mean(x * x, axis=0) - jnp.mean(x, axis=0) ** 2  # Haiku BatchNorm's formula
+
+    x = 1000.0 + jax.random.normal(jax.random.key(0), (64, 3))
+    closed = jax.make_jaxpr(variance)(x)
+    involved, = tolerance.accumulation_magnitudes(closed, [x])
+    assert involved >= float(jnp.max(jnp.mean(x * x, axis=0)))  # the sums behind E[x^2]
+    exact = np.var(np.asarray(x, np.float64), axis=0).astype(np.float32)
+    rounded = exact + np.float32(1e6 * 2 ** -23)  # one float32 ulp of E[x^2]
+    assert tolerance.mismatch(rounded, exact, 1e-5, 1e-5) != ""
+    assert tolerance.mismatch(rounded, exact, 1e-5, 1e-5, involved) == ""
+
+
+# --- leaks: JAX's own caches are not leaks ---
+
+def test_checkpoint_with_static_argnums_over_a_closure_is_not_a_leak():
+    def net(x):
+        h = jnp.tanh(x)
+
+        def block(y, n):
+            return jnp.sin(y * h) * n
+        return jax.checkpoint(block, static_argnums=(1,))(x, 2)
+
+    traced = tracing.trace(net, (X,), check_inputs=[(jnp.ones((5, 4)),)])
+    chex.assert_trees_all_close(traced(X), net(X), atol=1e-6)
+
+
+def test_flax_remat_with_static_argnums_is_not_a_leak():
+    from flax import linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, scale):
+            return nn.Dense(4)(x) * scale
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(2):
+                x = nn.remat(Block, static_argnums=(2,))()(x, 2.0)
+            return x
+
+    variables = Net().init(jax.random.key(0), X)
+    for _ in range(2):  # the remat cache is warm the second time
+        tracing.trace(Net().apply, (variables, X), check_inputs=[(variables, X[:1])])
+
+
+LEAKED = []
+
+
+def test_a_tracer_stored_in_a_global_or_on_an_object_is_still_reported():
+    def into_global(x):
+        LEAKED.append(x + 1)
+        return x
+
+    class Cache:
+        def __call__(self, x):
+            self.last = x * 2
+            return x
+
+    with pytest.raises(tracing.TracingCheckError, match=r"`LEAKED\[0\]` \(a global of "):
+        tracing.trace(into_global, (X,))
+    LEAKED.clear()
+    with pytest.raises(tracing.TracingCheckError, match=r"`Cache.last`"):
+        tracing.trace(Cache(), (X,))
+
+
+# --- validated inputs ---
+
+def two_args(x, w):
+    return x @ w
+
+
+W = jnp.ones((4, 2))
+
+
+@pytest.mark.parametrize("check_inputs, message", [
+    ([(X, {"w": W})], r"check_inputs\[0\] differs from example_inputs in pytree structure.*"
+                      r"inputs\[1\]"),
+    ([(X, W), (X,)], r"check_inputs\[1\] has 1 positional argument\(s\) \(a tuple\), "
+                     r"example_inputs 2"),
+    ((X, W), r"check_inputs\[0\] has 1 positional argument\(s\) \(not a tuple.*"
+             r"check_inputs=\[\(x2, w\)"),
+    ([[X, W]], r"check_inputs\[0\] has 1 positional argument\(s\) \(a list, which stands for "
+               r"one argument\)"),
+    ([(X, "w")], r"check_inputs\[0\]: inputs\[1\] is a str"),
+])
+def test_check_inputs_entries_are_validated_with_their_index(check_inputs, message):
+    with pytest.raises(TypeError, match=message):
+        tracing.check_trace(two_args, (X, W), check_inputs=check_inputs)
+
+
+def test_example_inputs_as_a_list_is_one_argument_with_a_clear_error():
+    with pytest.raises(TypeError, match=r"example_inputs is a list, which stands for one "
+                                        r"argument.*as a tuple: \(a0, a1,\)"):
+        tracing.trace(two_args, [X, W])
+    with pytest.raises(TypeError, match=r"example_inputs gives two_args\(x, w\) 3 positional"):
+        tracing.trace(two_args, (X, W, W))
+    assert tracing.trace(lambda xs: xs[0] @ xs[1], [X, W])(list((X, W))).shape == (3, 2)
+
+
+def test_trace_inside_jit_is_a_clear_error():
+    @jax.jit
+    def outer(x):
+        return tracing.trace(jnp.sin, (x,))(x)
+
+    with pytest.raises(TypeError, match=r"example_inputs\[0\] is a traced value.*inside "
+                                        r"jax.jit"):
+        outer(X)
+
+    @jax.jit
+    def outer_with_concrete_examples(x):
+        return tracing.trace(jnp.sin, (np.ones((3, 4), np.float32),))(x)
+
+    with pytest.raises(TypeError, match=r"JAX is tracing.*cannot run inside jax.jit"):
+        outer_with_concrete_examples(X)
+    with pytest.raises(TypeError, match=r"JAX is tracing"):
+        jax.vmap(lambda x: tracing.check_trace(jnp.sin, (np.ones(4, np.float32),)) or x)(X)
+
+
+def test_damaged_blob_is_a_clear_value_error_without_mlir_noise(capfd):
+    blob = bytearray(tracing.trace(lambda x: jnp.sin(x) @ x.T, (X,)).export())
+    capfd.readouterr()
+    failures = 0
+    for start in range(0, len(blob) - 16, len(blob) // 12):
+        damaged = bytearray(blob)
+        damaged[start:start + 16] = bytes(b ^ 0xFF for b in damaged[start:start + 16])
+        try:
+            tracing.load(bytes(damaged))(X)
+        except ValueError as err:
+            assert "not an intact jax.export serialization" in str(err)
+            failures += 1
+    assert failures >= 3
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == ""

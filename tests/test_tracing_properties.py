@@ -135,3 +135,21 @@ def test_loops_over_the_batch_size_fail_when_the_size_changes(ops, batch, check_
     else:
         with pytest.raises(tracing.TracingCheckError, match="Graphs differed"):
             tracing.check_trace(fn, (x,), check_inputs=[(other,)])
+
+
+# (4) The auxiliary data of custom pytree nodes (what Flax's boxes and NNX Variables carry)
+# survives export's plain-data encoding exactly, tuples and lists told apart.
+PLAIN = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.tuples(inner, inner) | st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(PLAIN)
+def test_plain_auxiliary_data_round_trips_through_the_export_encoding(aux):
+    from tracing import export
+
+    decoded = export._decode_aux(export._encode_aux(Pair, aux))
+    assert decoded == aux and repr(decoded) == repr(aux)  # repr: tuple stays tuple, True stays True

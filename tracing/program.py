@@ -65,7 +65,7 @@ class Signature:
         """
         with_paths, tree = jax.tree_util.tree_flatten_with_path(inputs)
         if tree != self.in_tree:
-            raise TypeError(f"{name}: {self._structure_mismatch(with_paths, tree)}")
+            raise TypeError(f"{name}: {self.structure_mismatch(with_paths, tree)}")
         leaves = []
         for where, aval, (_, leaf) in zip(self.paths, self.avals, with_paths):
             got = leaf_aval(leaf, where)
@@ -78,7 +78,7 @@ class Signature:
             leaves.append(leaf)
         return leaves
 
-    def _structure_mismatch(self, with_paths: list, tree: Any) -> str:
+    def structure_mismatch(self, with_paths: list, tree: Any) -> str:
         got_paths = [input_path(p) for p, _ in with_paths]
         for expected, got in zip(self.paths, got_paths):
             if expected != got:

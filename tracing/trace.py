@@ -9,6 +9,7 @@ every ``check_inputs`` entry, and compare.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -19,8 +20,10 @@ import numpy as np
 from jamp import _compat as compat
 
 from . import graph as graphs
-from . import randomness
+from . import leaks, randomness
+from . import tolerance as tolerances
 from .errors import TracerWarning, TracingCheckError
+from .inputs import as_inputs, check_binds, reject_tracers, validate_check_inputs
 from .program import Program, Signature, callable_name, keep_dict_order, order_skeleton
 
 
@@ -50,11 +53,6 @@ class TracedFunction(Program):
     """
 
 
-def as_inputs(example_inputs: Any) -> tuple:
-    """A plain tuple is the positional arguments; anything else (a namedtuple too) is one."""
-    return example_inputs if type(example_inputs) is tuple else (example_inputs,)
-
-
 def resolve_function(fn: Any) -> tuple[Callable, str]:
     """The function to trace, with its name; an NNX module is called with its state captured."""
     if "flax" in sys.modules:
@@ -66,6 +64,10 @@ def resolve_function(fn: Any) -> tuple[Callable, str]:
                 # Fresh Variables inside the trace (NNX refuses updates to ones made outside it,
                 # e.g. an Rngs counter); the updates are dropped with the trace.
                 return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, state))(*args)
+            try:  # for the arity checks of the example and check inputs
+                call_module.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+            except (TypeError, ValueError):
+                pass
             return call_module, type(fn).__name__
         if isinstance(fn, linen.Module):
             raise TypeError(f"trace a linen module through its apply function: "
@@ -102,29 +104,29 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
         return outputs
 
     try:
-        with jax.checking_leaks():
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*signature.avals)
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*signature.avals)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
             jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError) as err:
         raise TracingCheckError(
             f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
             f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
             f"{str(err).splitlines()[0]}") from err
-    except jax.errors.UnexpectedTracerError as err:
-        raise _leak_error(name, err) from err
-    except Exception as err:
-        if "Leaked trace" in str(err):  # jax.checking_leaks reports with a plain Exception
-            raise _leak_error(name, err) from err
-        raise
+    except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
+        raise TracingCheckError(
+            f"Tracing {name} failed: it used a traced value that leaked out of an earlier trace "
+            "(kept in a global, a closure, a list or an object attribute).\n"
+            f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
+            f"{str(err).splitlines()[0]}") from err
+    leaked = leaks.find_leaked_tracer(fn, name)
+    if leaked is not None:
+        tracer, where = leaked
+        raise TracingCheckError(
+            f"Tracing {name} failed: a traced value leaked out of the trace: {where} holds a "
+            f"tracer ({graphs.aval_text(tracer.aval, sizes=True)}) stored while tracing, so the "
+            "traced program would not be self-contained and a later call would read a stale "
+            "tracer. Return the value as an output instead of storing it (and clear what holds "
+            "it now).")
     return Trace(closed, signature, jax.tree.structure(out_shape), skeleton[0])
-
-
-def _leak_error(name: str, err: Exception) -> TracingCheckError:
-    return TracingCheckError(
-        f"Tracing {name} failed: a traced value leaked out of the trace (stored in a global, a "
-        "closure, a list or an object attribute, or used after its trace ended), so the traced "
-        f"program would not be self-contained.\n{_TRACE_ERROR_HINT}\nOriginal error: "
-        f"{type(err).__name__}: {str(err).splitlines()[0]}")
 
 
 def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
@@ -137,6 +139,15 @@ def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
     for the example inputs and every ``check_inputs`` entry, and raise ``TracingCheckError`` when
     the graphs or their captured constants differ; they warn (``TracerWarning``) when the outputs
     disagree with the function run op by op or when a captured PRNG key is drawn from.
+
+    Outputs are compared within ``max(check_tolerance, 4 * eps)`` of the narrowest floating dtype
+    on each output's computation path (bfloat16 intermediates give bfloat16 tolerance to a float32
+    output), relative to each element and to the output's magnitude, or, for an output that still
+    disagrees, to the magnitude of the accumulations on its path (``tracing/tolerance.py`` has
+    the exact rule). ``example_inputs`` must be a tuple for several arguments (a list is one
+    argument); ``check_inputs`` entries must have its pytree structure (``TypeError`` naming
+    ``check_inputs[i]`` otherwise). A tracer the function stores where it can read it again (a
+    global, a closure, an attribute) raises ``TracingCheckError``; JAX's own caches do not.
 
     ``fn`` may be a linen ``model.apply`` (the variables are then an input:
     ``trace(model.apply, (variables, x))``) or an NNX module, whose current state is captured as
@@ -170,22 +181,22 @@ def _trace_and_check(fn: Any, example_inputs: Any, check_inputs: Optional[Sequen
                      tolerance: float, run_checks: bool) -> tuple[Trace, str]:
     """The trace at the example inputs (with the PRNG-key check) and, if asked, the others."""
     fn, name = resolve_function(fn)
-    primary = trace_once(fn, as_inputs(example_inputs), name)
+    example = as_inputs(example_inputs)
+    reject_tracers(example, "example_inputs")
+    check_binds(fn, name, example_inputs, example, "example_inputs")
+    primary = trace_once(fn, example, name)
     randomness.warn_constant_keys(primary.closed, name)
     if run_checks:
-        _run_checks(fn, name, primary, as_inputs(example_inputs), check_inputs, tolerance)
+        _run_checks(fn, name, primary, example, check_inputs, tolerance)
     return primary, name
 
 
 def _run_checks(fn: Callable, name: str, primary: Trace, example: tuple,
                 check_inputs: Optional[Sequence[Any]], tolerance: float) -> None:
-    if check_inputs is not None and (isinstance(check_inputs, (str, bytes))
-                                     or not isinstance(check_inputs, Sequence)):
-        raise TypeError("check_inputs must be a list of input tuples, got "
-                        f"{type(check_inputs).__name__}")
+    checks = validate_check_inputs(check_inputs, primary.signature, len(example))
     # The example inputs are always traced again: that is what catches state read at trace time
     # (literals may be sizes, so they are only comparable between traces at the same avals).
-    input_sets = [example] + [as_inputs(c) for c in (check_inputs or ())]
+    input_sets = [example] + checks
     reference = graphs.canonicalize(primary.closed)
     for number, inputs in enumerate(input_sets):
         label = "the example inputs" if number == 0 else f"check_inputs[{number - 1}]"
@@ -222,7 +233,9 @@ def _compare_graphs(reference: graphs.Graph, other: graphs.Graph, primary: Trace
 
 
 def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
-                     tolerance: float) -> None:
+                     check_tolerance: float) -> None:
+    """Warn for each output of the compiled program that disagrees with ``fn`` run op by op,
+    beyond the tolerance of the precision it was computed in (``tolerance.py``)."""
     program = Program(traced.closed, traced.signature, traced.out_tree, name)  # leaves only
     got = program(*inputs)
     with jax.disable_jit():
@@ -232,30 +245,19 @@ def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
         warnings.warn(f"{name}: the traced function returns {len(got_leaves)} outputs, the "
                       f"Python function {len(expected_leaves)}", TracerWarning, stacklevel=5)
         return
-    for number, (a, b) in enumerate(zip(got_leaves, expected_leaves), start=1):
-        error = _mismatch(a, b, tolerance)
+    tols = [tolerances.tolerance(d, check_tolerance)
+            for d in tolerances.path_dtypes(traced.closed)]
+    errors = [tolerances.mismatch(a, b, tol, check_tolerance)
+              for a, b, tol in zip(got_leaves, expected_leaves, tols)]
+    if any(errors):  # second pass: the magnitudes of the values the outputs were computed from
+        involved = tolerances.accumulation_magnitudes(
+            traced.closed, traced.signature.flatten(inputs, name), default=0.0)
+        errors = [error and tolerances.mismatch(a, b, tol, check_tolerance, scale)
+                  for error, a, b, tol, scale in zip(errors, got_leaves, expected_leaves, tols,
+                                                     involved)]
+    for number, error in enumerate(errors, start=1):
         if error:
             warnings.warn(
                 f"Output nr {number}. of the traced function does not match the corresponding "
                 f"output of the Python function. Detailed error:\n{error}", TracerWarning,
                 stacklevel=5)
-
-
-def _mismatch(traced: Any, python: Any, tolerance: float) -> str:
-    """Why two outputs disagree beyond ``tolerance`` (empty when they agree)."""
-    if isinstance(python, (bool, int, float, complex)):
-        python = jax.numpy.asarray(python)  # a Python number becomes a canonical-dtype array
-    a, b = graphs.plain_array(traced), graphs.plain_array(python)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return (f"traced {a.dtype}{list(a.shape)} against Python {b.dtype}{list(b.shape)}")
-    if a.dtype.kind not in "fc":
-        return "" if np.array_equal(a, b) else f"{int(np.sum(a != b))} elements differ"
-    # Low-precision outputs may round differently when XLA fuses ops: allow a few ulps.
-    tol = max(tolerance, 4 * float(np.finfo(a.dtype).eps))
-    a64, b64 = a.astype(np.float64), b.astype(np.float64)
-    if np.allclose(a64, b64, rtol=tol, atol=tol, equal_nan=True):
-        return ""
-    abs_err = np.abs(a64 - b64)
-    rel_err = abs_err / np.maximum(np.abs(b64), np.finfo(np.float64).tiny)
-    return (f"Largest absolute error: {np.nanmax(abs_err):.6g}, largest relative error: "
-            f"{np.nanmax(rel_err):.6g} (tolerance {tol:g})")
