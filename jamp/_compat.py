@@ -216,3 +216,10 @@ def trace_context() -> Any:
 def under_a_transformation() -> bool:
     """Whether code runs under a JAX transformation (jit/grad/vmap tracing), not eagerly."""
     return not isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
+def under_staging() -> bool:
+    """Whether an enclosing transformation is building a jaxpr (``jax.jit``, ``make_jaxpr``, a
+    ``scan`` body...), possibly below ``grad``/``vmap`` traces; false for eager ``grad``/``vmap``."""
+    stack = _core.unsafe_get_trace_stack(_core.trace_ctx.trace)
+    return any(isinstance(trace, _pe.DynamicJaxprTrace) for trace in stack)

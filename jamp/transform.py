@@ -4,8 +4,8 @@ A call of a transformed function goes: split the arguments into traced leaves an
 (``call_args.py``), look the call up in a cache keyed like ``jax.jit``'s (argument structure, avals,
 static values, JAX's trace context), trace the user's function once per key under the user's
 debug info (so tracer errors name their function and parameters), then run the rewritten program:
-compiled with ``jax.jit`` (a cached executable for eager calls) or re-bound under the caller's
-transformation when it closes over that transformation's values.
+bound into the enclosing program when one is being built (under ``jax.jit``), else compiled once
+with ``jax.jit`` and the executable reused (eager calls, eager ``grad``/``vmap``).
 """
 from __future__ import annotations
 
@@ -192,14 +192,14 @@ class _Traced:
 
     def compiled(self, policy: Policy) -> Callable:
         """The rewritten program as one ``jax.jit`` function (traced and compiled once per
-        trace context; ``inline`` so that under an enclosing jit it adds no call boundary)."""
+        trace context)."""
         if self.program is None:
             closed = self.closed
 
             def program(*flat: Any) -> list[Any]:
                 return rewrite_and_eval(closed, policy, flat)
             program.__name__ = program.__qualname__ = self.name
-            self.program = jax.jit(program, inline=True)
+            self.program = jax.jit(program)
         return self.program
 
 
@@ -286,8 +286,12 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
             traced = tracer()
             if traced.cacheable:
                 cache[key] = traced
-        if not traced.cacheable:  # closes over an outer trace's values: re-bind under it
+        if not traced.cacheable or compat.under_staging():
+            # Inside a program being built (jit, make_jaxpr, a scan body) the rewrite is bound
+            # into it directly; a closure over an outer trace's values can only be re-bound.
             return traced.outputs(rewrite_and_eval(traced.closed, policy, flat))
+        # Eagerly, and under eager grad/vmap: one compiled program, whose jit caches (also those
+        # of its JVP and batching) make later calls skip tracing, rewriting and compiling.
         outs = traced.compiled(policy)(*flat)
         if not compat.under_a_transformation():
             # jax.disable_jit() runs the program op by op, and an input returned unchanged comes
