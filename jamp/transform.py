@@ -31,7 +31,13 @@ PolicyLike = Union[Policy, Any, None]  # a Policy, a floating dtype (meaning Pol
 
 def _is_dtype_like(value: Any) -> bool:
     """``jnp.float16``, ``np.float16``, ``np.dtype("float16")`` or ``"float16"`` (not an array)."""
-    if isinstance(value, (np.dtype, str)):
+    if isinstance(value, np.dtype):
+        return True
+    if isinstance(value, str):  # only the name of a dtype ("bf16" is none)
+        try:
+            np.dtype(value)
+        except TypeError:
+            return False
         return True
     return isinstance(value, type) and (issubclass(value, np.generic)
                                         or isinstance(getattr(value, "dtype", None), np.dtype))

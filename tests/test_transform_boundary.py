@@ -183,3 +183,17 @@ def test_readme_transform_a_function_snippet_runs():
     assert namespace["x"].dtype == BF16 and namespace["s"].dtype == F32
     assert namespace["f16"].policy == jamp.Policy(F16)
     assert namespace["step"](jnp.ones((4, 4)), 2).dtype == BF16
+
+
+def test_freeze_accepts_a_dtype_as_its_policy_and_rejects_nonsense():
+    tracing = pytest.importorskip("tracing")
+    w = jnp.linspace(-1.0, 1.0, 16).reshape(4, 4)
+
+    def apply(variables, x):
+        return x @ variables["w"]
+
+    frozen = tracing.freeze(apply, {"w": w}, X, policy=BF16)
+    assert frozen(X).dtype == BF16
+    np.testing.assert_allclose(frozen(X).astype(F32), X @ w, rtol=2e-2, atol=2e-2)
+    with pytest.raises(TypeError, match=r"freeze: policy must be a jamp.Policy, a floating dtype"):
+        tracing.freeze(apply, {"w": w}, X, policy="fast")
