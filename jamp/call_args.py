@@ -125,7 +125,7 @@ class CallSignature:
             raise TypeError(
                 f"{self.where}: static argument '{name}' ({how}) must be hashable, because its "
                 f"value is part of the cache key as with jax.jit's static arguments; got "
-                f"{type(value).__name__} {_short_repr(value)}. Pass a tuple instead of a list, "
+                f"{type(value).__name__} {short_repr(value)}. Pass a tuple instead of a list, "
                 "or bind it with functools.partial") from err
         return marked
 
@@ -180,7 +180,7 @@ def _infer(signature: inspect.Signature, argnums: tuple[int, ...], argnames: tup
     return argnums, argnames
 
 
-def _short_repr(value: Any, limit: int = 60) -> str:
+def short_repr(value: Any, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 

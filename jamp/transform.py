@@ -21,7 +21,7 @@ import numpy as np
 from . import _compat as compat
 from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
 from . import graph_nodes
-from .call_args import CallSignature, split_leaves, static_key
+from .call_args import CallSignature, short_repr, split_leaves, static_key
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
 from .regions import tracing_under
@@ -62,12 +62,7 @@ def resolve_policy(policy: PolicyLike, dtype: Any = None, *,
         return Policy(policy)
     raise TypeError(f"{where}: policy must be a jamp.Policy, a floating dtype such as jnp.bfloat16 "
                     f"(meaning jamp.Policy(dtype)) or None; got {type(policy).__name__} "
-                    f"{_short_repr(policy)}")
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+                    f"{short_repr(policy)}")
 
 
 def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
