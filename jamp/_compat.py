@@ -222,3 +222,43 @@ def under_transformation() -> bool:
     """True while JAX is tracing (inside ``jax.jit``, ``grad``, ``vmap``, ...): the current
     trace is not the eager one. Same private ``trace_ctx`` in jax 0.10 and 0.12."""
     return not isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
+# --- The call boundary of autocast_transform (transform.py): what jax.jit's front end does. ---
+from jax._src import api_util as _api_util  # noqa: E402
+from jax._src import config as _config  # noqa: E402
+
+
+def debug_info(traced_for: str, fn: Any, args: Sequence[Any], kwargs: dict) -> Any:
+    """JAX's debug info for tracing ``fn(*args, **kwargs)``: the function's name, file and line,
+    and the names (``x``, ``batch['x']``) of the leaves of ``args``/``kwargs``, so tracer errors
+    read as they do under ``jax.jit``. Same in jax 0.10 and 0.12."""
+    return _api_util.debug_info(traced_for, fn, tuple(args), dict(kwargs))
+
+
+def debug_info_named_for(debug: Any, fn: Any) -> Any:
+    """``debug`` attributed to ``fn`` (its name, file and line) instead of the traced wrapper."""
+    return debug._replace(func_src_info=_api_util.fun_sourceinfo(fn))
+
+
+def trace_user_function(flat_fn: Any, in_avals: Sequence[ShapedArray], debug: Any) -> Any:
+    """Trace ``fn`` (flat arguments and outputs) at ``in_avals`` to a closed jaxpr, as
+    ``jax.make_jaxpr`` does, with ``debug`` (from ``debug_info``) naming the user's function."""
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(flat_fn, debug_info=debug),
+                                                  list(in_avals))
+    return (_ClosedJaxpr or _core.Jaxpr)(jaxpr, consts)
+
+
+def trace_context() -> Any:
+    """What ``jax.jit`` keys its caches on besides the arguments: every config state that affects
+    tracing (``default_matmul_precision``, ``enable_x64``, ``numpy_rank_promotion``,
+    ``numpy_dtype_promotion``...) and, last, the axis environment (named axes of enclosing
+    ``vmap``/``shard_map`` with their sizes). Hashable; the same function in jax 0.10 and 0.12."""
+    return _config.trace_context()
+
+
+def under_staging() -> bool:
+    """Whether an enclosing transformation is building a jaxpr (``jax.jit``, ``make_jaxpr``, a
+    ``scan`` body...), possibly below ``grad``/``vmap`` traces; false for eager ``grad``/``vmap``."""
+    stack = _core.unsafe_get_trace_stack(_core.trace_ctx.trace)
+    return any(isinstance(trace, _pe.DynamicJaxprTrace) for trace in stack)

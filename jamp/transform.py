@@ -1,28 +1,68 @@
-"""``autocast_transform`` and ``autocast_jaxpr``: trace, rewrite, evaluate, with a rewrite cache."""
+"""``autocast_transform`` and ``autocast_jaxpr``: the call boundary of the rewrite.
+
+A call of a transformed function goes: split the arguments into traced leaves and static values
+(``call_args.py``), look the call up in a cache keyed like ``jax.jit``'s (argument structure, avals,
+static values, JAX's trace context), trace the user's function once per key under the user's
+debug info (so tracer errors name their function and parameters), then run the rewritten program:
+bound into the enclosing program when one is being built (under ``jax.jit``), else compiled once
+with ``jax.jit`` and the executable reused (eager calls, eager ``grad``/``vmap``).
+"""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat
 from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
 from . import graph_nodes
+from .call_args import CallSignature, short_repr, split_leaves, static_key
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
 from .regions import tracing_under
 
+PolicyLike = Union[Policy, Any, None]  # a Policy, a floating dtype (meaning Policy(dtype)) or None
 
-def resolve_policy(policy: Optional[Policy], dtype: Any = None) -> Policy:
+
+def _is_dtype_like(value: Any) -> bool:
+    """``jnp.float16``, ``np.float16``, ``np.dtype("float16")`` or ``"float16"`` (not an array)."""
+    if isinstance(value, np.dtype):
+        return True
+    if isinstance(value, str):  # only the name of a dtype ("bf16" is none)
+        try:
+            np.dtype(value)
+        except TypeError:
+            return False
+        return True
+    return isinstance(value, type) and (issubclass(value, np.generic)
+                                        or isinstance(getattr(value, "dtype", None), np.dtype))
+
+
+def resolve_policy(policy: PolicyLike, dtype: Any = None, *,
+                   where: str = "autocast_transform") -> Policy:
+    """The Policy a caller meant: ``None`` is ``Policy()``, a dtype is ``Policy(dtype)``.
+
+    ``dtype=`` replaces the policy's ``compute_dtype`` and keeps the rest of the policy (as
+    ``torch.autocast(dtype=...)`` picks the lower-precision dtype); giving the compute dtype twice
+    (``autocast_transform(f, jnp.float16, dtype=jnp.bfloat16)``) is an error.
+    """
     if policy is None:
-        policy = Policy()
-    elif not isinstance(policy, Policy):
-        raise TypeError(f"policy must be a jamp.Policy, got {type(policy).__name__}")
-    return policy if dtype is None else policy.replace(compute_dtype=dtype)
+        return Policy() if dtype is None else Policy(dtype)
+    if isinstance(policy, Policy):
+        return policy if dtype is None else policy.replace(compute_dtype=dtype)
+    if _is_dtype_like(policy):
+        if dtype is not None:
+            raise ValueError(f"{where}: the compute dtype was given twice, as the policy "
+                             f"({policy!r}) and as dtype={dtype!r}; pass one of them")
+        return Policy(policy)
+    raise TypeError(f"{where}: policy must be a jamp.Policy, a floating dtype such as jnp.bfloat16 "
+                    f"(meaning jamp.Policy(dtype)) or None; got {type(policy).__name__} "
+                    f"{short_repr(policy)}")
 
 
 def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
@@ -48,15 +88,17 @@ def _is_castable(dtype: Any) -> bool:
     return is_float(dtype) and np.dtype(dtype) != F64
 
 
-def autocast_jaxpr(closed_jaxpr: Any, policy: Optional[Policy] = None) -> Any:
+def autocast_jaxpr(closed_jaxpr: Any, policy: PolicyLike = None) -> Any:
     """Rewrite a closed jaxpr under ``policy``; returns a closed jaxpr with the same inputs.
+
+    ``policy`` is a ``jamp.Policy``, a floating dtype (``Policy(dtype)``) or ``None``.
 
     Example::
 
         closed = jax.make_jaxpr(f)(x, w)
         mixed = jamp.autocast_jaxpr(closed)          # dot_general now runs in bfloat16
     """
-    policy = resolve_policy(policy)
+    policy = resolve_policy(policy, where="autocast_jaxpr")
     if not compat.is_jaxpr_like(closed_jaxpr):
         raise TypeError("autocast_jaxpr expects a closed jaxpr (jax.make_jaxpr(f)(...)), "
                         f"got {type(closed_jaxpr).__name__}")
@@ -64,130 +106,198 @@ def autocast_jaxpr(closed_jaxpr: Any, policy: Optional[Policy] = None) -> Any:
     return compat.trace_to_closed(lambda *a: rewrite_and_eval(closed_jaxpr, policy, a), in_avals)
 
 
-@dataclasses.dataclass
-class _Traced:
-    closed: Any
-    out_tree: Any
-    cacheable: bool = True
-    rewritten: Any = None  # the rewritten closed jaxpr, built on the first eager call
-
-
-def _is_traced_leaf(x: Any) -> bool:
-    """Arrays and Python numbers are traced; bools, strings and other objects are static."""
-    return type(x) is not bool and isinstance(x, (jax.Array, np.ndarray, np.generic, int, float,
-                                                  complex))
-
-
-def _split_static(flat: Sequence[Any], in_tree: Any) -> tuple[list[int], tuple[Any, ...]]:
-    """Indices of traced leaves, and the static leaves as ``(index, value)`` pairs (hashable)."""
-    traced, static = [], []
-    for i, leaf in enumerate(flat):
-        if _is_traced_leaf(leaf):
-            traced.append(i)
-        else:
-            static.append((i, leaf))
-    try:
-        hash(tuple(static))
-    except TypeError:
-        paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
-        for i, leaf in static:
-            try:
-                hash(leaf)
-            except TypeError as err:
-                raise TypeError(
-                    f"autocast_transform: argument {jax.tree_util.keystr(paths[i][0])} is a "
-                    f"{type(leaf).__name__}, neither an array nor a hashable static value; bind it "
-                    "with functools.partial before transforming") from err
-    return traced, tuple(static)
-
-
-def autocast_transform(fn: Callable, policy: Optional[Policy] = None, *,
-                       dtype: Any = None) -> Callable:
+def autocast_transform(fn: Callable, policy: PolicyLike = None, *, dtype: Any = None,
+                       static_argnums: Union[int, Iterable[int]] = (),
+                       static_argnames: Union[str, Iterable[str]] = ()) -> Callable:
     """torch.autocast for JAX: ``fn`` rewritten op by op under a precision policy.
 
     The returned function has ``fn``'s signature and composes with ``jax.jit``, ``jax.grad``,
-    ``jax.vmap`` and sharding in any order; gradients come back in the primal dtypes. Array and
-    number arguments are traced; bools, strings and other hashable leaves (``train=False``,
-    ``mutable=["batch_stats"]``) are static, like ``jax.jit``'s static arguments. Flax NNX modules
-    among the arguments are split and merged as ``nnx.jit`` does, and their final state (e.g.
-    BatchNorm statistics) is written back.
+    ``jax.vmap`` and sharding in any order; gradients come back in the primal dtypes.
+
+    Args:
+      fn: the function to transform.
+      policy: a ``jamp.Policy``; a floating dtype such as ``jnp.float16`` means
+        ``jamp.Policy(jnp.float16)``; ``None`` means ``jamp.Policy()`` (bfloat16).
+      dtype: replaces the policy's ``compute_dtype`` and keeps the rest of the policy.
+      static_argnums, static_argnames: arguments passed to ``fn`` as the Python values they are
+        (a loop count stays an ``int``), with ``jax.jit``'s meaning: negative numbers count from
+        the end, numbers and names are inferred from each other through ``fn``'s signature, the
+        values must be hashable and each new value traces ``fn`` again.
+
+    Array leaves of the arguments are traced. So are Python numbers in eager calls (as
+    ``jax.jit`` does, so a changing learning rate does not recompile); under an enclosing
+    transformation (``jax.jit``, ``jax.grad``, ``jax.vmap``...) a Python number is already a
+    constant of that program and is passed to ``fn`` unchanged, so
+    ``jax.jit(autocast_transform(g), static_argnums=1)(x, 3)`` sees ``3``. Bools, strings and
+    other hashable leaves (``train=False``, ``mutable=["batch_stats"]``) are always static.
+    Output leaves that are not arrays or numbers (strings, functions, ``None``) are returned as
+    they came, as ``equinox.filter_jit`` does. Flax NNX modules among the arguments are split
+    and merged as ``nnx.jit`` does, and their final state (e.g. BatchNorm statistics) is
+    written back.
+
+    Eager calls (outside any JAX transformation) compile the rewritten program with
+    ``jax.jit`` once per argument structure, shapes/dtypes, static values and JAX context
+    (``jax.default_matmul_precision``, ``jax.enable_x64``, named axes...), and reuse the
+    executable; under ``jax.disable_jit()`` they run op by op. Their outputs are what
+    ``jax.jit`` of the same function returns (jax Arrays, canonical dtypes).
+
+    Errors raised while tracing ``fn`` name ``fn``, its file and line and the parameter (or
+    pytree path) a value came from, as ``jax.jit``'s do.
 
     Example::
 
         loss_fn = jamp.autocast_transform(loss_fn)                # bfloat16 matmuls
         grads = jax.jit(jax.grad(loss_fn))(params, batch)         # float32 grads for float32 params
-        f16 = jamp.autocast_transform(loss_fn, dtype=jnp.float16)
+        f16 = jamp.autocast_transform(loss_fn, jnp.float16)       # same as dtype=jnp.float16
+        unrolled = jamp.autocast_transform(g, static_argnames="n_steps")   # g(x, n_steps=3)
     """
     if not callable(fn):
         raise TypeError(f"autocast_transform expects a callable, got {type(fn).__name__}")
     policy = resolve_policy(policy, dtype)
-    on_arrays = _transform_arrays(fn, policy)
+    signature = CallSignature.of(fn, static_argnums, static_argnames)
+    on_arrays = _transform_arrays(signature.call_unmarked, policy, source=fn, signature=signature)
     on_graph_state: dict[Any, Callable] = {}  # per argument structure with NNX modules
 
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = signature.mark_static(args, kwargs)
         if not graph_nodes.has_graph_nodes((args, kwargs)):
             return on_arrays(*args, **kwargs)
         return graph_nodes.call_with_graph_nodes(
-            fn, lambda pure: _transform_arrays(pure, policy), on_graph_state, args, kwargs)
+            signature.call_unmarked,
+            lambda pure: _transform_arrays(pure, policy, source=fn),
+            on_graph_state, args, kwargs)
 
     transformed.policy = policy  # type: ignore[attr-defined]
     return transformed
 
 
-def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict) -> tuple[Any, ...]:
+@dataclasses.dataclass
+class _Traced:
+    """One traced call: its jaxpr over the traced leaves and how to rebuild the output pytree."""
+    closed: Any
+    out_tree: Any
+    array_outs_at: tuple[int, ...]           # output leaf positions the jaxpr computes
+    static_outs: tuple[tuple[int, Any], ...]  # the other output leaves, returned as they came
+    cacheable: bool = True
+    name: str = "autocast"
+    program: Optional[Callable] = None        # jax.jit of the rewrite, made on first use
+
+    def outputs(self, array_outs: Sequence[Any]) -> Any:
+        leaves: list[Any] = [None] * (len(self.array_outs_at) + len(self.static_outs))
+        for i, value in zip(self.array_outs_at, array_outs):
+            leaves[i] = value
+        for i, value in self.static_outs:
+            leaves[i] = value
+        return jax.tree.unflatten(self.out_tree, leaves)
+
+    def compiled(self, policy: Policy) -> Callable:
+        """The rewritten program as one ``jax.jit`` function (traced and compiled once per
+        trace context)."""
+        if self.program is None:
+            closed = self.closed
+
+            def program(*flat: Any) -> list[Any]:
+                return rewrite_and_eval(closed, policy, flat)
+            program.__name__ = program.__qualname__ = self.name
+            self.program = jax.jit(program)
+        return self.program
+
+
+def _is_array_output(leaf: Any) -> bool:
+    """Output leaves ``jax.jit`` would return as arrays; everything else passes through."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+
+
+def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
+               source: Optional[Callable] = None, signature: Optional[CallSignature] = None
+               ) -> tuple[Any, list[Any], Callable[[], _Traced]]:
     """Split a call's arguments into traced leaves and static ones and make the cache key.
 
-    Returns ``(key, flat traced leaves, tracer)`` where ``tracer()`` gives ``(closed jaxpr,
-    output tree, cacheable)`` for the traced leaves' avals, with ``fn`` traced inside an enabled
-    autocast state (for ``is_autocast_enabled``).
+    Returns ``(key, flat traced leaves, tracer)`` where ``tracer()`` traces ``fn`` at the traced
+    leaves' avals (inside an enabled autocast state, for ``is_autocast_enabled``) to a
+    ``_Traced``. ``source`` is the user's function that errors should name (``fn`` by default);
+    ``signature`` (the user's, with static arguments marked) names the arguments, else ``fn``'s
+    own parameters do.
     """
+    source = fn if source is None else source
     flat, in_tree = jax.tree.flatten((args, kwargs))
-    traced_at, static = _split_static(flat, in_tree)
-    flat = [flat[i] for i in traced_at]
-    avals = tuple(compat.aval_of(x) for x in flat)
-
-    def flat_fn(*traced_leaves: Any) -> Any:
-        leaves = [None] * (len(traced_leaves) + len(static))
-        for i, leaf in zip(traced_at, traced_leaves):
-            leaves[i] = leaf
-        for i, leaf in static:
-            leaves[i] = leaf
-        call_args, call_kwargs = jax.tree.unflatten(in_tree, leaves)
-        return fn(*call_args, **call_kwargs)
+    traced_at, static = split_leaves(flat, in_tree, signature,
+                                     numbers_are_static=compat.under_transformation())
+    traced_flat = [flat[i] for i in traced_at]
+    avals = tuple(compat.aval_of(x) for x in traced_flat)
+    key = (in_tree, avals, static_key(static), compat.trace_context())
 
     def tracer() -> _Traced:
+        outs_store: dict[str, Any] = {}
+
+        def flat_fn(*traced_leaves: Any) -> list[Any]:
+            leaves: list[Any] = [None] * len(flat)
+            for i, leaf in zip(traced_at, traced_leaves):
+                leaves[i] = leaf
+            for i, leaf in static:
+                leaves[i] = leaf
+            call_args, call_kwargs = jax.tree.unflatten(in_tree, leaves)
+            out_leaves, outs_store["tree"] = jax.tree.flatten(fn(*call_args, **call_kwargs))
+            outs_store["arrays_at"] = tuple(i for i, x in enumerate(out_leaves)
+                                            if _is_array_output(x))
+            outs_store["static"] = tuple((i, x) for i, x in enumerate(out_leaves)
+                                         if not _is_array_output(x))
+            return [out_leaves[i] for i in outs_store["arrays_at"]]
+
+        debug = _debug_info(source, signature.fn if signature is not None else fn,
+                            flat, in_tree, traced_at)
         # cast_inputs: softmax as one call, which then returns the compute dtype and keeps only
         # its compute-dtype output for the backward pass (rules/custom_ad.py).
         softmax = compat.softmax_as_custom_jvp() if policy.cast_inputs else contextlib.nullcontext()
         with tracing_under(True, policy.compute_dtype), softmax:
-            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*avals)
+            closed = compat.trace_user_function(flat_fn, avals, debug)
         # A function closing over an outer trace's values captures tracers: never cache those.
         cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
-        return _Traced(closed, jax.tree.structure(out_shape), cacheable=cacheable)
+        return _Traced(closed, outs_store["tree"], outs_store["arrays_at"], outs_store["static"],
+                       cacheable=cacheable, name=getattr(source, "__name__", "autocast"))
 
-    return (in_tree, avals, static), flat, tracer
+    return key, traced_flat, tracer
 
 
-def _transform_arrays(fn: Callable, policy: Policy) -> Callable:
+def _debug_info(source: Callable, named_fn: Callable, flat: list[Any], in_tree: Any,
+                traced_at: list[int]) -> Any:
+    """JAX's debug info naming ``source`` and, after ``named_fn``'s parameters, the traced leaves."""
+    traced = set(traced_at)
+    # Static leaves become None (an empty pytree), so JAX's names line up with the traced leaves.
+    only_traced = jax.tree.unflatten(in_tree, [x if i in traced else None
+                                               for i, x in enumerate(flat)])
+    debug = compat.debug_info("autocast_transform", named_fn, *only_traced)
+    if named_fn is not source:
+        debug = compat.debug_info_named_for(debug, source)
+    return debug
+
+
+def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
+                      signature: Optional[CallSignature] = None) -> Callable:
     """The transform for arguments that are pytrees of arrays and static leaves."""
     cache: dict[Any, _Traced] = {}
 
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        key, flat, tracer = trace_call(fn, policy, args, kwargs)
+        key, flat, tracer = trace_call(fn, policy, args, kwargs, source=source,
+                                       signature=signature)
         traced = cache.get(key)
         if traced is None:
             traced = tracer()
             if traced.cacheable:
                 cache[key] = traced
-        if not traced.cacheable or any(compat.is_tracer(x) for x in flat):
-            outs = rewrite_and_eval(traced.closed, policy, flat)
-        else:  # eager: rewrite once, then evaluate the rewritten program
-            if traced.rewritten is None:
-                traced.rewritten = autocast_jaxpr(traced.closed, policy)
-            jaxpr, consts = compat.open_and_consts(traced.rewritten)
-            outs = compat.eval_jaxpr(jaxpr, consts, flat)
-        return jax.tree.unflatten(traced.out_tree, outs)
+        if not traced.cacheable or compat.under_staging():
+            # Inside a program being built (jit, make_jaxpr, a scan body) the rewrite is bound
+            # into it directly; a closure over an outer trace's values can only be re-bound.
+            return traced.outputs(rewrite_and_eval(traced.closed, policy, flat))
+        # Eagerly, and under eager grad/vmap: one compiled program, whose jit caches (also those
+        # of its JVP and batching) make later calls skip tracing, rewriting and compiling.
+        outs = traced.compiled(policy)(*flat)
+        if not compat.under_transformation():
+            # jax.disable_jit() runs the program op by op, and an input returned unchanged comes
+            # back as the caller's object (numpy float64); return what jax.jit returns.
+            outs = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in outs]
+        return traced.outputs(outs)
 
     return transformed

@@ -216,8 +216,9 @@ def freeze(target: Any, variables: Any = None, *example_inputs: Any,
         nnx_model.eval()                                                       # NNX
         nnx_frozen = tracing.freeze(nnx_model, None, x)
     """
-    if policy is not None and not isinstance(policy, Policy):
-        raise TypeError(f"freeze: policy must be a jamp.Policy, got {type(policy).__name__}")
+    if policy is not None:  # a Policy, or a dtype meaning Policy(dtype), as autocast_transform
+        from jamp.transform import resolve_policy
+        policy = resolve_policy(policy, where="freeze")
     rngs = apply_kwargs.pop("rngs", _NO_RNGS)
     _check_rngs(rngs)
     resolved = _resolve(target, variables, method, apply_kwargs)

@@ -1,0 +1,236 @@
+"""Arguments of a transformed call: which are static, which are traced, and their names.
+
+``static_argnums``/``static_argnames`` follow ``jax.jit``: numbers and names are inferred from
+each other through the function's signature, negative numbers count from the end, and a static
+value must be hashable because it is part of the cache key. Static arguments travel through the
+pytree machinery as single opaque leaves (``_Static``), so a static tuple or dict is never split
+into traced leaves. Errors name the user's function and parameter, never jamp's wrappers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import operator
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
+class _Static:
+    """A static argument's value as one pytree leaf; equal only to a value of the same type
+    (``1``, ``1.0`` and ``True`` trace differently, as with ``jax.jit``)."""
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return hash((type(self.value), self.value))
+
+    def __eq__(self, other: Any) -> bool:
+        return (type(other) is _Static and type(other.value) is type(self.value)
+                and bool(other.value == self.value))
+
+    def __repr__(self) -> str:
+        return f"static({self.value!r})"
+
+
+def _function_name(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _index_tuple(value: Union[int, Iterable[int]], what: str, where: str) -> tuple[int, ...]:
+    try:
+        return (operator.index(value),)  # type: ignore[arg-type]
+    except TypeError:
+        pass
+    try:
+        return tuple(operator.index(v) for v in value)  # type: ignore[union-attr]
+    except TypeError as err:
+        raise TypeError(f"{where}: {what} must be an int or a sequence of ints, got "
+                        f"{value!r}") from err
+
+
+def _name_tuple(value: Union[str, Iterable[str]], what: str, where: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return (value,)
+    try:
+        names = tuple(value)
+    except TypeError:
+        names = (value,)  # type: ignore[assignment]
+    bad = [n for n in names if not isinstance(n, str)]
+    if bad:
+        raise TypeError(f"{where}: {what} must be a parameter name or a sequence of names, got "
+                        f"{value!r}")
+    return names
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSignature:
+    """How calls of one function are split into static and traced arguments."""
+    fn: Callable
+    signature: Optional[inspect.Signature]
+    argnums: tuple[int, ...]     # non-negative unless fn takes *args (resolved per call then)
+    argnames: frozenset[str]
+
+    @classmethod
+    def of(cls, fn: Callable, static_argnums: Union[int, Iterable[int]] = (),
+           static_argnames: Union[str, Iterable[str]] = ()) -> "CallSignature":
+        where = f"autocast_transform({_function_name(fn)})"
+        argnums = _index_tuple(static_argnums, "static_argnums", where)
+        argnames = _name_tuple(static_argnames, "static_argnames", where)
+        try:
+            signature: Optional[inspect.Signature] = inspect.signature(fn)
+        except (TypeError, ValueError):  # some builtins have none: no inference, as in jax.jit
+            signature = None
+        if signature is not None:
+            argnums, argnames = _infer(signature, argnums, argnames, where)
+        return cls(fn, signature, argnums, frozenset(argnames))
+
+    @property
+    def where(self) -> str:
+        return f"autocast_transform({_function_name(self.fn)})"
+
+    def parameter_name(self, index: int) -> str:
+        """The name of the ``index``-th positional argument, in the user's terms."""
+        if self.signature is None:
+            return f"args[{index}]"
+        params = list(self.signature.parameters.values())
+        positional = [p.name for p in params if p.kind in _POSITIONAL]
+        if index < len(positional):
+            return positional[index]
+        varargs = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL),
+                       "args")
+        return f"{varargs}[{index - len(positional)}]"
+
+    def mark_static(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """``args``/``kwargs`` with the static arguments wrapped as single hashable leaves."""
+        if not self.argnums and not self.argnames:
+            return args, kwargs
+        at = {i + len(args) if i < 0 else i for i in self.argnums}
+        args = tuple(self._marked(a, self.parameter_name(i), "static_argnums") if i in at else a
+                     for i, a in enumerate(args))
+        kwargs = {k: self._marked(v, k, "static_argnames") if k in self.argnames else v
+                  for k, v in kwargs.items()}
+        return args, kwargs
+
+    def _marked(self, value: Any, name: str, how: str) -> _Static:
+        marked = _Static(value)
+        try:
+            hash(marked)
+        except TypeError as err:
+            raise TypeError(
+                f"{self.where}: static argument '{name}' ({how}) must be hashable, because its "
+                f"value is part of the cache key as with jax.jit's static arguments; got "
+                f"{type(value).__name__} {short_repr(value)}. Pass a tuple instead of a list, "
+                "or bind it with functools.partial") from err
+        return marked
+
+    def call_unmarked(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the function with the static arguments unwrapped to their values."""
+        return self.fn(*(_unmark(a) for a in args), **{k: _unmark(v) for k, v in kwargs.items()})
+
+    def describe(self, path: Sequence[Any]) -> str:
+        """A pytree path into ``(args, kwargs)`` in the user's terms: ``batch['x']``."""
+        if len(path) < 2:
+            return jax.tree_util.keystr(tuple(path))
+        rest = jax.tree_util.keystr(tuple(path[2:]))
+        if getattr(path[0], "idx", None) == 0:
+            return self.parameter_name(path[1].idx) + rest
+        return str(getattr(path[1], "key", path[1])) + rest
+
+
+def _unmark(value: Any) -> Any:
+    return value.value if type(value) is _Static else value
+
+
+def _infer(signature: inspect.Signature, argnums: tuple[int, ...], argnames: tuple[str, ...],
+           where: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Validate against the signature and infer numbers from names or names from numbers."""
+    params = list(signature.parameters.values())
+    positional = [p for p in params if p.kind in _POSITIONAL]
+    has_varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    has_varkw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    by_name = {p.name: p for p in params}
+    listing = ", ".join(p.name for p in params) or "no parameters"
+    if not has_varargs:
+        bad = [i for i in argnums if not -len(positional) <= i < len(positional)]
+        if bad:
+            raise ValueError(f"{where}: static_argnums={argnums} but the function takes "
+                             f"{len(positional)} positional argument(s) ({listing})")
+        argnums = tuple(i % len(positional) for i in argnums)
+    for name in argnames:
+        param = by_name.get(name)
+        if param is None and not has_varkw:
+            raise ValueError(f"{where}: static_argnames names {name!r}, which is not a parameter "
+                             f"of the function ({listing})")
+        if param is not None and param.kind is inspect.Parameter.POSITIONAL_ONLY:
+            raise ValueError(f"{where}: static_argnames names {name!r}, a positional-only "
+                             "parameter; use static_argnums")
+    # As jax.jit: numbers imply names and names imply numbers, unless both are given.
+    inferable = [(i, p.name) for i, p in enumerate(positional)
+                 if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    if argnums and not argnames:
+        argnames = tuple(name for i, name in inferable if i in argnums)
+    elif argnames and not argnums:
+        argnums = tuple(i for i, name in inferable if name in argnames)
+    return argnums, argnames
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def is_traced_leaf(leaf: Any, numbers_are_static: bool) -> bool:
+    """Arrays are traced; Python numbers too unless ``numbers_are_static``; bools, strings and
+    other objects are static."""
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        return True
+    return (not numbers_are_static and type(leaf) is not bool
+            and isinstance(leaf, (int, float, complex)))
+
+
+def split_leaves(flat: Sequence[Any], in_tree: Any, signature: Optional[CallSignature],
+                 numbers_are_static: bool) -> tuple[list[int], tuple[tuple[int, Any], ...]]:
+    """Indices of the traced leaves, and the static leaves as ``(index, value)`` pairs.
+
+    ``signature`` names an unhashable static leaf in the user's terms (``None``: a pytree path).
+    """
+    traced, static = [], []
+    for i, leaf in enumerate(flat):
+        if is_traced_leaf(leaf, numbers_are_static):
+            traced.append(i)
+        else:
+            static.append((i, leaf))
+    try:
+        hash(static_key(static))
+    except TypeError:
+        _raise_unhashable(flat, in_tree, static, signature)
+    return traced, tuple(static)
+
+
+def static_key(static: Sequence[tuple[int, Any]]) -> tuple[Any, ...]:
+    """Static leaves as a cache key; the type is part of it (``1`` and ``1.0`` differ)."""
+    return tuple((i, type(leaf), leaf) for i, leaf in static)
+
+
+def _raise_unhashable(flat: Sequence[Any], in_tree: Any, static: Sequence[tuple[int, Any]],
+                      signature: Optional[CallSignature]) -> None:
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree,
+                                                                                   flat))[0]]
+    for i, leaf in static:
+        try:
+            hash(leaf)
+        except TypeError as err:
+            name = (signature.describe(paths[i]) if signature is not None
+                    else jax.tree_util.keystr(paths[i]))
+            where = signature.where if signature is not None else "autocast_transform"
+            raise TypeError(
+                f"{where}: argument {name} is a {type(leaf).__name__}, neither an array nor a "
+                "hashable static value; pass an array or a hashable value (a tuple instead of "
+                "a list), or bind it with functools.partial before transforming") from err
+

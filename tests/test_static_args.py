@@ -1,0 +1,193 @@
+"""autocast_transform's static_argnums / static_argnames (jax.jit's meaning) and Python numbers."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jamp
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+W = jnp.eye(4) * 0.5
+
+
+def _powers(x, n, w=W):
+    """Multiplies by ``w`` ``n`` times with a Python loop: ``n`` must be a Python int."""
+    assert type(n) is int, f"n arrived as {type(n).__name__}"
+    for _ in range(n):
+        x = x @ w
+    return x
+
+
+def _expected(n):
+    return _powers(X, n)
+
+
+@pytest.mark.parametrize("static", [dict(static_argnums=1), dict(static_argnums=-2),
+                                    dict(static_argnums=(1,)), dict(static_argnames="n"),
+                                    dict(static_argnames=("n",))])
+def test_static_loop_count_is_a_python_int_positionally_and_by_keyword(static):
+    traces = []
+
+    def g(x, n, w=W):
+        traces.append(n)
+        return _powers(x, n, w)
+
+    f = jamp.autocast_transform(g, **static)
+    out = f(X, 3)
+    assert out.dtype == BF16
+    np.testing.assert_allclose(out.astype(F32), _expected(3), rtol=1e-2)
+    # numbers and names are inferred from each other through the signature, as in jax.jit
+    np.testing.assert_allclose(f(X, n=2).astype(F32), _expected(2), rtol=1e-2)
+    f(X, 3)  # cached: same static value
+    assert traces == [3, 2]
+
+
+def test_each_static_value_is_a_cache_entry_and_types_are_part_of_the_key():
+    seen = []
+
+    def g(x, scale):
+        seen.append(type(scale))
+        return x * scale
+
+    f = jamp.autocast_transform(g, static_argnums=1)
+    assert f(X, 2).dtype == F32 and f(X, 2.0).dtype == F32 and f(X, True).dtype == F32
+    f(X, 2)
+    assert seen == [int, float, bool]  # 2, 2.0 and True compare equal but trace differently
+
+
+def test_a_static_tuple_stays_a_tuple_of_python_ints():
+    def zeros_like_shape(x, shape):
+        return x.sum() + jnp.zeros(shape)
+
+    f = jamp.autocast_transform(zeros_like_shape, static_argnames="shape")
+    assert f(X, shape=(2, 3)).shape == (2, 3)
+    assert f(X, (4,)).shape == (4,)
+
+
+def test_negative_argnums_with_varargs_count_from_the_end_of_each_call():
+    def g(x, *rest):
+        *arrays, n = rest
+        assert type(n) is int
+        return _powers(x + sum(arrays), n)
+
+    f = jamp.autocast_transform(g, static_argnums=-1)
+    np.testing.assert_allclose(f(X, 2).astype(F32), _expected(2), rtol=1e-2)
+    np.testing.assert_allclose(f(X, X * 0, 1).astype(F32), _expected(1), rtol=1e-2)
+
+
+def test_jit_with_static_argnums_around_a_plain_transform():
+    # Under jax.jit the 3 is a constant of the outer program: passed on as the Python int.
+    f = jax.jit(jamp.autocast_transform(_powers), static_argnums=1)
+    out = f(X, 3)
+    assert out.dtype == BF16
+    np.testing.assert_allclose(out.astype(F32), _expected(3), rtol=1e-2)
+
+
+def test_grad_and_vmap_with_a_static_argument():
+    f = jamp.autocast_transform(lambda x, n: jnp.sum(_powers(x, n).astype(F32)), static_argnums=1)
+    g = jax.grad(f)(X, 2)
+    assert g.dtype == F32
+    np.testing.assert_allclose(g, jax.grad(lambda x: jnp.sum(_powers(x, 2)))(X), rtol=1e-2)
+    batched = jax.vmap(jamp.autocast_transform(_powers, static_argnums=1), in_axes=(0, None))(
+        X[:, None], 2)
+    assert batched.shape == (3, 1, 4)
+
+
+def test_python_numbers_are_traced_in_eager_calls():
+    # Eagerly a Python number is traced (as jax.jit does): no new trace per value...
+    traces = []
+
+    def g(x, lr):
+        traces.append(lr)
+        return x * lr
+
+    f = jamp.autocast_transform(g)
+    f(X, 0.1)
+    f(X, 0.2)
+    assert len(traces) == 1 and isinstance(traces[0], jax.core.Tracer)
+    # ... so a loop count must be marked static, and the error says where it came from.
+    def unrolled(x, n):
+        for _ in range(n):
+            x = x @ W
+        return x
+
+    with pytest.raises(jax.errors.TracerIntegerConversionError, match=r"unrolled at .*argument n"):
+        jamp.autocast_transform(unrolled)(X, 3)
+
+
+def test_unhashable_static_argument_names_the_parameter():
+    def g(x, sizes):
+        return x
+
+    with pytest.raises(TypeError, match=r"autocast_transform\(.*g\): static argument 'sizes' "
+                                        r"\(static_argnums\) must be hashable.*got list"):
+        jamp.autocast_transform(g, static_argnums=1)(X, [1, 2])
+    with pytest.raises(TypeError, match=r"static argument 'sizes' \(static_argnames\).*got dict"):
+        jamp.autocast_transform(g, static_argnames="sizes")(X, sizes={"a": 1})
+
+
+def test_unhashable_leaf_without_static_marking_names_its_path():
+    def loss(params, batch):
+        return params["w"]
+
+    f = jamp.autocast_transform(loss)
+    with pytest.raises(TypeError, match=r"loss\): argument batch\['ids'\] is a set"):
+        f({"w": X}, {"ids": {1, 2}})
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(static_argnums=2), ValueError, r"static_argnums=\(2,\) but the function takes 2 "
+                                         r"positional argument\(s\) \(x, n\)"),
+    (dict(static_argnums=-3), ValueError, r"static_argnums=\(-3,\)"),
+    (dict(static_argnames="m"), ValueError, r"static_argnames names 'm', which is not a parameter.*\(x, n\)"),
+    (dict(static_argnums="n"), TypeError, r"static_argnums must be an int or a sequence of ints"),
+    (dict(static_argnames=1), TypeError, r"static_argnames must be a parameter name"),
+])
+def test_bad_static_specifications_fail_at_transform_time(kwargs, error, message):
+    def g(x, n):
+        return x
+
+    with pytest.raises(error, match=r"autocast_transform\(.*g\): " + message):
+        jamp.autocast_transform(g, **kwargs)
+
+
+def test_positional_only_parameter_cannot_be_a_static_argname():
+    def g(x, n, /):
+        return x
+
+    with pytest.raises(ValueError, match="'n', a positional-only parameter; use static_argnums"):
+        jamp.autocast_transform(g, static_argnames="n")
+    assert jamp.autocast_transform(g, static_argnums=1)(X, 1) is not None
+
+
+def test_kwargs_function_accepts_any_static_argname():
+    def g(x, **options):
+        assert type(options["n"]) is int
+        return _powers(x, options["n"])
+
+    f = jamp.autocast_transform(g, static_argnames="n")
+    np.testing.assert_allclose(f(X, n=2).astype(F32), _expected(2), rtol=1e-2)
+
+
+def test_functools_partial_and_builtins_without_signature():
+    f = jamp.autocast_transform(functools.partial(_powers, w=W * 2), static_argnums=1)
+    np.testing.assert_allclose(f(X, 1).astype(F32), X @ (W * 2), rtol=1e-2)
+    assert jamp.autocast_transform(jnp.tanh)(X).dtype == F32
+
+
+def test_nnx_module_with_a_static_argument():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    def apply(m, x, n):
+        assert type(n) is int
+        for _ in range(n):
+            x = m(x)
+        return x
+
+    out = jamp.autocast_transform(apply, static_argnums=2)(model, X, 2)
+    assert out.dtype == BF16
+    np.testing.assert_allclose(out.astype(F32), model(model(X)), rtol=3e-2, atol=3e-2)

@@ -1,0 +1,199 @@
+"""autocast_transform's call boundary: errors in the user's terms, what a policy may be, outputs."""
+import dataclasses
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jamp
+
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+
+
+def _line_of(fn):
+    return inspect.getsourcelines(fn)[1]
+
+
+def branchy_loss(params, batch):
+    if batch["x"].sum() > 0:  # Python control flow on a traced value
+        return params @ params
+    return params
+
+
+def test_tracer_error_names_the_users_function_file_line_and_parameter():
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        jamp.autocast_transform(branchy_loss)(X, {"x": X})
+    message = str(info.value)
+    assert f"branchy_loss at {__file__}:{_line_of(branchy_loss)}" in message
+    assert "argument batch['x']" in message
+    assert "flat_fn" not in message and "traced_leaves" not in message
+    assert "transform.py" not in message
+
+
+def test_tracer_error_names_a_keyword_argument_and_skips_static_ones():
+    def step(x, *, threshold, mode="train"):
+        return x if threshold > 0 else -x
+
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"step at .*argument threshold"):
+        jamp.autocast_transform(step)(X, threshold=jnp.ones(()), mode="eval")
+
+
+def test_tracer_error_under_jit_names_the_users_function():
+    def gate(x):
+        if x[0, 0] > 0:
+            return x
+        return -x
+
+    with pytest.raises(jax.errors.ConcretizationTypeError,
+                       match=r"gate at .*for autocast_transform.*argument x"):
+        jax.jit(jamp.autocast_transform(gate))(X)
+
+
+def test_tracer_error_with_an_nnx_module_names_the_users_function():
+    nnx = pytest.importorskip("flax.nnx")
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+    def forward(m, x):
+        y = m(x)
+        return y if y.sum() > 0 else -y
+
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"forward at .*for autocast"):
+        jamp.autocast_transform(forward)(model, X)
+
+
+# ------------------------------------------------------------------------------------------------
+# What may be passed as the policy
+
+@pytest.mark.parametrize("policy", [F16, np.float16, np.dtype("float16"), "float16"])
+def test_a_dtype_where_a_policy_is_expected_means_policy_of_that_dtype(policy):
+    f = jamp.autocast_transform(lambda a: a @ a, policy)
+    assert f.policy == jamp.Policy(F16)
+    assert f(X[:, :3] if False else jnp.ones((3, 3))).dtype == F16
+
+
+def test_dtype_overrides_the_policys_compute_dtype_and_keeps_the_rest():
+    f = jamp.autocast_transform(lambda a: (a @ a, a), jamp.Policy(output_dtype=F32), dtype=F16)
+    assert f.policy == jamp.Policy(F16, output_dtype=F32)
+    assert [o.dtype for o in f(jnp.ones((3, 3)))] == [F32, F32]
+
+
+def test_the_compute_dtype_given_twice_is_an_error():
+    with pytest.raises(ValueError, match=r"compute dtype was given twice.*pass one of them"):
+        jamp.autocast_transform(lambda a: a, F16, dtype=BF16)
+
+
+@pytest.mark.parametrize("policy, error, message", [
+    ({"compute_dtype": BF16}, TypeError, r"got dict \{'compute_dtype'"),
+    (jnp.ones(3), TypeError, r"got ArrayImpl"),
+    (3, TypeError, r"got int 3"),
+    (jnp.int32, ValueError, r"compute_dtype must be a floating dtype"),
+    (jnp.float64, ValueError, r"compute_dtype must be bfloat16, float16 or float32"),
+])
+def test_anything_else_is_rejected_saying_what_is_accepted(policy, error, message):
+    with pytest.raises(error, match=message) as info:
+        jamp.autocast_transform(lambda a: a, policy)
+    if error is TypeError:
+        assert "a jamp.Policy, a floating dtype such as jnp.bfloat16" in str(info.value)
+
+
+def test_autocast_jaxpr_and_explain_accept_a_dtype_too():
+    closed = jax.make_jaxpr(lambda a: a @ a)(jnp.ones((3, 3)))
+    assert jamp.autocast_jaxpr(closed, F16).out_avals[0].dtype == F16
+    with pytest.raises(TypeError, match=r"autocast_jaxpr: policy must be a jamp.Policy"):
+        jamp.autocast_jaxpr(closed, [F16])
+    report = jamp.explain(lambda a: a @ a, jnp.ones((3, 3)), policy=F16)
+    assert report.policy == jamp.Policy(F16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Outputs: non-array leaves pass through (as equinox.filter_jit), arrays are what jax.jit returns
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _ModuleLike:
+    """Like an Equinox module: array fields and non-array fields (an activation, a name)."""
+    weight: jax.Array
+    activation: object
+    name: str
+
+
+def test_non_array_outputs_pass_through_as_they_came():
+    def f(x):
+        return {"y": x @ x.T, "label": "logits", "nothing": None, "act": jnp.tanh,
+                "module": _ModuleLike(x, jax.nn.relu, "head")}
+
+    g = jamp.autocast_transform(f)
+    for _ in range(2):  # the traced call and a cached call
+        out = g(X)
+        assert out["y"].dtype == BF16
+        assert out["label"] == "logits" and out["nothing"] is None and out["act"] is jnp.tanh
+        assert out["module"].activation is jax.nn.relu and out["module"].name == "head"
+        assert out["module"].weight.dtype == F32
+
+
+def test_a_function_returning_only_a_string():
+    assert jamp.autocast_transform(lambda x: "done")(X) == "done"
+
+
+def test_non_array_outputs_under_grad_with_aux():
+    def loss(x):
+        return jnp.sum(x @ x.T).astype(F32), {"tag": "ok", "n": 3}
+
+    grads, aux = jax.grad(jamp.autocast_transform(loss), has_aux=True)(X)
+    assert grads.dtype == F32 and aux["tag"] == "ok"
+
+
+@pytest.mark.parametrize("output_dtype", [F32, None])
+@pytest.mark.parametrize("value", [np.ones([]), np.ones(3, np.float64), 2.0, 3, np.float32(1.5),
+                                   np.ones(2, np.int64)])
+def test_eager_outputs_of_passthrough_values_are_what_jit_returns(value, output_dtype):
+    f = jamp.autocast_transform(lambda t: t, jamp.Policy(F32, output_dtype=output_dtype))
+    expected = [jax.jit(f)(value)]
+    if output_dtype is None:  # an identity policy: also what jit of the plain function returns
+        expected.append(jax.jit(lambda t: t)(value))
+    eager = f(value)
+    with jax.disable_jit():
+        op_by_op = f(value)
+    for jitted in expected:
+        for out in (eager, op_by_op):
+            assert isinstance(out, jax.Array)
+            assert (out.dtype, out.weak_type) == (jitted.dtype, jitted.weak_type)
+            np.testing.assert_array_equal(out, jitted)
+
+
+def test_eager_outputs_equal_jit_outputs_in_type_and_dtype():
+    f = jamp.autocast_transform(lambda a, s: {"mm": a @ a.T, "same": a, "scaled": a * s, "s": s})
+    eager, jitted = f(X, 2.0), jax.jit(f)(X, 2.0)
+    for key in eager:
+        assert type(eager[key]) is type(jitted[key]), key
+        assert eager[key].dtype == jitted[key].dtype, key
+
+
+def test_readme_transform_a_function_snippet_runs():
+    import pathlib
+    import re
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme[readme.index("### Transform a function"):readme.index("### Regions")]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace = {"fn": lambda a: a @ a}
+    exec(compile(code, "README.md (Transform a function)", "exec"), namespace)
+    assert namespace["x"].dtype == BF16 and namespace["s"].dtype == F32
+    assert namespace["f16"].policy == jamp.Policy(F16)
+    assert namespace["step"](jnp.ones((4, 4)), 2).dtype == BF16
+
+
+def test_freeze_accepts_a_dtype_as_its_policy_and_rejects_nonsense():
+    tracing = pytest.importorskip("tracing")
+    w = jnp.linspace(-1.0, 1.0, 16).reshape(4, 4)
+
+    def apply(variables, x):
+        return x @ variables["w"]
+
+    frozen = tracing.freeze(apply, {"w": w}, X, policy=BF16)
+    assert frozen(X).dtype == BF16
+    np.testing.assert_allclose(frozen(X).astype(F32), X @ w, rtol=2e-2, atol=2e-2)
+    with pytest.raises(TypeError, match=r"freeze: policy must be a jamp.Policy, a floating dtype"):
+        tracing.freeze(apply, {"w": w}, X, policy="fast")

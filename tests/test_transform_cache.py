@@ -1,0 +1,142 @@
+"""The rewrite cache keys on what jax.jit keys on, and eager calls run a compiled program once
+compiled (counted with jax.monitoring's backend-compile events, no timings)."""
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jamp
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+W = jnp.linspace(0.5, 1.5, 16).reshape(4, 4)
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA compilations in the block (jax.monitoring's backend-compile event)."""
+    count = [0]
+
+    def listener(event, duration_secs, **kwargs):
+        if event == _COMPILE_EVENT:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def test_named_axis_size_is_part_of_the_key():
+    f = jamp.autocast_transform(lambda x: x * lax.psum(1, "i"))
+    np.testing.assert_array_equal(jax.vmap(f, axis_name="i")(jnp.ones(2)), [2.0, 2.0])
+    np.testing.assert_array_equal(jax.vmap(f, axis_name="i")(jnp.ones(3)), [3.0, 3.0, 3.0])
+    np.testing.assert_array_equal(jax.vmap(f, axis_name="i")(jnp.ones(2)), [2.0, 2.0])
+
+
+def test_an_axis_name_bound_only_by_the_caller_is_found():
+    f = jamp.autocast_transform(lambda x: x / lax.psum(x, "batch"))
+    np.testing.assert_allclose(jax.vmap(f, axis_name="batch")(jnp.ones(4)), np.full(4, 0.25))
+    with pytest.raises(NameError, match="batch"):
+        f(jnp.ones(4))  # eagerly the axis is unbound, whatever was cached under vmap
+
+
+def test_matmul_precision_context_retraces_as_jit_does():
+    traces = []
+
+    def f(x, w):
+        traces.append(1)
+        return x @ w
+
+    g = jamp.autocast_transform(f)
+    g(X, W)
+    g(X, W)
+    with jax.default_matmul_precision("highest"):
+        g(X, W)
+        dots = [e for e in jax.make_jaxpr(g)(X, W).eqns if e.primitive.name == "dot_general"]
+    assert len(traces) == 2  # the default context and "highest" (make_jaxpr reuses the latter)
+    assert dots and all(str(e.params["precision"]) != "None" for e in dots), dots
+    g(X, W)  # back in the default context: the first entry again
+    assert len(traces) == 2
+
+
+def test_rank_promotion_raise_applies_after_a_cached_call():
+    g = jamp.autocast_transform(lambda a, b: a + b)
+    assert g(jnp.ones(4), jnp.ones((3, 4))).shape == (3, 4)
+    with jax.numpy_rank_promotion("raise"):
+        with pytest.raises(ValueError, match="jax_numpy_rank_promotion='raise'"):
+            g(jnp.ones(4), jnp.ones((3, 4)))
+
+
+def test_enable_x64_applies_after_a_cached_call():
+    g = jamp.autocast_transform(lambda a: a + jnp.arange(3.0))  # float64 constants under x64
+    value = jnp.ones(3, F32)  # the same aval in both contexts
+    assert g(value).dtype == F32
+    with jax.enable_x64(True):
+        expected = jax.jit(lambda a: a + jnp.arange(3.0))(value).dtype
+        assert expected == jnp.float64
+        assert g(value).dtype == expected
+    assert g(value).dtype == F32
+
+
+def test_second_eager_call_reuses_the_compiled_executable():
+    traces = []
+
+    def mlp(x, w):
+        traces.append(1)
+        return jnp.tanh(x @ w) @ w
+
+    g = jamp.autocast_transform(mlp)
+    with count_compiles() as first:
+        out = g(X, W)
+    with count_compiles() as later:
+        for _ in range(3):
+            again = g(X, W)
+    assert first[0] >= 1 and later[0] == 0 and len(traces) == 1
+    np.testing.assert_array_equal(out, again)
+    assert out.dtype == BF16
+
+
+def test_eager_grad_with_a_jit_inside_does_not_recompile_every_call():
+    inner = jax.jit(lambda w, x: jnp.sum(jnp.tanh(x @ w).astype(F32)))
+    g = jamp.autocast_transform(lambda w, x: inner(w, x))
+    grad = jax.grad(g)
+    expected = grad(W, X)
+    with count_compiles() as steady:
+        for _ in range(3):
+            np.testing.assert_array_equal(grad(W, X), expected)
+    assert steady[0] == 0
+    assert expected.dtype == F32
+
+
+def test_eager_vmap_does_not_recompile_every_call():
+    g = jax.vmap(jamp.autocast_transform(lambda x, w: x @ w), in_axes=(0, None))
+    g(X, W)
+    with count_compiles() as steady:
+        g(X, W)
+        g(X, W)
+    assert steady[0] == 0
+
+
+def test_disable_jit_runs_the_rewrite_op_by_op_with_the_same_results():
+    g = jamp.autocast_transform(lambda x, w: (jnp.tanh(x @ w) @ w, jnp.sum(x)))
+    compiled = g(X, W)
+    with jax.disable_jit():
+        op_by_op = g(X, W)
+    for a, b in zip(op_by_op, compiled):
+        assert isinstance(a, jax.Array) and a.dtype == b.dtype
+        np.testing.assert_allclose(a.astype(F32), b.astype(F32), rtol=1e-2)
+    assert compiled[0].dtype == BF16
+
+
+def test_closure_over_an_outer_tracer_is_not_cached_under_jit():
+    @jax.jit
+    def outer(w):
+        return jamp.autocast_transform(lambda x: jnp.sum(x @ w))(X)
+
+    np.testing.assert_allclose(outer(W), outer(W * 2) / 2, rtol=1e-2)
