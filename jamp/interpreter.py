@@ -316,7 +316,7 @@ def _track_derived(step: Step, outs: Sequence[Any]) -> None:
         for tag in (env.lower_outputs, env.input_view, env.expanded):
             if var_in in tag:
                 tag.add(out_var)
-        if name == "broadcast_in_dim" and atom.aval.size < out_var.aval.size:
+        if _adds_broadcast_dims(name, atom.aval, out_var.aval):
             env.expanded.add(out_var)
     source = env.source(atom)
     if source is None:
@@ -328,6 +328,18 @@ def _track_derived(step: Step, outs: Sequence[Any]) -> None:
             source.base, source.steps + ((step.eqn.primitive, compat.bind_params(step.eqn)),))
     elif name == "convert_element_type" and not source.steps:
         env.known[out_var] = ConstSource(saturating_cast(source.base, step.params["new_dtype"]))
+
+
+def _adds_broadcast_dims(name: str, before: Any, after: Any) -> bool:
+    """Whether a shape-only op spreads a value over new dimensions (a bias reshaped to
+    ``(1, features)`` and broadcast over a batch), whatever the sizes of those dimensions: a
+    batch of one must not change what counts as a bias."""
+    if name == "broadcast_in_dim":
+        return before.size < after.size or before.ndim < after.ndim
+    if name in ("reshape", "expand_dims") and before.ndim < after.ndim:
+        # only unit dimensions added: (4,) -> (1, 4), not (4,) -> (2, 2)
+        return [d for d in after.shape if d != 1] == [d for d in before.shape if d != 1]
+    return False
 
 
 # --- category rules --------------------------------------------------------------------------
@@ -400,8 +412,9 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
     if is_scalar_like(step, i):
         return True
     # A bias is a parameter (an input or constant, maybe reshaped) broadcast over the batch:
-    # fewer elements than the output. A full-size operand (a residual) or a computed one (a
-    # reduction) promotes; so does a bias under vmap, where no batch dimension is visible.
+    # fewer elements than the output, or spread over new (batch) dimensions, even ones of size 1.
+    # A full-size operand (a residual) or a computed one (a reduction) promotes; so does a bias
+    # under vmap, where no batch dimension is visible.
     bias_like = step.has_tag(i, "input_view") and (
         aval.size < step.eqn.outvars[0].aval.size or step.has_tag(i, "expanded"))
     return (step.eqn.primitive.name in BIAS_EPILOGUE and bias_like
