@@ -345,22 +345,37 @@ def _adds_broadcast_dims(name: str, before: Any, after: Any) -> bool:
 # --- category rules --------------------------------------------------------------------------
 
 def lower_rule(step: Step) -> Sequence[Any]:
-    """Matmul/conv: floating operands and output in the compute dtype."""
+    """Matmul/conv: floating operands and output in the compute dtype.
+
+    Where autocast is off (a region, a rule) or float64 is involved, the op runs in the dtypes its
+    operands arrive in, made to agree, and so does its output: an implicit
+    ``preferred_element_type`` recorded at trace time follows the operands (a
+    ``@jamp.autocast(cast_inputs=jnp.float32)`` function given bfloat16 returns float32).
+    """
     floating = step.floating()
     avals = step.avals()
     if (not step.state.enabled or not floating
             or any(avals[i].dtype == F64 for i in floating)):
-        return default_rule(step)
+        args = step.with_cast(equalize_targets(step))
+        arrived = [compat.aval_of(args[i]).dtype for i in floating]
+        return step.bind(args, **_output_type(step, jnp.result_type(*arrived) if arrived else None))
     dtype = step.state.dtype
     args = step.with_cast({i: dtype for i in floating})
-    overrides = {}
-    if "preferred_element_type" in step.params:
-        traced = step.params["preferred_element_type"]
-        natural = jnp.result_type(*(step.traced_aval(i).dtype for i in floating))
-        explicit = traced is not None and np.dtype(traced) != natural
-        overrides["preferred_element_type"] = (
-            traced if explicit else (step.policy.accumulate_dtype or dtype))
-    return step.bind(args, **overrides)
+    return step.bind(args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+
+
+def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
+    """The ``preferred_element_type`` override making a lower-table op return ``dtype``.
+
+    One the program set explicitly (different from its traced operands' type: an int8 matmul
+    accumulating in int32, a bf16 dot asking for float32) is kept.
+    """
+    traced = step.params.get("preferred_element_type")
+    if traced is None or dtype is None:
+        return {}
+    natural = jnp.result_type(*(step.traced_aval(i).dtype for i in step.floating()))
+    explicit = np.dtype(traced) != natural
+    return {"preferred_element_type": traced if explicit else np.dtype(dtype)}
 
 
 def fp32_rule(step: Step) -> Sequence[Any]:
