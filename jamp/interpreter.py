@@ -98,6 +98,11 @@ INPUT = Hint(tags=frozenset({"input_view"}))  # a function input (a parameter, a
 # Primitives that only move or replicate data; a constant stays a constant through them.
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
 
+# Sums: a value they accumulate is "accumulated" (rules/powers.py), also through the primitives
+# in ACCUMULATED_THROUGH (reshapes, converts) on the way there.
+ACCUMULATING = frozenset({"reduce_sum", "cumsum", "psum", "reduce_scatter"})
+ACCUMULATED_THROUGH = SHAPE_ONLY | {"convert_element_type", "copy", "copy_p"}
+
 # Primitives whose params encode their operand dtypes: they always run in the traced dtypes.
 KEEP_TRACED_DTYPES = frozenset({
     "bitcast_convert_type", "reduce_precision", "reduce", "reduce_window", "select_and_scatter",
@@ -108,7 +113,9 @@ KEEP_TRACED_DTYPES = frozenset({
 class Env:
     """Values of one jaxpr's variables, their rewrite-time constants and the cast cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, jaxpr: Any = None) -> None:
+        self.jaxpr = jaxpr
+        self._accumulated: Optional[set[Any]] = None
         self.values: dict[Any, Any] = {}
         self.known: dict[Any, ConstSource] = {}
         self.casts: dict[tuple[Any, np.dtype], Any] = {}
@@ -120,6 +127,18 @@ class Env:
         self.lower_outputs: set[Any] = set()
         self.expanded: set[Any] = set()
         self.input_view: set[Any] = set()
+
+    def accumulated(self, var: Any) -> bool:
+        """Whether ``var`` is summed later in this jaxpr (computed once, on the first question)."""
+        if self._accumulated is None:
+            summed: set[Any] = set()
+            for eqn in reversed(self.jaxpr.eqns if self.jaxpr is not None else ()):
+                name = eqn.primitive.name
+                if name in ACCUMULATING or (name in ACCUMULATED_THROUGH
+                                            and any(v in summed for v in eqn.outvars)):
+                    summed.update(v for v in eqn.invars if isinstance(v, compat.Var))
+            self._accumulated = summed
+        return var in self._accumulated
 
     def read(self, atom: Any) -> Any:
         return atom.val if isinstance(atom, compat.Literal) else self.values[atom]
@@ -258,7 +277,7 @@ class Rewriter:
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             hints: Sequence[Optional[Hint]] = ()) -> list[Any]:
-        env = Env()
+        env = Env(jaxpr)
         for var, value in zip(jaxpr.constvars, consts):
             env.values[var] = value
             env.input_view.add(var)
