@@ -127,6 +127,18 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, _core.Tracer)
 
 
+def traced_var(x: Any) -> Any:
+    """The jaxpr variable a tracer of ``make_jaxpr``'s trace stands for, else None.
+
+    A custom_jvp/custom_vjp rule that closes over a value of the traced function holds such a
+    tracer after tracing ended; the rewriter maps it back to the variable's rewritten value.
+    """
+    if isinstance(x, _pe.DynamicJaxprTracer):
+        var = getattr(x, "val", None)
+        return var if isinstance(var, Var) else None
+    return None
+
+
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Evaluate an open jaxpr with its consts under the current trace."""
     return list(_core.eval_jaxpr(jaxpr, list(consts), *args))

@@ -237,7 +237,8 @@ class Rewriter:
     """Evaluates jaxprs under one policy, starting from one region state."""
 
     def __init__(self, policy: Policy, state: RegionState,
-                 rewritten: Optional[dict[Any, Any]] = None, recorder: Any = None):
+                 rewritten: Optional[dict[Any, Any]] = None, recorder: Any = None,
+                 active: Optional[list["Env"]] = None):
         self.policy = policy
         self.base = state
         self.recorder = recorder  # report.Recorder for jamp.explain, else None
@@ -246,10 +247,22 @@ class Rewriter:
         # jitted helpers (`_where`, ...) recur with the same avals many times in a model.
         # (Not while recording: a report counts every occurrence.)
         self._rewritten = {} if rewritten is None else rewritten
+        # Environments of the jaxprs being evaluated (outermost first), shared with children.
+        self._active: list[Env] = [] if active is None else active
 
     def child(self, state: RegionState) -> "Rewriter":
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
-        return Rewriter(self.policy, state, self._rewritten, self.recorder)
+        return Rewriter(self.policy, state, self._rewritten, self.recorder, self._active)
+
+    def outer_value(self, value: Any) -> Any:
+        """``value``, or, for a tracer of the user's finished trace (closed over by a custom
+        derivative rule), the value its variable has in a jaxpr being rewritten."""
+        var = compat.traced_var(value)
+        if var is not None:
+            for env in reversed(self._active):
+                if var in env.values:
+                    return env.values[var]
+        return value
 
     def state_for(self, eqn: Any) -> RegionState:
         scopes = compat.scope_names(eqn)
@@ -279,6 +292,7 @@ class Rewriter:
             hints: Sequence[Optional[Hint]] = ()) -> list[Any]:
         env = Env(jaxpr)
         for var, value in zip(jaxpr.constvars, consts):
+            value = self.outer_value(value)
             env.values[var] = value
             env.input_view.add(var)
             if not compat.is_tracer(value):
@@ -291,14 +305,18 @@ class Rewriter:
                     env.known[var] = hint.source
                 for tag in hint.tags:
                     getattr(env, tag).add(var)
-        for eqn in jaxpr.eqns:
-            step = Step(self, env, eqn, self.state_for(eqn))
-            outs = self._apply(step)
-            for var, value in zip(eqn.outvars, outs):
-                if not isinstance(var, compat.DropVar):
-                    env.values[var] = value
-            _track_derived(step, outs)
-        return [env.read(v) for v in jaxpr.outvars]
+        self._active.append(env)
+        try:
+            for eqn in jaxpr.eqns:
+                step = Step(self, env, eqn, self.state_for(eqn))
+                outs = self._apply(step)
+                for var, value in zip(eqn.outvars, outs):
+                    if not isinstance(var, compat.DropVar):
+                        env.values[var] = value
+                _track_derived(step, outs)
+            return [env.read(v) for v in jaxpr.outvars]
+        finally:
+            self._active.pop()
 
     def _apply(self, step: Step) -> Sequence[Any]:
         name = step.eqn.primitive.name
