@@ -16,6 +16,12 @@ statistics) stay float32. The derivative rules then run with ``RegionState.keep_
 (fp32-table ops on compute-dtype operands return the compute dtype), so what the backward pass
 keeps of the call (its JVP residuals, or a custom_vjp residual that is an output) is the
 compute-dtype output rather than a float32 copy.
+
+A rule that closes over a value of the traced function (a ``custom_vjp`` defined inside it over a
+value it computed) holds a tracer of jamp's finished trace; the rewriter maps it to that value's
+rewritten counterpart (``Rewriter.outer_value``). That works wherever JAX runs the rule while
+jamp rewrites (``jax.grad`` of the transformed function, also under ``jax.jit``); as in plain JAX,
+``jax.grad(jax.jit(f))`` of such a function is not supported.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
@@ -101,7 +108,7 @@ class _Backward:
     which inputs the forward pass differentiated, and the traced backward program."""
 
     perturbed: tuple[bool, ...]
-    closed: Any = dataclasses.field(compare=False)
+    closed: Any  # an open jaxpr: hashed and compared by identity
 
 
 jax.tree_util.register_static(_Backward)
@@ -113,7 +120,7 @@ def _instantiate(ct: Any) -> Any:
         return ct
     if ct.aval.dtype == jax.dtypes.float0:
         return np.zeros(ct.aval.shape, jax.dtypes.float0)
-    return jax.numpy.zeros(ct.aval.shape, ct.aval.dtype)
+    return jnp.zeros(ct.aval.shape, ct.aval.dtype)
 
 
 @register("custom_vjp_call", "custom_vjp_call_jaxpr")
