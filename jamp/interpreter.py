@@ -385,9 +385,10 @@ def lower_rule(step: Step) -> Sequence[Any]:
     """Matmul/conv: floating operands and output in the compute dtype.
 
     Where autocast is off (a region, a rule) or float64 is involved, the op runs in the dtypes its
-    operands arrive in, made to agree, and so does its output: an implicit
-    ``preferred_element_type`` recorded at trace time follows the operands (a
-    ``@jamp.autocast(cast_inputs=jnp.float32)`` function given bfloat16 returns float32).
+    operands arrive in, made to agree, and returns the wider of that and its traced output type:
+    a ``@jamp.autocast(cast_inputs=jnp.float32)`` function given bfloat16 returns float32, and a
+    value traced as float32 keeps returning float32 (``x.astype(jnp.float32)`` of a float32 value
+    leaves nothing in the program, so the traced type is all that records it).
     """
     floating = step.floating()
     avals = step.avals()
@@ -395,7 +396,11 @@ def lower_rule(step: Step) -> Sequence[Any]:
             or any(avals[i].dtype == F64 for i in floating)):
         args = step.with_cast(equalize_targets(step))
         arrived = [compat.aval_of(args[i]).dtype for i in floating]
-        return step.bind(args, **_output_type(step, jnp.result_type(*arrived) if arrived else None))
+        traced = step.params.get("preferred_element_type")
+        if not arrived or traced is None:
+            return step.bind(args)
+        widest = jnp.promote_types(traced, jnp.result_type(*arrived))
+        return step.bind(args, **_output_type(step, widest))
     dtype = step.state.dtype
     args = step.with_cast({i: dtype for i in floating})
     return step.bind(args, **_output_type(step, step.policy.accumulate_dtype or dtype))
@@ -408,7 +413,7 @@ def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
     accumulating in int32, a bf16 dot asking for float32) is kept.
     """
     traced = step.params.get("preferred_element_type")
-    if traced is None or dtype is None:
+    if traced is None:
         return {}
     natural = jnp.result_type(*(step.traced_aval(i).dtype for i in step.floating()))
     explicit = np.dtype(traced) != natural
