@@ -2,7 +2,8 @@
 
 Supported: jax 0.10.x (Python 3.11 here) and jax 0.12.x (Python 3.12). Differences handled here:
 ``ClosedJaxpr`` merged into ``Jaxpr`` in 0.12, scan's operand counts moved into ``ft_in`` in 0.11,
-and ``get_bind_params`` returned ``(subfuns, params)`` before 0.9.2; ``jax.nn.softmax`` traces as a
+``get_bind_params`` returned ``(subfuns, params)`` before 0.9.2, and 0.12 binds pure calls as
+``eval_jaxpr``; ``jax.nn.softmax`` traces as a
 custom-JVP call only under the ``jax_softmax_custom_jvp`` flag. (The rules register both ``jit``
 and ``pjit``, the primitive's name before 0.10.) ``partial_eval.trace_to_jaxpr_dynamic`` and
 ``linear_util.DebugInfo``, used to trace rewritten sub-jaxprs, are the same in 0.10 and 0.12.
@@ -30,6 +31,15 @@ JaxprTypeError = _core.JaxprTypeError
 # jax < 0.12 has a separate ClosedJaxpr; from 0.12 a Jaxpr carries its consts itself.
 _ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
 _JAXPR_TYPES = tuple(t for t in (_core.Jaxpr, _ClosedJaxpr) if t is not None)
+
+
+# Pure call wrappers (a body and nothing else). jax 0.12 folds ``closed_call``/``call`` into one
+# ``eval_jaxpr`` primitive (what ``checkpoint`` of a ``vmap`` of a ``scan`` binds under ``grad``);
+# jax 0.10 has no such primitive.
+_eval_jaxpr_p = getattr(_core, "eval_jaxpr_p", None)
+INLINE_CALL_PRIMITIVES: tuple[str, ...] = tuple(dict.fromkeys(
+    ("closed_call", "core_call", "call")
+    + ((_eval_jaxpr_p.name,) if _eval_jaxpr_p is not None else ())))
 
 
 def is_jaxpr_like(value: Any) -> bool:
@@ -115,6 +125,18 @@ def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
 
 def is_tracer(x: Any) -> bool:
     return isinstance(x, _core.Tracer)
+
+
+def traced_var(x: Any) -> Any:
+    """The jaxpr variable a tracer of ``make_jaxpr``'s trace stands for, else None.
+
+    A custom_jvp/custom_vjp rule that closes over a value of the traced function holds such a
+    tracer after tracing ended; the rewriter maps it back to the variable's rewritten value.
+    """
+    if isinstance(x, _pe.DynamicJaxprTracer):
+        var = getattr(x, "val", None)
+        return var if isinstance(var, Var) else None
+    return None
 
 
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:

@@ -4,6 +4,10 @@
 the modules among the arguments are split into a static graph definition and a state of arrays,
 the transformed program runs on that state, and the state it ends with (BatchNorm statistics,
 RNG counters) is written back into the caller's modules with ``nnx.update``.
+
+Only the state the function actually assigned is written back, in the dtype the caller's variable
+had: under ``Policy(cast_inputs=True)`` the program sees its parameters in the compute dtype, and
+writing that view back would round the caller's float32 weights to bfloat16.
 """
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ import sys
 from typing import Any, Callable
 
 import jax
+import numpy as np
 
 
 def _graph_node_types() -> tuple[type, ...]:
@@ -31,18 +36,39 @@ def has_graph_nodes(tree: Any) -> bool:
 
 
 def _pure(fn: Callable, treedef: Any, node_at: tuple[int, ...]) -> Callable:
-    """``fn`` over (graphdef, state, other leaves): returns (output, the modules' final state)."""
+    """``fn`` over (graphdef, state, other leaves): returns (output, what became of the state).
+
+    The second output is a list with one entry per state leaf: the new value where the function
+    assigned one, None where the leaf is still the value it was given (so it is not written back).
+    If the function changed the state's structure (created or removed variables), it is the whole
+    new state instead.
+    """
     from flax import nnx
 
     def run(graphdef: Any, state: Any, others: list[Any]) -> tuple[Any, Any]:
+        # Read the leaves first: merged modules may share the state's Variables, and the
+        # function's assignments then show in ``state`` too.
+        given, given_def = jax.tree.flatten(state)
         nodes = nnx.merge(graphdef, state)
         leaves = list(others)
         for i, node in zip(node_at, nodes):
             leaves[i] = node
         args, kwargs = jax.tree.unflatten(treedef, leaves)
         out = fn(*args, **kwargs)
-        return out, nnx.split(nodes)[1]
+        new_state = nnx.split(nodes)[1]
+        final, final_def = jax.tree.flatten(new_state)
+        if final_def != given_def:
+            return out, new_state
+        return out, [None if new is old else new for new, old in zip(final, given)]
     return run
+
+
+def _as_caller_had(new: Any, old: Any) -> Any:
+    """A written-back leaf in the dtype of the caller's leaf it replaces."""
+    dtype = getattr(old, "dtype", None)
+    if dtype is None or getattr(new, "dtype", dtype) == dtype:
+        return new
+    return jax.numpy.asarray(new).astype(dtype) if np.dtype(dtype).kind in "fc" else new
 
 
 def call_with_graph_nodes(fn: Callable, transform_arrays: Callable[[Callable], Callable],
@@ -58,6 +84,12 @@ def call_with_graph_nodes(fn: Callable, transform_arrays: Callable[[Callable], C
     nodes = [leaves[i] for i in node_at]
     graphdef, state = nnx.split(nodes)
     others = [None if i in node_at else leaf for i, leaf in enumerate(leaves)]
-    out, new_state = cache[key](graphdef, state, others)
-    nnx.update(nodes, new_state)
+    out, changed = cache[key](graphdef, state, others)
+    given, given_def = jax.tree.flatten(state)
+    if isinstance(changed, list):  # only the assigned leaves, in the caller's dtypes
+        final = [old if new is None else _as_caller_had(new, old)
+                 for new, old in zip(changed, given)]
+        nnx.update(nodes, jax.tree.unflatten(given_def, final))
+    else:
+        nnx.update(nodes, changed)
     return out

@@ -98,6 +98,11 @@ INPUT = Hint(tags=frozenset({"input_view"}))  # a function input (a parameter, a
 # Primitives that only move or replicate data; a constant stays a constant through them.
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
 
+# Sums: a value they accumulate is "accumulated" (rules/powers.py), also through the primitives
+# in ACCUMULATED_THROUGH (reshapes, converts) on the way there.
+ACCUMULATING = frozenset({"reduce_sum", "cumsum", "psum", "reduce_scatter"})
+ACCUMULATED_THROUGH = SHAPE_ONLY | {"convert_element_type", "copy", "copy_p"}
+
 # Primitives whose params encode their operand dtypes: they always run in the traced dtypes.
 KEEP_TRACED_DTYPES = frozenset({
     "bitcast_convert_type", "reduce_precision", "reduce", "reduce_window", "select_and_scatter",
@@ -108,7 +113,9 @@ KEEP_TRACED_DTYPES = frozenset({
 class Env:
     """Values of one jaxpr's variables, their rewrite-time constants and the cast cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, jaxpr: Any = None) -> None:
+        self.jaxpr = jaxpr
+        self._accumulated: Optional[set[Any]] = None
         self.values: dict[Any, Any] = {}
         self.known: dict[Any, ConstSource] = {}
         self.casts: dict[tuple[Any, np.dtype], Any] = {}
@@ -120,6 +127,18 @@ class Env:
         self.lower_outputs: set[Any] = set()
         self.expanded: set[Any] = set()
         self.input_view: set[Any] = set()
+
+    def accumulated(self, var: Any) -> bool:
+        """Whether ``var`` is summed later in this jaxpr (computed once, on the first question)."""
+        if self._accumulated is None:
+            summed: set[Any] = set()
+            for eqn in reversed(self.jaxpr.eqns if self.jaxpr is not None else ()):
+                name = eqn.primitive.name
+                if name in ACCUMULATING or (name in ACCUMULATED_THROUGH
+                                            and any(v in summed for v in eqn.outvars)):
+                    summed.update(v for v in eqn.invars if isinstance(v, compat.Var))
+            self._accumulated = summed
+        return var in self._accumulated
 
     def read(self, atom: Any) -> Any:
         return atom.val if isinstance(atom, compat.Literal) else self.values[atom]
@@ -219,7 +238,7 @@ class Rewriter:
 
     def __init__(self, policy: Policy, state: RegionState,
                  rewritten: Optional[dict[Any, Any]] = None, recorder: Any = None,
-                 scope_log: Optional[ScopeLog] = None):
+                 scope_log: Optional[ScopeLog] = None, active: Optional[list["Env"]] = None):
         self.policy = policy
         self.base = state
         self.recorder = recorder  # report.Recorder for jamp.explain, else None
@@ -232,10 +251,23 @@ class Rewriter:
         # jitted helpers (`_where`, ...) recur with the same avals many times in a model.
         # (Not while recording: a report counts every occurrence.)
         self._rewritten = {} if rewritten is None else rewritten
+        # Environments of the jaxprs being evaluated (outermost first), shared with children.
+        self._active: list[Env] = [] if active is None else active
 
     def child(self, state: RegionState) -> "Rewriter":
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
-        return Rewriter(self.policy, state, self._rewritten, self.recorder, self.scope_log)
+        return Rewriter(self.policy, state, self._rewritten, self.recorder, self.scope_log,
+                        self._active)
+
+    def outer_value(self, value: Any) -> Any:
+        """``value``, or, for a tracer of the user's finished trace (closed over by a custom
+        derivative rule), the value its variable has in a jaxpr being rewritten."""
+        var = compat.traced_var(value)
+        if var is not None:
+            for env in reversed(self._active):
+                if var in env.values:
+                    return env.values[var]
+        return value
 
     def state_for(self, eqn: Any) -> RegionState:
         scopes = compat.scope_names(eqn)
@@ -264,8 +296,9 @@ class Rewriter:
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
             hints: Sequence[Optional[Hint]] = ()) -> list[Any]:
-        env = Env()
+        env = Env(jaxpr)
         for var, value in zip(jaxpr.constvars, consts):
+            value = self.outer_value(value)
             env.values[var] = value
             env.input_view.add(var)
             if not compat.is_tracer(value):
@@ -278,13 +311,17 @@ class Rewriter:
                     env.known[var] = hint.source
                 for tag in hint.tags:
                     getattr(env, tag).add(var)
-        for eqn in jaxpr.eqns:
-            step = Step(self, env, eqn, self.state_for(eqn))
-            outs = self._apply(step)
-            for var, value in zip(eqn.outvars, outs):
-                if not isinstance(var, compat.DropVar):
-                    env.values[var] = value
-            _track_derived(step, outs)
+        self._active.append(env)
+        try:
+            for eqn in jaxpr.eqns:
+                step = Step(self, env, eqn, self.state_for(eqn))
+                outs = self._apply(step)
+                for var, value in zip(eqn.outvars, outs):
+                    if not isinstance(var, compat.DropVar):
+                        env.values[var] = value
+                _track_derived(step, outs)
+        finally:
+            self._active.pop()
         if self._owns_scope_log and self.policy.rules:
             report_unmatched_rules(self, jaxpr)
         return [env.read(v) for v in jaxpr.outvars]
@@ -324,7 +361,7 @@ def _track_derived(step: Step, outs: Sequence[Any]) -> None:
         for tag in (env.lower_outputs, env.input_view, env.expanded):
             if var_in in tag:
                 tag.add(out_var)
-        if name == "broadcast_in_dim" and atom.aval.size < out_var.aval.size:
+        if _adds_broadcast_dims(name, atom.aval, out_var.aval):
             env.expanded.add(out_var)
     source = env.source(atom)
     if source is None:
@@ -338,25 +375,57 @@ def _track_derived(step: Step, outs: Sequence[Any]) -> None:
         env.known[out_var] = ConstSource(saturating_cast(source.base, step.params["new_dtype"]))
 
 
+def _adds_broadcast_dims(name: str, before: Any, after: Any) -> bool:
+    """Whether a shape-only op spreads a value over new dimensions (a bias reshaped to
+    ``(1, features)`` and broadcast over a batch), whatever the sizes of those dimensions: a
+    batch of one must not change what counts as a bias."""
+    if name == "broadcast_in_dim":
+        return before.size < after.size or before.ndim < after.ndim
+    if name in ("reshape", "expand_dims") and before.ndim < after.ndim:
+        # only unit dimensions added: (4,) -> (1, 4), not (4,) -> (2, 2)
+        return [d for d in after.shape if d != 1] == [d for d in before.shape if d != 1]
+    return False
+
+
 # --- category rules --------------------------------------------------------------------------
 
 def lower_rule(step: Step) -> Sequence[Any]:
-    """Matmul/conv: floating operands and output in the compute dtype."""
+    """Matmul/conv: floating operands and output in the compute dtype.
+
+    Where autocast is off (a region, a rule) or float64 is involved, the op runs in the dtypes its
+    operands arrive in, made to agree, and returns the wider of that and its traced output type:
+    a ``@jamp.autocast(cast_inputs=jnp.float32)`` function given bfloat16 returns float32, and a
+    value traced as float32 keeps returning float32 (``x.astype(jnp.float32)`` of a float32 value
+    leaves nothing in the program, so the traced type is all that records it).
+    """
     floating = step.floating()
     avals = step.avals()
     if (not step.state.enabled or not floating
             or any(avals[i].dtype == F64 for i in floating)):
-        return default_rule(step)
+        args = step.with_cast(equalize_targets(step))
+        arrived = [compat.aval_of(args[i]).dtype for i in floating]
+        traced = step.params.get("preferred_element_type")
+        if not arrived or traced is None:
+            return step.bind(args)
+        widest = jnp.promote_types(traced, jnp.result_type(*arrived))
+        return step.bind(args, **_output_type(step, widest))
     dtype = step.state.dtype
     args = step.with_cast({i: dtype for i in floating})
-    overrides = {}
-    if "preferred_element_type" in step.params:
-        traced = step.params["preferred_element_type"]
-        natural = jnp.result_type(*(step.traced_aval(i).dtype for i in floating))
-        explicit = traced is not None and np.dtype(traced) != natural
-        overrides["preferred_element_type"] = (
-            traced if explicit else (step.policy.accumulate_dtype or dtype))
-    return step.bind(args, **overrides)
+    return step.bind(args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+
+
+def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
+    """The ``preferred_element_type`` override making a lower-table op return ``dtype``.
+
+    One the program set explicitly (different from its traced operands' type: an int8 matmul
+    accumulating in int32, a bf16 dot asking for float32) is kept.
+    """
+    traced = step.params.get("preferred_element_type")
+    if traced is None:
+        return {}
+    natural = jnp.result_type(*(step.traced_aval(i).dtype for i in step.floating()))
+    explicit = np.dtype(traced) != natural
+    return {"preferred_element_type": traced if explicit else np.dtype(dtype)}
 
 
 def fp32_rule(step: Step) -> Sequence[Any]:
@@ -408,8 +477,9 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
     if is_scalar_like(step, i):
         return True
     # A bias is a parameter (an input or constant, maybe reshaped) broadcast over the batch:
-    # fewer elements than the output. A full-size operand (a residual) or a computed one (a
-    # reduction) promotes; so does a bias under vmap, where no batch dimension is visible.
+    # fewer elements than the output, or spread over new (batch) dimensions, even ones of size 1.
+    # A full-size operand (a residual) or a computed one (a reduction) promotes; so does a bias
+    # under vmap, where no batch dimension is visible.
     bias_like = step.has_tag(i, "input_view") and (
         aval.size < step.eqn.outvars[0].aval.size or step.has_tag(i, "expanded"))
     return (step.eqn.primitive.name in BIAS_EPILOGUE and bias_like

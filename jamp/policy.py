@@ -39,6 +39,9 @@ FP32: frozenset[str] = frozenset({
     "sinh", "cosh", "acosh", "asinh", "atanh", "erf_inv", "lgamma", "digamma", "polygamma", "zeta",
     "igamma", "igammac", "igamma_grad_a", "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e",
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+    # Only where their result is summed (a one-pass variance E[x^2] - E[x]^2); elsewhere they run
+    # in the dtype their operand arrives in, so tanh-GELU's x**3 stays bfloat16 (rules/powers.py).
+    "square", "integer_pow",
     # FFTs and decompositions have no bfloat16/float16 kernels (torch keeps linalg_* and fft_* in fp32).
     "fft", "cholesky", "eig", "eigh", "lu", "qr", "svd", "triangular_solve", "schur", "hessenberg",
     "householder_product", "tridiagonal", "tridiagonal_solve",

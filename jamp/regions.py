@@ -83,6 +83,7 @@ def get_autocast_dtype() -> np.dtype:
     return stack[-1][1] if stack else np.dtype(jnp.bfloat16)
 
 
+_ARRAYS = (jax.Array, np.ndarray, np.generic)  # what a cast_inputs call passes as traced
 _CAST_INPUTS = re.compile(r"^jamp_cast_inputs_(\w+)$")
 
 
@@ -145,13 +146,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 if self.cast_inputs is None:
                     with self._open_region():
                         return fn(*args, **kwargs)
-                # At trace time the inputs still have their traced dtypes, so the cast is done
-                # by the rewriter: it recognises this jit by its name (see rules/calls.py).
-                def region(*args: Any, **kwargs: Any) -> Any:
-                    with self._open_region():
-                        return fn(*args, **kwargs)
-                region.__name__ = f"jamp_cast_inputs_{self.cast_inputs.name}"
-                return jax.jit(region)(*args, **kwargs)
+                return self._cast_inputs_call(fn, args, kwargs)
             if not self.enabled:  # autocast is already off outside transforms
                 return fn(*args, **kwargs)
             if self._transformed is None:
@@ -160,6 +155,27 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
             return self._transformed(*args, **kwargs)
 
         return wrapper
+
+    def _cast_inputs_call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Call ``fn`` as a jit the rewriter recognises by its name (see rules/calls.py): at trace
+        time the inputs still have their traced dtypes, so the rewriter does the cast.
+
+        Only array leaves cross the jit boundary; everything else (``self``, a Python bool or
+        number, a string) is passed through as it came, like the static arguments of
+        ``autocast_transform``.
+        """
+        flat, tree = jax.tree.flatten((args, kwargs))
+        traced_at = [i for i, leaf in enumerate(flat) if isinstance(leaf, _ARRAYS)]
+
+        def region(*traced: Any) -> Any:
+            leaves = list(flat)
+            for i, leaf in zip(traced_at, traced):
+                leaves[i] = leaf
+            call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
+            with self._open_region():
+                return fn(*call_args, **call_kwargs)
+        region.__name__ = f"jamp_cast_inputs_{self.cast_inputs.name}"
+        return jax.jit(region)(*(flat[i] for i in traced_at))
 
     def _open_region(self) -> contextlib.ExitStack:
         """Enter the named scope the interpreter reads, and the trace-time state."""

@@ -15,6 +15,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Optional
 
+import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat
@@ -30,7 +31,8 @@ class Report:
       ops: primitive name -> {output dtype name: number of equations}.
       casts: ``convert_element_type`` equations jamp inserted.
       constant_casts: constants and literals jamp cast at rewrite time instead.
-      flops: dtype name of the operands -> FLOPs of matmuls/convolutions.
+      flops: dtype a matmul/convolution computes in (its floating operands' dtype, so an integer
+        mask times bfloat16 activations counts as bfloat16) -> FLOPs.
       low_precision_flop_share: share of those FLOPs with 16-bit operands.
       float32_reasons: (primitive, reason) -> equations that produced float32/float64, where the
         reason is ``"fp32 table"``, ``"region"``, ``"rule '<glob>'"``, ``"float64"``,
@@ -96,6 +98,17 @@ def _flops(step: Step, outs: list[Any]) -> int:
     return 2 * out.size * math.prod(lhs.shape[d] for d in contracting)
 
 
+def _compute_dtype(step: Step) -> np.dtype:
+    """The dtype a matmul/conv computes in: that of its floating operands (an integer mask or
+    index operand is converted to it), else its preferred element type, else its operands'."""
+    operands = [compat.aval_of(a).dtype for a in step.bound_args[:2]]
+    floating = [d for d in operands if is_float(d)]
+    if floating:
+        return np.dtype(jnp.result_type(*floating))
+    preferred = step.params.get("preferred_element_type")
+    return np.dtype(preferred if preferred is not None else jnp.result_type(*operands))
+
+
 class Recorder:
     """Collects what the interpreter did; ``Rewriter`` calls ``equation`` and ``cast``."""
 
@@ -130,8 +143,7 @@ class Recorder:
         label = (floating or dtypes or [None])[0]
         self.ops[name][getattr(label, "name", str(label))] += 1
         if name in _MATMUL_LIKE:
-            operand = compat.aval_of(step.bound_args[0]).dtype
-            self.flops[np.dtype(operand).name] += _flops(step, outs)
+            self.flops[_compute_dtype(step).name] += _flops(step, outs)
         if floating and np.dtype(floating[0]).itemsize >= 4:
             self.reasons[(name, self._why_wide(step, floating[0]))] += 1
 
@@ -146,8 +158,7 @@ class Recorder:
         if category == "fp32":
             return "fp32 table"
         if category == "lower":
-            operand = compat.aval_of(step.bound_args[0]).dtype
-            if np.dtype(operand).itemsize < 4:
+            if _compute_dtype(step).itemsize < 4:
                 return ("accumulate_dtype" if self.policy.accumulate_dtype is not None
                         else "explicit preferred_element_type")
             return "compute dtype" if step.state.dtype.itemsize >= 4 else "inputs arrived in float32"

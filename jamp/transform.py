@@ -182,6 +182,9 @@ class _Traced:
     cacheable: bool = True
     name: str = "autocast"
     program: Optional[Callable] = None        # jax.jit of the rewrite, made on first use
+    # Whether a custom_jvp/custom_vjp call is anywhere in the program: its rules may close over
+    # values of the user's trace, which only the direct rewrite can map (Rewriter.outer_value).
+    custom_rules: bool = False
 
     def outputs(self, array_outs: Sequence[Any]) -> Any:
         leaves: list[Any] = [None] * (len(self.array_outs_at) + len(self.static_outs))
@@ -202,6 +205,14 @@ class _Traced:
             program.__name__ = program.__qualname__ = self.name
             self.program = jax.jit(program)
         return self.program
+
+
+def _has_custom_rules(closed: Any) -> bool:
+    """Whether a custom_jvp/custom_vjp call appears in ``closed`` or any of its sub-jaxprs."""
+    jaxpr, _ = compat.open_and_consts(closed)
+    return any(eqn.primitive.name.startswith(("custom_jvp_call", "custom_vjp_call"))
+               or any(_has_custom_rules(sub) for sub in compat.sub_jaxprs(eqn.params))
+               for eqn in jaxpr.eqns)
 
 
 def _is_array_output(leaf: Any) -> bool:
@@ -255,7 +266,8 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
         # A function closing over an outer trace's values captures tracers: never cache those.
         cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
         return _Traced(closed, outs_store["tree"], outs_store["arrays_at"], outs_store["static"],
-                       cacheable=cacheable, name=getattr(source, "__name__", "autocast"))
+                       cacheable=cacheable, name=getattr(source, "__name__", "autocast"),
+                       custom_rules=_has_custom_rules(closed))
 
     return key, traced_flat, tracer
 
@@ -287,14 +299,19 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
             traced = tracer()
             if traced.cacheable:
                 cache[key] = traced
-        if not traced.cacheable or compat.under_staging():
+        eager = not compat.under_transformation()
+        if (not traced.cacheable or compat.under_staging()
+                or (traced.custom_rules and not eager)):
             # Inside a program being built (jit, make_jaxpr, a scan body) the rewrite is bound
             # into it directly; a closure over an outer trace's values can only be re-bound.
+            # Under eager grad/vmap, custom rules run while the rewrite is bound, as in plain
+            # JAX; inside a compiled program they would run later, like grad(jit(f)), where a
+            # rule closing over the function's own values fails.
             return traced.outputs(rewrite_and_eval(traced.closed, policy, flat))
         # Eagerly, and under eager grad/vmap: one compiled program, whose jit caches (also those
         # of its JVP and batching) make later calls skip tracing, rewriting and compiling.
         outs = traced.compiled(policy)(*flat)
-        if not compat.under_transformation():
+        if eager:
             # jax.disable_jit() runs the program op by op, and an input returned unchanged comes
             # back as the caller's object (numpy float64); return what jax.jit returns.
             outs = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in outs]

@@ -1,4 +1,6 @@
 """scan / while / cond / remat bodies are rewritten; carries and branches keep consistent dtypes."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,3 +103,26 @@ def test_remat_saves_matmul_residuals_in_compute_dtype():
     _, vjp = jax.vjp(lambda w1, w2: f(w1, w2, XS), w1, w2)
     saved_dots = [leaf for leaf in jax.tree.leaves(vjp) if leaf.shape == (6, 16)]
     assert len(saved_dots) == 2 and all(leaf.dtype == BF16 for leaf in saved_dots)
+
+
+def test_grad_of_checkpointed_vmapped_scan_is_rewritten_on_every_jax_version():
+    """recurrentgemma's Griffin: ``grad`` of ``checkpoint(vmap(scan))``. jax 0.12 binds part of it
+    as the pure-call primitive ``eval_jaxpr``; jax 0.10 does not; on both the whole program is
+    rewritten (no unsupported-primitive warning, every matmul in the compute dtype)."""
+    def loss(w, xs):
+        def run(x):
+            return rnn(w, x)[0]
+        return jnp.sum(jax.checkpoint(jax.vmap(run))(xs) ** 2)
+
+    xs = jnp.stack([XS, XS[::-1]])
+    grad = jamp.autocast_transform(jax.grad(loss))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jamp.UnsupportedPrimitiveWarning)
+        jaxpr = jax.make_jaxpr(grad)(W, xs)
+        g = grad(W, xs)
+    dots = operand_dtypes(jaxpr, "dot_general")
+    assert dots and set(dots) == {("bfloat16", "bfloat16")}, dots
+    assert g.dtype == F32
+    want = jax.grad(loss)(W, xs)
+    cosine = jnp.vdot(g, want) / (jnp.linalg.norm(g) * jnp.linalg.norm(want))
+    assert cosine > 0.99

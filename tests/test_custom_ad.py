@@ -2,6 +2,9 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 import jamp
 from jamp import _compat as compat
@@ -10,6 +13,10 @@ from tests.jaxpr_utils import eqns_named, operand_dtypes
 BF16, F32 = jnp.bfloat16, jnp.float32
 W = jax.random.normal(jax.random.PRNGKey(0), (8, 8)) * 0.3
 X = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
+
+
+def _rand(*shape, key=0):
+    return jax.random.normal(jax.random.PRNGKey(key), shape) * 0.5
 
 
 def test_custom_jvp_activations_keep_compute_dtype_and_differentiate_to_float32():
@@ -196,3 +203,132 @@ def test_cast_inputs_custom_vjp_returns_compute_dtype_and_saves_it_as_residual()
     expected = jax.grad(lambda w: jax.nn.sigmoid(X @ w).sum())(W)
     assert g.dtype == F32
     np.testing.assert_allclose(g, expected, rtol=5e-2, atol=5e-2)
+
+
+# --- issue 11 item 3: symbolic zeros (equinox.filter_custom_vjp, diffrax) and closures ----------
+
+def _scaled_product():
+    """A custom_vjp with symbolic_zeros whose fwd checks what JAX says is perturbed."""
+    seen = []
+
+    @jax.custom_vjp
+    def product(x, y):
+        return x @ y
+
+    def fwd(x, y):
+        seen.append((x.perturbed, y.perturbed))
+        return product(x.value, y.value), (x.value, y.value)
+
+    def bwd(res, g):
+        x, y = res
+        return g @ y.T, None if isinstance(g, SymbolicZero) else x.T @ g
+
+    product.defvjp(fwd, bwd, symbolic_zeros=True)
+    return product, seen
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_custom_vjp_with_symbolic_zeros_sees_the_perturbed_flags_jax_gives(wrap):
+    product, seen = _scaled_product()
+
+    def loss(x, y):
+        return jnp.sum(jnp.tanh(product(x, lax.stop_gradient(y))))
+
+    x, y = _rand(4, 4), _rand(4, 4, key=1)
+    got = wrap(jax.grad(jamp.autocast_transform(loss)))(x, y)
+    assert seen and set(seen) == {(True, False)}, seen
+    seen.clear()
+    want = jax.grad(loss)(x, y)
+    assert seen == [(True, False)]
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+
+
+def test_custom_vjp_with_symbolic_zeros_and_an_unused_output():
+    @jax.custom_vjp
+    def two(x):
+        return x @ x, jnp.sin(x)
+
+    def fwd(x):
+        assert x.perturbed
+        return two(x.value), x.value
+
+    def bwd(x, gs):
+        g_mat, g_sin = gs
+        g_mat = jnp.zeros_like(x) if isinstance(g_mat, SymbolicZero) else g_mat
+        g_sin = jnp.zeros_like(x) if isinstance(g_sin, SymbolicZero) else g_sin
+        return (g_mat @ x.T + x.T @ g_mat + g_sin * jnp.cos(x),)
+
+    two.defvjp(fwd, bwd, symbolic_zeros=True)
+    loss = lambda x: jnp.sum(two(x)[0])  # the second output gets a symbolic zero cotangent
+    x = _rand(4, 4)
+    np.testing.assert_allclose(jax.grad(jamp.autocast_transform(loss))(x), jax.grad(loss)(x),
+                               rtol=5e-2, atol=5e-2)
+
+
+def _closing_vjp(a, x):
+    b = jnp.sin(a)  # a computed value of the traced function, closed over by fwd and bwd
+
+    @jax.custom_vjp
+    def f(x):
+        return (x @ x) * b
+
+    f.defvjp(lambda x: (f(x), x), lambda x, g: ((g @ x.T + x.T @ g) * b,))
+    return jnp.sum(f(x))
+
+
+def _closing_jvp(a, x):
+    b = jnp.sin(a)
+
+    @jax.custom_jvp
+    def f(x):
+        return jnp.tanh(x @ x) * b
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        (x,), (t,) = primals, tangents
+        y = jnp.tanh(x @ x)
+        return y * b, (1 - y ** 2) * (t @ x + x @ t) * b
+
+    return jnp.sum(f(x))
+
+
+@pytest.mark.parametrize("fn", [_closing_vjp, _closing_jvp], ids=["custom_vjp", "custom_jvp"])
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_custom_rules_closing_over_values_of_the_traced_function(fn, wrap):
+    """jax.grad of a function defining a custom rule over a value it computed: plain JAX (eager)
+    differentiates it; so must autocast_transform, whose trace has ended when the rule runs."""
+    a, x = jnp.float32(0.7), _rand(4, 4)
+    got = wrap(jax.grad(jamp.autocast_transform(fn), argnums=1))(a, x)
+    want = jax.grad(fn, argnums=1)(a, x)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+
+
+def test_equinox_filter_custom_vjp_under_grad():
+    """Equinox's filter_custom_vjp (diffrax, optimistix) asserts in its fwd what is perturbed.
+    Runs where Equinox is installed (the model zoo's environment)."""
+    eqx = pytest.importorskip("equinox")
+
+    @eqx.filter_custom_vjp
+    def layer(w, x, scale):
+        return jnp.tanh(x @ w) * scale
+
+    @layer.def_fwd
+    def layer_fwd(perturbed, w, x, scale):
+        assert jax.tree.leaves(perturbed) == [True], perturbed
+        y = layer(w, x, scale)
+        return y, y
+
+    @layer.def_bwd
+    def layer_bwd(y, g, perturbed, w, x, scale):
+        return x.T @ ((1 - (y / scale) ** 2) * g * scale)
+
+    w, x = _rand(4, 4), _rand(3, 4, key=1)
+    loss = lambda w, x: jnp.sum(layer(w, x, 2.0))
+    want = jax.grad(loss)(w, x)
+    for grad in (jax.grad(jamp.autocast_transform(loss)),
+                 jax.jit(jax.grad(jamp.autocast_transform(loss)))):
+        got = grad(w, x)
+        assert got.dtype == F32
+        np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)

@@ -233,3 +233,42 @@ def test_broadcast_scalars_keep_adapting_inside_jitted_callees():
     where = jax.jit(lambda m, a, b: jnp.where(m, a, b))
     f = lambda x: where(x > 0, x @ x, jnp.broadcast_to(np.float32(2.0), (4, 4)))
     assert jamp.autocast_transform(f)(_rand(4, 4)).dtype == BF16
+
+
+# Issue 11 item 5: a layer's output dtype must not depend on sizes that happen to coincide
+# (a batch of one made the bias "as large as the output" and the add promoted to float32).
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None)
+@given(batch=st.lists(st.integers(1, 3), min_size=1, max_size=3), features=st.integers(1, 5),
+       out=st.integers(1, 5))
+def test_dense_output_dtype_is_independent_of_batch_shape(batch, features, out):
+    import flax.linen as nn
+    dense = nn.Dense(out)
+    x = _rand(*batch, features)
+    params = dense.init(KEY, x)
+    y = jamp.autocast_transform(dense.apply)(params, x)
+    assert y.dtype == BF16 and y.shape == (*batch, out)
+    hand = dense.clone(dtype=BF16).apply(params, x)
+    np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(hand, np.float32),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("spatial", [1, 3])
+def test_conv_output_dtype_is_independent_of_batch_and_spatial_size(batch, spatial):
+    import flax.linen as nn
+    conv = nn.Conv(4, (3, 3))
+    x = _rand(batch, spatial, spatial, 2)
+    params = conv.init(KEY, x)
+    assert jamp.autocast_transform(conv.apply)(params, x).dtype == BF16
+
+
+def test_a_full_size_input_of_batch_one_is_still_a_residual():
+    x, w = _rand(1, 4), _rand(4, 4, key=1)
+    assert jamp.autocast_transform(lambda x, w: x @ w + x)(x, w).dtype == F32
+    # ... and a parameter reshaped rather than broadcast ((4,) -> (2, 2)) is not spread over a batch
+    v = _rand(4, key=2)
+    assert jamp.autocast_transform(lambda y, w, v: y @ w + v.reshape(2, 2))(
+        _rand(2, 2), _rand(2, 2, key=3), v).dtype == F32

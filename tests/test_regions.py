@@ -146,6 +146,54 @@ def test_decorator_cast_inputs_runs_the_function_in_float32():
             pass
 
 
+@jamp.autocast(enabled=False, cast_inputs=F32)
+def _sensitive(x, squared=True, scale=2.0):
+    return (x @ x if squared else x) * scale
+
+
+class _Layer:
+    def __init__(self, scale):
+        self.scale = scale
+
+    @jamp.autocast(enabled=False, cast_inputs=F32)
+    def __call__(self, x, *, transpose=False):
+        return (x.T if transpose else x) @ x * self.scale
+
+
+@pytest.mark.parametrize("call", [
+    lambda a: _sensitive(a @ a, True),                     # a Python bool argument
+    lambda a: _sensitive(a @ a, squared=False, scale=3),   # keyword bool and int
+    lambda a: _Layer(0.5)(a @ a),                          # a method: `self` is no array
+    lambda a: _Layer(0.5)(a @ a, transpose=True),
+], ids=["bool", "keywords", "method", "method-keyword"])
+def test_decorator_cast_inputs_passes_non_array_arguments_through(call):
+    f = jamp.autocast_transform(call)
+    assert f(A).dtype == F32
+    assert jax.jit(f)(A).dtype == F32
+
+
+@pytest.mark.parametrize("call", [
+    lambda a: _sensitive(a.astype(BF16)),
+    lambda a: _Layer(1.0)(a.astype(F16)),
+], ids=["function", "method"])
+def test_decorator_cast_inputs_overrides_a_cast_the_program_made(call):
+    """torch's custom_fwd(cast_inputs=float32): a bf16 input runs, and returns, in float32 even
+    where the program cast it itself (the matmul's traced preferred_element_type is bf16)."""
+    f = jamp.autocast_transform(call)
+    assert f(A).dtype == F32
+    assert operand_dtypes(jax.make_jaxpr(f)(A), "dot_general") == [("float32", "float32")]
+    np.testing.assert_allclose(f(A), call(A).astype(F32), rtol=2e-2, atol=2e-2)
+
+
+def test_disabled_region_matmul_returns_at_least_its_traced_type():
+    def f(a):
+        b = a @ a  # bf16
+        with jamp.autocast(enabled=False):
+            # traced float32 x float32 (the astype is a no-op in the trace); both arrive bf16
+            return b.astype(F32) @ b.astype(F32)
+    assert jamp.autocast_transform(f)(A).dtype == F32
+
+
 def test_enabled_must_be_known_at_trace_time():
     def f(a, flag):
         with jamp.autocast(enabled=flag):

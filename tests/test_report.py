@@ -61,3 +61,26 @@ def test_loop_bodies_and_calls_are_counted_once_each_and_nothing_runs():
     assert len(calls) == 1
     with pytest.raises(TypeError, match="callable"):
         jamp.explain(3)
+
+
+@pytest.mark.parametrize("mask_first", [True, False])
+def test_an_integer_mask_matmul_counts_in_the_dtype_it_computes_in(mask_first):
+    """BERT's head mask: an int32 mask einsum with bfloat16 activations is a bfloat16 matmul."""
+    def masked(x, w, mask):
+        h = x @ w                                               # 2*4*8*16*16 = 16384 FLOPs
+        spec = "bs,bsd->bd" if mask_first else "bsd,bs->bd"
+        operands = (mask, h) if mask_first else (h, mask)
+        return jnp.einsum(spec, *operands)                      # 2*4*16*8 = 1024 FLOPs
+
+    report = jamp.explain(masked, jnp.ones((4, 8, 16)), jnp.ones((16, 16)),
+                          jnp.ones((4, 8), jnp.int32))
+    assert "int32" not in report.flops
+    assert report.flops == {"bfloat16": 16384 + 1024}
+    assert report.low_precision_flop_share == 1.0
+
+
+def test_an_integer_only_matmul_counts_as_integer():
+    report = jamp.explain(lambda a, b: a @ b, jnp.ones((4, 8), jnp.int32),
+                          jnp.ones((8, 2), jnp.int32))
+    assert report.flops == {"int32": 2 * 4 * 2 * 8}
+    assert report.low_precision_flop_share == 0.0

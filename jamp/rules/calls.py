@@ -1,4 +1,5 @@
-"""Call-like primitives: ``jit`` (``pjit``), ``closed_call``/``core_call``, ``checkpoint`` (remat).
+"""Call-like primitives: ``jit`` (``pjit``), ``closed_call``/``core_call`` (``eval_jaxpr`` on jax
+0.12), ``checkpoint`` (remat).
 
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
@@ -29,7 +30,7 @@ def jit_rule(step: Step) -> Sequence[Any]:
     return step.bind(args, jaxpr=body)
 
 
-@register("closed_call", "core_call", "call")
+@register(*compat.INLINE_CALL_PRIMITIVES)
 def inline_call_rule(step: Step) -> Sequence[Any]:
     """Pure call wrappers carry no semantics of their own: evaluate the body inline."""
     jaxpr = step.params.get("call_jaxpr")

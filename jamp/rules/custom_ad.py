@@ -16,6 +16,12 @@ statistics) stay float32. The derivative rules then run with ``RegionState.keep_
 (fp32-table ops on compute-dtype operands return the compute dtype), so what the backward pass
 keeps of the call (its JVP residuals, or a custom_vjp residual that is an output) is the
 compute-dtype output rather than a float32 copy.
+
+A rule that closes over a value of the traced function (a ``custom_vjp`` defined inside it over a
+value it computed) holds a tracer of jamp's finished trace; the rewriter maps it to that value's
+rewritten counterpart (``Rewriter.outer_value``). That works wherever JAX runs the rule while
+jamp rewrites (``jax.grad`` of the transformed function, also under ``jax.jit``); as in plain JAX,
+``jax.grad(jax.jit(f))`` of such a function is not supported.
 """
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from .. import _compat as compat
 from ..interpreter import F32, Step, in_compute_dtype, keep_traced_rule, register
@@ -94,28 +102,67 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
         return primal(*step.args)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Backward:
+    """What ``bwd`` needs that is no array, carried in the residuals as a static pytree node:
+    which inputs the forward pass differentiated, and the traced backward program."""
+
+    perturbed: tuple[bool, ...]
+    closed: Any  # an open jaxpr: hashed and compared by identity
+
+
+jax.tree_util.register_static(_Backward)
+
+
+def _instantiate(ct: Any) -> Any:
+    """A cotangent as an array (``symbolic_zeros`` hands the backward pass symbolic zeros)."""
+    if not isinstance(ct, SymbolicZero):
+        return ct
+    if ct.aval.dtype == jax.dtypes.float0:
+        return np.zeros(ct.aval.shape, jax.dtypes.float0)
+    return jnp.zeros(ct.aval.shape, ct.aval.dtype)
+
+
 @register("custom_vjp_call", "custom_vjp_call_jaxpr")
 def custom_vjp_rule(step: Step) -> Sequence[Any]:
+    """The user's fwd/bwd run under the forward call's region, for the inputs JAX differentiates.
+
+    jamp's own ``custom_vjp`` uses ``symbolic_zeros``, so its forward rule learns which inputs
+    are perturbed and differentiates the original call with respect to those only: a user's fwd
+    with ``symbolic_zeros=True`` (``equinox.filter_custom_vjp``) sees the same ``perturbed`` flags
+    as without jamp, and closed-over values (the call's leading consts) are not differentiated.
+    The backward program is traced in the forward rule; its constants (values the user's bwd
+    closes over) travel as residuals.
+    """
     primal_closed, out_dtypes, primal_state, _ = _primal(step)
     original = _original(step)
     traced = [v.aval for v in step.eqn.invars]
     in_dtypes = [a.dtype for a in step.avals()]
+    ct_avals = [compat.tangent_aval(v.aval) for v in step.eqn.outvars]
     rewriter = step.rewriter.child(primal_state)
     n_out = len(out_dtypes)
-    pullback: dict[str, Any] = {}
-
-    def forward_and_residuals(*args: Any) -> list[Any]:
-        outs, vjp_fn = jax.vjp(original, *args)
-        residuals, pullback["tree"] = jax.tree.flatten(vjp_fn)
-        return [*outs, *residuals]
 
     @jax.custom_vjp
     def primal(*args: Any) -> list[Any]:
         return _evaluate(primal_closed, args, out_dtypes)
 
-    def fwd(*args: Any) -> tuple[list[Any], list[Any]]:
+    def fwd(*primals: Any) -> tuple[list[Any], tuple[Any, list[Any]]]:
+        args = [p.value for p in primals]
+        perturbed = tuple(bool(p.perturbed) for p in primals)
+        at = [i for i, p in enumerate(perturbed) if p]
+        pullback: dict[str, Any] = {}
+
+        def forward_and_residuals(*flat: Any) -> list[Any]:
+            def of_perturbed(*diff: Any) -> list[Any]:
+                full = list(flat)
+                for i, x in zip(at, diff):
+                    full[i] = x
+                return original(*full)
+            outs, vjp_fn = jax.vjp(of_perturbed, *(flat[i] for i in at))
+            residuals, pullback["tree"] = jax.tree.flatten(vjp_fn)
+            return [*outs, *residuals]
+
         fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
-        pullback["residual_avals"] = list(fwd_closed.out_avals[n_out:])
         jaxpr, consts = compat.open_and_consts(fwd_closed)
         outs = rewriter.run(jaxpr, consts, args)
         primal_outs = _cast_to(outs[:n_out], out_dtypes)
@@ -123,22 +170,29 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         position = {v: j for j, v in enumerate(jaxpr.outvars[:n_out]) if isinstance(v, compat.Var)}
         residuals = [primal_outs[position[v]] if isinstance(v, compat.Var) and v in position else r
                      for v, r in zip(jaxpr.outvars[n_out:], outs[n_out:])]
-        return primal_outs, residuals
-
-    def bwd(residuals: list[Any], cotangents: list[Any]) -> tuple[Any, ...]:
         n_res = len(residuals)
 
         def backward(*flat: Any) -> Any:
             vjp_fn = jax.tree.unflatten(pullback["tree"], flat[:n_res])
             return vjp_fn(list(flat[n_res:]))
 
-        ct_avals = [compat.tangent_aval(v.aval) for v in step.eqn.outvars]
-        bwd_closed = compat.trace_to_closed(backward, [*pullback["residual_avals"], *ct_avals])
-        jaxpr, consts = compat.open_and_consts(bwd_closed)
-        cts = rewriter.run(jaxpr, consts, [*residuals, *cotangents])
-        return tuple(_cast_to(cts, in_dtypes))
+        bwd_closed = compat.trace_to_closed(
+            backward, [*fwd_closed.out_avals[n_out:], *ct_avals])
+        bwd_jaxpr, bwd_consts = compat.open_and_consts(bwd_closed)
+        # Values the user's bwd closes over are known now, in the forward pass: pass them on.
+        bwd_consts = [rewriter.outer_value(c) for c in bwd_consts]
+        return primal_outs, (_Backward(perturbed, bwd_jaxpr), [*residuals, *bwd_consts])
 
-    primal.defvjp(fwd, bwd)
+    def bwd(saved: tuple[Any, list[Any]], cotangents: Sequence[Any]) -> tuple[Any, ...]:
+        backward, values = saved
+        n_consts = len(backward.closed.constvars)
+        residuals, consts = values[:len(values) - n_consts], values[len(values) - n_consts:]
+        cts = rewriter.run(backward.closed, consts,
+                           [*residuals, *(_instantiate(c) for c in cotangents)])
+        cts = iter(_cast_to(cts, [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
+        return tuple(next(cts) if p else None for p in backward.perturbed)
+
+    primal.defvjp(fwd, bwd, symbolic_zeros=True)
     with compat.equation_context(step.eqn):
         return primal(*step.args)
 

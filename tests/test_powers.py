@@ -1,0 +1,89 @@
+"""square / integer_pow / x * x: float32 where summed, else the arriving dtype (issue 11 item 2)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jamp
+from tests.jaxpr_utils import eqns_named, operand_dtypes
+
+BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32)
+POLICIES = [jamp.Policy(jnp.bfloat16), jamp.Policy(jnp.float16)]
+IDS = ["bfloat16", "float16"]
+
+
+def one_pass_batch_norm(x, w, square):
+    """Haiku's training-mode BatchNorm statistics, hand-written: var = E[x^2] - E[x]^2."""
+    h = x @ w
+    mean = jnp.mean(h, axis=0)
+    mean_of_squares = jnp.mean(square(h), axis=0)
+    var = mean_of_squares - jnp.square(mean)
+    return (h - mean) * lax.rsqrt(var + 1e-5)
+
+
+SQUARES = {"square": jnp.square, "power": lambda h: h ** 2, "mul": lambda h: h * h}
+# Activations with a large mean and unit spread: their squares need float32.
+X = 300.0 + jax.random.normal(jax.random.PRNGKey(0), (64, 16))
+W = jnp.eye(16) + 0.01 * jax.random.normal(jax.random.PRNGKey(1), (16, 16))
+
+
+@pytest.mark.parametrize("square", sorted(SQUARES))
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_one_pass_variance_is_finite(policy, square):
+    fn = lambda x, w: one_pass_batch_norm(x, w, SQUARES[square])
+    out = jamp.autocast_transform(fn, policy)(X, W)
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert bool(jnp.all(jnp.isfinite(jax.jit(jamp.autocast_transform(fn, policy))(X, W))))
+    closed = jax.make_jaxpr(jamp.autocast_transform(fn, policy))(X, W)
+    squares = [e for e in eqns_named(closed, "square") + eqns_named(closed, "integer_pow")
+               + eqns_named(closed, "mul") if e.invars[0] is e.invars[-1]]
+    assert squares and all(e.outvars[0].aval.dtype == F32 for e in squares)
+
+
+def test_one_pass_variance_with_squares_taken_out_of_the_fp32_table_is_nan():
+    """What the table entry buys: the same program with bfloat16 squares."""
+    policy = jamp.Policy(jnp.bfloat16)
+    policy = policy.replace(fp32=policy.fp32 - {"square"})
+    fn = lambda x, w: one_pass_batch_norm(x, w, jnp.square)
+    assert not bool(jnp.all(jnp.isfinite(jamp.autocast_transform(fn, policy)(X, W))))
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+@pytest.mark.parametrize("policy", POLICIES, ids=IDS)
+def test_gelu_of_a_matmul_stays_in_the_compute_dtype(policy, approximate):
+    fn = jamp.autocast_transform(lambda x, w: jax.nn.gelu(x @ w, approximate=approximate), policy)
+    x, w = X / 300.0, W
+    assert fn(x, w).dtype == policy.compute_dtype
+    if approximate:
+        assert operand_dtypes(jax.make_jaxpr(fn)(x, w), "integer_pow") == \
+            [(policy.compute_dtype.name,)]
+    np.testing.assert_allclose(np.asarray(fn(x, w), np.float32),
+                               jax.nn.gelu(x @ w, approximate=approximate), rtol=5e-2, atol=5e-2)
+
+
+def test_squares_that_are_not_summed_run_in_the_arriving_dtype():
+    f = jamp.autocast_transform(lambda x, w: (jnp.square(x @ w), (x @ w) ** 3, (x @ w) * x))
+    assert [o.dtype for o in f(X, W)] == [BF16, BF16, F32]  # the last mixes in float32 x
+
+
+def test_squares_summed_inside_loop_bodies_and_callees():
+    def f(x, w):
+        def body(c, row):
+            return c + jnp.sum(jnp.square(row)), None
+        total, _ = lax.scan(body, jnp.zeros((), x.dtype), x @ w)
+        return total, jax.jit(lambda h: jnp.mean(h ** 2))(x @ w)
+    closed = jax.make_jaxpr(jamp.autocast_transform(f))(X, W)
+    squares = eqns_named(closed, "square") + eqns_named(closed, "integer_pow")
+    assert len(squares) == 2 and all(e.outvars[0].aval.dtype == F32 for e in squares)
+    total, mean = jamp.autocast_transform(f)(X, W)
+    np.testing.assert_allclose(mean, jnp.mean((X @ W) ** 2), rtol=1e-2)
+
+
+def test_squares_follow_the_region():
+    def f(x, w):
+        with jamp.autocast(enabled=False):
+            h = (x @ w).astype(jnp.bfloat16)
+            return jnp.sum(jnp.square(h))
+    closed = jax.make_jaxpr(jamp.autocast_transform(f))(X, W)
+    assert operand_dtypes(closed, "square") == [("bfloat16",)]
