@@ -1,0 +1,56 @@
+"""Sphinx configuration for the jamp documentation (built by ./scripts/docs with -W)."""
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # document the checkout being built, not another installed copy
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jamp  # noqa: E402  (after the path and platform are set)
+
+project = "jamp"
+author = "the jamp authors"
+copyright = "the jamp authors"
+release = jamp.__version__
+version = release
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.autosummary",
+    "sphinx.ext.napoleon",
+    "sphinx.ext.viewcode",
+]
+
+source_suffix = {".md": "markdown", ".rst": "restructuredtext"}
+exclude_patterns = ["_build", "_templates"]
+root_doc = "index"
+
+# API reference: one generated page per public name (docs/api.md lists jamp.__all__ and
+# tracing.__all__; tests/test_docs_blocks.py checks that the lists agree).
+autosummary_generate = True
+templates_path = ["_templates"]  # autosummary/class.rst: a class page lists its members once
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autoclass_content = "class"  # the class docstring documents the constructor's arguments
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+myst_enable_extensions = ["colon_fence"]
+myst_heading_anchors = 3
+
+html_theme = "sphinx_book_theme"
+html_title = f"jamp {release}"
+nitpicky = True  # every cross-reference must resolve, except the ones listed here
+nitpick_ignore_regex = [
+    # Types from numpy, jax and the standard library in type hints: the build runs offline, so
+    # there is no intersphinx inventory to resolve them against.
+    ("py:class", r"(numpy|jax|jaxlib|inspect)\..*"),
+    ("py:class", r"Signature"),
+    # Report.unmatched_rules holds these; the class is not public (not in jamp.__all__).
+    ("py:class", r"jamp\.policy\.UnmatchedRule"),
+]
+
+html_theme_options = {"show_toc_level": 2}
