@@ -1,0 +1,165 @@
+"""The identity-policy experiment: JAX's own tests with every ``jax.jit`` wrapped in
+``jamp.autocast_transform(f, Policy(jnp.float32))``.
+
+A float32 policy changes no dtype in a float32 program, so every test that passes without the
+patch and fails with it points at something jamp's rewrite breaks (or at a test that inspects the
+program or JAX's caches, which a rewrite legitimately changes: those are bucketed separately).
+
+JAX's test files are not fetched here (CI has no network): put the files of the installed JAX
+version in a directory first, e.g. from a clone of github.com/jax-ml/jax::
+
+    mkdir -p /tmp/jax-tests/tests
+    for f in lax_control_flow_test api_test custom_api_test lax_autodiff_test \\
+             lax_numpy_reducers_test; do
+      git -C jax show jax-v0.10.2:tests/$f.py > /tmp/jax-tests/tests/$f.py; done
+    git -C jax show jax-v0.10.2:conftest.py > /tmp/jax-tests/conftest.py
+
+then, from the repository root::
+
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu .venv/bin/python benchmarks/identity_policy.py \\
+        /tmp/jax-tests --out /tmp/identity-0.10
+
+It runs each file twice (baseline, patched) with ``benchmarks/identity_jit_plugin.py``, writes
+``baseline.json``/``patched.json`` per file under ``--out`` and prints a markdown summary of the
+tests the patch breaks, bucketed by cause (``--report-only`` re-prints it from the JSON files).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FILES = ("lax_control_flow_test", "api_test", "custom_api_test", "lax_autodiff_test",
+         "lax_numpy_reducers_test")
+
+# (bucket, whose, pattern over the failure message and traceback tail). First match wins.
+# whose: "jamp" = a jamp bug to fix; "rewrite" = the test inspects what a rewrite legitimately
+# changes (the jaxpr's text, JAX's trace/compile caches, object identity); "harness" = an
+# artefact of patching jax.jit from outside (see identity_jit_plugin.py).
+BUCKETS = (
+    ("jamp warning: primitive without a rule", "jamp", r"UnsupportedPrimitiveWarning"),
+    ("RewriteError wraps the user's exception", "jamp", r"RewriteError"),
+    ("platform_dependent lowers every platform's branch", "jamp",
+     r"platform_dependent|branches_platforms|only supported on (TPU|GPU)|Unknown backend|"
+     r"not supported for platform"),
+    ("token arguments", "jamp", r"[Tt]oken"),
+    ("strict dtype promotion", "jamp", r"TypePromotionError|dtype promotion"),
+    ("while with a batched predicate", "jamp", r"batched predicate|while_loop.*vmap"),
+    ("the test counts traces/compiles or cache entries", "rewrite",
+     r"_cache_size|cache_miss|count_(jit|pjit|primitive|subjaxpr)|tracing_cache|"
+     r"compile(s|d)? (count|cache)|assert \d+ == \d+|Expected \d+ (traces|compiles)"),
+    ("the test reads the jaxpr's text or structure", "rewrite",
+     r"make_jaxpr|jaxpr|eqns|in str\(|assertIn\(|assertRegex|assertNotIn|\.as_text\(\)|"
+     r"lower\(.*\)\.as_text|hlo"),
+    ("the test checks an error message raised through jit", "rewrite",
+     r"AssertionError: .*(does not match|Regex|regex)|DID NOT RAISE|not raised"),
+)
+
+
+def bucket_of(entry: dict) -> tuple[str, str]:
+    text = entry.get("message", "") + "\n" + entry.get("tail", "")
+    if entry.get("jamp_warnings"):
+        return BUCKETS[0][0], BUCKETS[0][1]
+    for name, whose, pattern in BUCKETS[1:]:
+        if re.search(pattern, text):
+            return name, whose
+    first = entry.get("message", "").split(":")[0].strip() or "?"
+    return f"other: {first[:60]}", "?"
+
+
+def run_file(args: argparse.Namespace, name: str, patched: bool) -> dict:
+    out_dir = Path(args.out) / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / ("patched.json" if patched else "baseline.json")
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent), env.get("PYTHONPATH", "")])
+    env.update(JAX_PLATFORMS="cpu", JAMP_IDENTITY_OUT=str(out),
+               JAMP_IDENTITY_PATCH="1" if patched else "0",
+               JAX_NUM_GENERATED_CASES=str(args.generated_cases))
+    cmd = [args.python, "-m", "pytest", "-p", "identity_jit_plugin", "-p", "no:cacheprovider",
+           "-q", "--no-header", "-rN", "--tb=short", f"tests/{name}.py"]
+    if args.workers:
+        cmd += ["-n", str(args.workers)]
+    if name in args.select:
+        cmd += ["-k", args.select[name]]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=args.tests_dir, env=env, capture_output=True, text=True)
+    if not out.exists():
+        raise SystemExit(f"{name}: pytest wrote no results (exit {proc.returncode}):\n"
+                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    result["seconds"] = round(time.time() - start, 1)
+    out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _first_line(entry: dict) -> str:
+    text = entry.get("message") or "; ".join(entry.get("jamp_warnings", [])) or "?"
+    return text.strip().splitlines()[0] if text.strip() else "?"
+
+
+def summarize(out_root: Path, names: list[str]) -> str:
+    lines = ["| file | tests | baseline failures | patched failures | broken by the patch | "
+             "fixed by the patch | jits patched (with static args) |", "|---|---|---|---|---|---|---|"]
+    broken: dict[str, list[tuple[str, str, dict]]] = {}
+    for name in names:
+        base = json.loads((out_root / name / "baseline.json").read_text())
+        pat = json.loads((out_root / name / "patched.json").read_text())
+        b, p = base["outcomes"], pat["outcomes"]
+        failed = lambda o: {k for k, v in o.items() if v["outcome"] == "failed"}
+        passed = lambda o: {k for k, v in o.items() if v["outcome"] == "passed"}
+        newly = sorted((failed(p) | {k for k, v in p.items() if v.get("jamp_warnings")})
+                       & passed(b))
+        fixed = sorted(failed(b) & passed(p))
+        for k in newly:
+            bucket, whose = bucket_of(p[k])
+            broken.setdefault(bucket, []).append((whose, k, p[k]))
+        c = pat["counts"]
+        lines.append(f"| {name} | {len(p)} | {len(failed(b))} | {len(failed(p))} | {len(newly)} | "
+                     f"{len(fixed)} | {c['jit_calls']} ({c['with_static_args']}) |")
+    lines += ["", "| cause | whose | tests | example |", "|---|---|---|---|"]
+    for bucket, items in sorted(broken.items(), key=lambda kv: -len(kv[1])):
+        whose, k, entry = items[0]
+        msg = _first_line(entry)[:120].replace("|", "\\|")
+        lines.append(f"| {bucket} | {whose} | {len(items)} | `{k.split('::', 1)[-1]}`: {msg} |")
+    lines += ["", "Tests broken by the patch:", ""]
+    for bucket, items in sorted(broken.items()):
+        for whose, k, entry in items:
+            msg = _first_line(entry)[:160]
+            lines.append(f"- [{bucket}] `{k}`: {msg}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tests_dir", help="directory holding conftest.py and tests/<file>.py")
+    parser.add_argument("--out", required=True, help="directory for the JSON results")
+    parser.add_argument("--files", nargs="+", default=list(FILES))
+    parser.add_argument("--select", nargs="*", default=[], metavar="FILE=EXPR",
+                        help="a pytest -k expression for one file, e.g. lax_autodiff_test=Grad")
+    parser.add_argument("--generated-cases", type=int, default=2,
+                        help="JAX_NUM_GENERATED_CASES (JAX's default is 10)")
+    parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers")
+    parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--modes", nargs="+", default=["baseline", "patched"],
+                        choices=["baseline", "patched"])
+    parser.add_argument("--report-only", action="store_true")
+    args = parser.parse_args()
+    args.select = dict(s.split("=", 1) for s in args.select)
+    if not args.report_only:
+        for name in args.files:
+            for mode in args.modes:
+                r = run_file(args, name, mode == "patched")
+                print(f"{name} {mode}: {len(r['outcomes'])} tests in {r['seconds']} s",
+                      file=sys.stderr)
+    print(summarize(Path(args.out), args.files))
+
+
+if __name__ == "__main__":
+    main()
