@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -294,9 +295,29 @@ class Rewriter:
         except Exception as err:
             dtypes = ", ".join(str(a.str_short()) if hasattr(a, "str_short") else str(a)
                                for a in step.avals())
-            raise RewriteError(
-                f"jamp could not rewrite primitive `{name}` (operands {dtypes}) traced at "
-                f"{compat.source_line(step.eqn)}: {type(err).__name__}: {err}") from err
+            where = (f"primitive `{name}` (operands {dtypes}) traced at "
+                     f"{compat.source_line(step.eqn)}")
+            if not _raised_in_jamp(err):
+                # The user's code or JAX raised it (a custom rule, a shape check): it keeps its
+                # type, so the caller's `except NotImplementedError:` still fires.
+                note = "(raised while jamp rewrote "
+                if not any(n.startswith(note) for n in getattr(err, "__notes__", ())):
+                    err.add_note(f"{note}{where})")  # the innermost equation's note only
+                raise
+            raise RewriteError(f"jamp could not rewrite {where}: {type(err).__name__}: {err}"
+                               ) from err
+
+
+_JAMP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_in_jamp(err: BaseException) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is jamp's own code (a jamp bug)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(
+        _JAMP_DIR + os.sep)
 
 
 def _track_derived(step: Step, outs: Sequence[Any]) -> None:

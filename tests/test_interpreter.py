@@ -1,4 +1,5 @@
 """The rewriting evaluator: categories, constants, the cast cache, errors."""
+import re
 import warnings
 
 import jax
@@ -159,12 +160,52 @@ def test_unknown_higher_order_primitive_runs_in_traced_dtypes_and_warns_once(mon
 
 
 def test_rewrite_failure_names_primitive_and_source_line(monkeypatch):
-    def broken(step):
-        raise ValueError("boom")
-    monkeypatch.setitem(interpreter.RULES, "tanh", broken)
+    # A failure inside jamp's own code is a RewriteError naming the primitive and user's line.
+    monkeypatch.setitem(interpreter.RULES, "tanh", interpreter.RULES["scan"])  # wrong params
     f = jamp.autocast_transform(lambda x: jnp.tanh(x))  # this line is named in the error
-    with pytest.raises(jamp.RewriteError, match=r"`tanh`.*test_interpreter.py:\d+.*boom"):
+    with pytest.raises(jamp.RewriteError, match=r"`tanh`.*test_interpreter.py:\d+.*KeyError"):
         f(jnp.ones(3))
+
+
+def _jamp_notes(err):
+    return [n for n in getattr(err, "__notes__", []) if "jamp" in n]  # JAX adds its own
+
+
+def test_exceptions_from_user_code_keep_their_type(monkeypatch):
+    # Raised by the user's code (here a rule outside jamp) or by JAX: the type is kept, so
+    # `except NotImplementedError:` still fires; a note names the primitive and the line.
+    def broken(step):
+        raise NotImplementedError("boom")
+    monkeypatch.setitem(interpreter.RULES, "tanh", broken)
+    f = jamp.autocast_transform(lambda x: jnp.tanh(x))  # this line is named in the note
+    with pytest.raises(NotImplementedError, match="boom") as info:
+        jax.jit(f)(jnp.ones(3))
+    assert not isinstance(info.value, jamp.RewriteError)
+    notes = _jamp_notes(info.value)
+    assert len(notes) == 1 and re.search(r"`tanh`.*test_interpreter.py:\d+", notes[0])
+    nested = jamp.autocast_transform(lambda x: lax.cond(x.sum() > 0, jnp.tanh, jnp.sin, x))
+    with pytest.raises(NotImplementedError) as info:
+        nested(jnp.ones(3))
+    notes = _jamp_notes(info.value)
+    assert len(notes) == 1 and "`tanh`" in notes[0]  # the innermost equation, once
+
+
+def test_custom_jvp_rule_exceptions_propagate_unchanged():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        raise NotImplementedError("no derivative here")
+
+    g = jamp.autocast_transform(lambda x: f(x) * 2.0, jamp.Policy(F32))
+    try:  # what a caller falling back to another path writes
+        jax.grad(g)(1.0)
+    except NotImplementedError as err:
+        assert "no derivative here" in str(err)
+    else:
+        pytest.fail("NotImplementedError did not propagate")
 
 
 def test_scatters_equalize_operands_and_rebuild_their_combiner():
