@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import warnings
 from typing import Any, Callable, Optional, Sequence
@@ -48,6 +47,13 @@ def register(*names: str) -> Callable[[Rule], Rule]:
 
 def is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
+
+
+def widest(*dtypes: Any) -> np.dtype:
+    """JAX's standard promotion of ``dtypes``, whatever ``jax.numpy_dtype_promotion`` the caller
+    set: jamp's own casts are explicit, so the user's "strict" mode must not reject them."""
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(jnp.result_type(*dtypes))
 
 
 def saturating_cast(value: Any, dtype: np.dtype) -> Any:
@@ -365,7 +371,7 @@ def lower_rule(step: Step) -> Sequence[Any]:
     overrides = {}
     if "preferred_element_type" in step.params:
         traced = step.params["preferred_element_type"]
-        natural = jnp.result_type(*(step.traced_aval(i).dtype for i in floating))
+        natural = widest(*(step.traced_aval(i).dtype for i in floating))
         explicit = traced is not None and np.dtype(traced) != natural
         overrides["preferred_element_type"] = (
             traced if explicit else (step.policy.accumulate_dtype or dtype))
@@ -448,7 +454,7 @@ def equalize_targets(step: Step) -> dict[int, np.dtype]:
         if len({a.dtype for a in avals.values()}) == 1:
             continue
         strong = [a.dtype for i, a in avals.items() if not _adapts(step, i, a, members)]
-        target = functools.reduce(jnp.promote_types, strong or [a.dtype for a in avals.values()])
+        target = widest(*(strong or [a.dtype for a in avals.values()]))
         targets.update({i: np.dtype(target) for i in members if avals[i].dtype != target})
     return targets
 

@@ -272,3 +272,32 @@ def test_broadcast_scalars_keep_adapting_inside_jitted_callees():
     where = jax.jit(lambda m, a, b: jnp.where(m, a, b))
     f = lambda x: where(x > 0, x @ x, jnp.broadcast_to(np.float32(2.0), (4, 4)))
     assert jamp.autocast_transform(f)(_rand(4, 4)).dtype == BF16
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_strict_dtype_promotion_leaves_jamps_own_casts_working(dtype):
+    # jamp's casts are explicit: a caller's jax.numpy_dtype_promotion("strict") must not reject
+    # the promotion of a bf16 matmul output with a float32 residual, nor the lower rule.
+    x, w = _rand(4, 8), _rand(8, 8)
+
+    def block(x, w):
+        h = x @ w + x[:, :8]                                  # add: bf16 with a float32 residual
+        h = lax.dot_general(h, w, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        return jnp.where(h > 0, h, jnp.finfo(F32).min).max(axis=-1) + jnp.exp(h).sum(axis=-1)
+
+    def runs():  # a new transform each time: nothing cached from the other promotion mode
+        f = jamp.autocast_transform(block, dtype=dtype)
+        return f, jax.jit(f)
+
+    refs = [run(x, w) for run in runs()]  # standard promotion
+    with jax.numpy_dtype_promotion("strict"):
+        f = runs()[0]
+        for run, ref in zip(runs(), refs):
+            out = run(x, w)
+            assert out.dtype == ref.dtype == F32
+            np.testing.assert_array_equal(out, ref)
+        grads = jax.grad(lambda w: f(x, w).sum())(w)
+        assert grads.dtype == F32 and np.isfinite(grads).all()
+        # The user's own implicit promotions stay as strict as they asked.
+        with pytest.raises(jax.dtypes.TypePromotionError):
+            jamp.autocast_transform(lambda x: x + x.astype(BF16))(x)
