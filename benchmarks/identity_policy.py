@@ -19,9 +19,11 @@ then, from the repository root::
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu .venv/bin/python benchmarks/identity_policy.py \\
         /tmp/jax-tests --out /tmp/identity-0.10
 
-It runs each file twice (baseline, patched) with ``benchmarks/identity_jit_plugin.py``, writes
-``baseline.json``/``patched.json`` per file under ``--out`` and prints a markdown summary of the
-tests the patch breaks, bucketed by cause (``--report-only`` re-prints it from the JSON files).
+It runs each file with ``benchmarks/identity_jit_plugin.py`` patched, then without the patch the
+tests that failed patched (``--full-baseline``: all of them), writes ``patched.json`` and
+``baseline.json`` per file under ``--out`` and prints a markdown summary of the tests the patch
+breaks, bucketed by cause (``--report-only`` re-prints it from the JSON files;
+``--rerun-failures`` runs the patched failures again after a fix).
 """
 from __future__ import annotations
 
@@ -72,7 +74,8 @@ def bucket_of(entry: dict) -> tuple[str, str]:
     return f"other: {first[:60]}", "?"
 
 
-def run_file(args: argparse.Namespace, name: str, patched: bool) -> dict:
+def run_file(args: argparse.Namespace, name: str, patched: bool,
+             only: list[str] | None = None) -> dict:
     out_dir = Path(args.out) / name
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / ("patched.json" if patched else "baseline.json")
@@ -86,13 +89,22 @@ def run_file(args: argparse.Namespace, name: str, patched: bool) -> dict:
            "-q", "--no-header", "-rN", "--tb=short", f"tests/{name}.py"]
     if args.workers:
         cmd += ["-n", str(args.workers)]
-    if name in args.select:
+    if only == []:
+        result = {"patched": patched, "counts": {}, "outcomes": {}, "seconds": 0}
+        out.write_text(json.dumps(result))
+        return result
+    if only is not None:  # node ids, through an argument file (pytest's @file)
+        ids = out_dir / ("patched-ids.txt" if patched else "baseline-ids.txt")
+        ids.write_text("\n".join(only) + "\n")
+        cmd = cmd[:-1] + [f"@{ids}"]
+    elif name in args.select:
         cmd += ["-k", args.select[name]]
     start = time.time()
-    proc = subprocess.run(cmd, cwd=args.tests_dir, env=env, capture_output=True, text=True)
+    log = out_dir / ("patched.log" if patched else "baseline.log")
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, cwd=args.tests_dir, env=env, stdout=f, stderr=subprocess.STDOUT)
     if not out.exists():
-        raise SystemExit(f"{name}: pytest wrote no results (exit {proc.returncode}):\n"
-                         f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{name}: pytest wrote no results (exit {proc.returncode}), see {log}")
     result = json.loads(out.read_text())
     result["seconds"] = round(time.time() - start, 1)
     out.write_text(json.dumps(result, indent=1))
@@ -105,8 +117,8 @@ def _first_line(entry: dict) -> str:
 
 
 def summarize(out_root: Path, names: list[str]) -> str:
-    lines = ["| file | tests | baseline failures | patched failures | broken by the patch | "
-             "fixed by the patch | jits patched (with static args) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| file | tests | patched failures | of which fail without the patch too | "
+             "broken by the patch | jits patched (with static args) |", "|---|---|---|---|---|---|"]
     broken: dict[str, list[tuple[str, str, dict]]] = {}
     for name in names:
         base = json.loads((out_root / name / "baseline.json").read_text())
@@ -116,13 +128,13 @@ def summarize(out_root: Path, names: list[str]) -> str:
         passed = lambda o: {k for k, v in o.items() if v["outcome"] == "passed"}
         newly = sorted((failed(p) | {k for k, v in p.items() if v.get("jamp_warnings")})
                        & passed(b))
-        fixed = sorted(failed(b) & passed(p))
+        both = sorted(failed(p) & failed(b))
         for k in newly:
             bucket, whose = bucket_of(p[k])
             broken.setdefault(bucket, []).append((whose, k, p[k]))
-        c = pat["counts"]
-        lines.append(f"| {name} | {len(p)} | {len(failed(b))} | {len(failed(p))} | {len(newly)} | "
-                     f"{len(fixed)} | {c['jit_calls']} ({c['with_static_args']}) |")
+        c = {"jit_calls": "?", "with_static_args": "?", **pat["counts"]}
+        lines.append(f"| {name} | {len(p)} | {len(failed(p))} | {len(both)} | {len(newly)} | "
+                     f"{c['jit_calls']} ({c['with_static_args']}) |")
     lines += ["", "| cause | whose | tests | example |", "|---|---|---|---|"]
     for bucket, items in sorted(broken.items(), key=lambda kv: -len(kv[1])):
         whose, k, entry = items[0]
@@ -147,17 +159,39 @@ def main() -> None:
                         help="JAX_NUM_GENERATED_CASES (JAX's default is 10)")
     parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers")
     parser.add_argument("--python", default=sys.executable)
-    parser.add_argument("--modes", nargs="+", default=["baseline", "patched"],
-                        choices=["baseline", "patched"])
+    parser.add_argument("--full-baseline", action="store_true",
+                        help="run every test without the patch too (default: only those the "
+                             "patched run fails)")
+    parser.add_argument("--rerun-failures", action="store_true",
+                        help="run the previous patched run's failures again (after a fix) and "
+                             "update its results")
     parser.add_argument("--report-only", action="store_true")
     args = parser.parse_args()
     args.select = dict(s.split("=", 1) for s in args.select)
     if not args.report_only:
         for name in args.files:
-            for mode in args.modes:
-                r = run_file(args, name, mode == "patched")
-                print(f"{name} {mode}: {len(r['outcomes'])} tests in {r['seconds']} s",
-                      file=sys.stderr)
+            # Patched first; the baseline then runs the tests the patch broke (or all of them
+            # with --full-baseline): a test that fails either way is not jamp's.
+            rerun = None
+            if args.rerun_failures:  # after a fix: the patched run again, its failures only
+                old = json.loads((Path(args.out) / name / "patched.json").read_text())
+                rerun = [k for k, v in old["outcomes"].items()
+                         if v["outcome"] == "failed" or v.get("jamp_warnings")]
+                prior = {k: v for k, v in old["outcomes"].items() if k not in rerun}
+            r = run_file(args, name, True, rerun)
+            if rerun is not None:
+                r["outcomes"] = {**prior, **r["outcomes"]}
+                r["rerun_of_failures"] = len(rerun)
+                (Path(args.out) / name / "patched.json").write_text(json.dumps(r, indent=1))
+            print(f"{name} patched: {len(r['outcomes'])} tests in {r['seconds']} s",
+                  file=sys.stderr)
+            if args.rerun_failures:
+                continue
+            broken = [k for k, v in r["outcomes"].items()
+                      if v["outcome"] == "failed" or v.get("jamp_warnings")]
+            b = run_file(args, name, False, None if args.full_baseline else broken)
+            print(f"{name} baseline: {len(b['outcomes'])} tests in {b['seconds']} s",
+                  file=sys.stderr)
     print(summarize(Path(args.out), args.files))
 
 

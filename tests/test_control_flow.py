@@ -168,3 +168,39 @@ def test_while_with_batched_predicate_from_vmap(policy):
     _, tangent = jax.jvp(lambda w: jamp.autocast_transform(batched, policy)(xs, w), (W,), (W,))
     _, ref_tangent = jax.jvp(lambda w: batched(xs, w), (W,), (W,))
     np.testing.assert_allclose(tangent, ref_tangent, rtol=5e-2, atol=5e-2)
+
+
+@jax.custom_batching.custom_vmap
+def custom_batched_layer(x, w):
+    return jnp.tanh(x @ w)
+
+
+@custom_batched_layer.def_vmap
+def _custom_batched_layer_rule(axis_size, in_batched, x, w):
+    assert not in_batched[1]
+    RULE_CALLS.append(x.dtype)
+    return jnp.tanh(jnp.einsum("bij,jk->bik", x, w)), True
+
+
+RULE_CALLS = []
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy()], ids=["f32", "bf16"])
+def test_custom_vmap_function_is_rewritten_and_its_rule_still_batches(policy):
+    # custom_vmap_call had no rule: it warned and ran unchanged. Its body is rewritten now; the
+    # user's vmap rule runs in the traced dtypes, so the call returns those.
+    f = jamp.autocast_transform(custom_batched_layer, policy)
+    dtype = np.dtype(policy.compute_dtype).name
+    call = eqns_named(jax.make_jaxpr(f)(XS, W), "custom_vmap_call")[0]
+    assert operand_dtypes(call.params["call"], "dot_general") == [(dtype, dtype)]
+    out = jax.jit(f)(XS, W)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, jnp.tanh(XS @ W), rtol=2e-2, atol=2e-2)
+    RULE_CALLS.clear()
+    batch = jnp.stack([XS, 2 * XS])
+    out = jax.vmap(f, in_axes=(0, None))(batch, W)
+    assert RULE_CALLS == [F32] and out.dtype == F32  # the user's rule, in the traced dtype
+    np.testing.assert_allclose(out, jnp.tanh(batch @ W), rtol=2e-2, atol=2e-2)
+    _, tangent = jax.jvp(lambda w: f(XS, w), (W,), (W,))
+    np.testing.assert_allclose(tangent, (1 - jnp.tanh(XS @ W) ** 2) * (XS @ W), rtol=5e-2,
+                               atol=5e-2)
