@@ -133,6 +133,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         entry["jamp_frames"] = "jamp/" in text
         entry["tail"] = text[-3000:]
     OUTCOMES[report.nodeid] = entry
+    if len(OUTCOMES) % 20 == 0:  # a run stopped early still leaves its results so far
+        _dump(finished=False)
 
 
 def pytest_warning_recorded(warning_message: Any, when: str, nodeid: str, location: Any) -> None:
@@ -142,9 +144,14 @@ def pytest_warning_recorded(warning_message: Any, when: str, nodeid: str, locati
         entry.setdefault("jamp_warnings", []).append(str(warning_message.message)[:300])
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def _dump(finished: bool) -> None:
     out = os.environ.get("JAMP_IDENTITY_OUT")
     if out:
-        with open(out, "w") as f:
+        with open(out + ".tmp", "w") as f:
             json.dump({"patched": os.environ.get("JAMP_IDENTITY_PATCH") == "1",
-                       "counts": COUNTS, "outcomes": OUTCOMES}, f, indent=1)
+                       "finished": finished, "counts": COUNTS, "outcomes": OUTCOMES}, f, indent=1)
+        os.replace(out + ".tmp", out)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _dump(finished=True)
