@@ -80,10 +80,10 @@ def bucket_of(nodeid: str, entry: dict) -> tuple[str, str]:
 
 
 def run_file(args: argparse.Namespace, name: str, patched: bool,
-             only: list[str] | None = None) -> dict:
+             only: list[str] | None = None, rerun: bool = False) -> dict:
     out_dir = Path(args.out) / name
     out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / ("patched.json" if patched else "baseline.json")
+    out = out_dir / (("patched" if patched else "baseline") + ("-rerun" if rerun else "") + ".json")
     here = Path(__file__).resolve().parent
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(here), args.jamp_root or str(here.parent),
@@ -186,7 +186,7 @@ def main() -> None:
                 rerun = [k for k, v in old["outcomes"].items()
                          if v["outcome"] == "failed" or v.get("jamp_warnings")]
                 prior = {k: v for k, v in old["outcomes"].items() if k not in rerun}
-            r = run_file(args, name, True, rerun)
+            r = run_file(args, name, True, rerun, rerun=rerun is not None)
             if rerun is not None:
                 r["outcomes"] = {**prior, **r["outcomes"]}
                 r["rerun_of_failures"] = len(rerun)
