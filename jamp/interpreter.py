@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import os
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -47,6 +47,13 @@ def register(*names: str) -> Callable[[Rule], Rule]:
 
 def is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
+
+
+def widest(*dtypes: Any) -> np.dtype:
+    """JAX's standard promotion of ``dtypes``, whatever ``jax.numpy_dtype_promotion`` the caller
+    set: jamp's own casts are explicit, so the user's "strict" mode must not reject them."""
+    with jax.numpy_dtype_promotion("standard"):
+        return np.dtype(jnp.result_type(*dtypes))
 
 
 def saturating_cast(value: Any, dtype: np.dtype) -> Any:
@@ -339,9 +346,29 @@ class Rewriter:
         except Exception as err:
             dtypes = ", ".join(str(a.str_short()) if hasattr(a, "str_short") else str(a)
                                for a in step.avals())
-            raise RewriteError(
-                f"jamp could not rewrite primitive `{name}` (operands {dtypes}) traced at "
-                f"{compat.source_line(step.eqn)}: {type(err).__name__}: {err}") from err
+            where = (f"primitive `{name}` (operands {dtypes}) traced at "
+                     f"{compat.source_line(step.eqn)}")
+            if not _raised_in_jamp(err):
+                # The user's code or JAX raised it (a custom rule, a shape check): it keeps its
+                # type, so the caller's `except NotImplementedError:` still fires.
+                note = "(raised while jamp rewrote "
+                if not any(n.startswith(note) for n in getattr(err, "__notes__", ())):
+                    err.add_note(f"{note}{where})")  # the innermost equation's note only
+                raise
+            raise RewriteError(f"jamp could not rewrite {where}: {type(err).__name__}: {err}"
+                               ) from err
+
+
+_JAMP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _raised_in_jamp(err: BaseException) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is jamp's own code (a jamp bug)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(
+        _JAMP_DIR + os.sep)
 
 
 def _track_derived(step: Step, outs: Sequence[Any]) -> None:
@@ -407,8 +434,7 @@ def lower_rule(step: Step) -> Sequence[Any]:
         traced = step.params.get("preferred_element_type")
         if not arrived or traced is None:
             return step.bind(args)
-        widest = jnp.promote_types(traced, jnp.result_type(*arrived))
-        return step.bind(args, **_output_type(step, widest))
+        return step.bind(args, **_output_type(step, widest(traced, *arrived)))
     dtype = step.state.dtype
     args = step.with_cast({i: dtype for i in floating})
     return step.bind(args, **_output_type(step, step.policy.accumulate_dtype or dtype))
@@ -423,7 +449,7 @@ def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
     traced = step.params.get("preferred_element_type")
     if traced is None:
         return {}
-    natural = jnp.result_type(*(step.traced_aval(i).dtype for i in step.floating()))
+    natural = widest(*(step.traced_aval(i).dtype for i in step.floating()))
     explicit = np.dtype(traced) != natural
     return {"preferred_element_type": traced if explicit else np.dtype(dtype)}
 
@@ -505,7 +531,7 @@ def equalize_targets(step: Step) -> dict[int, np.dtype]:
         if len({a.dtype for a in avals.values()}) == 1:
             continue
         strong = [a.dtype for i, a in avals.items() if not _adapts(step, i, a, members)]
-        target = functools.reduce(jnp.promote_types, strong or [a.dtype for a in avals.values()])
+        target = widest(*(strong or [a.dtype for a in avals.values()]))
         targets.update({i: np.dtype(target) for i in members if avals[i].dtype != target})
     return targets
 

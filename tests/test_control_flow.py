@@ -126,3 +126,106 @@ def test_grad_of_checkpointed_vmapped_scan_is_rewritten_on_every_jax_version():
     want = jax.grad(loss)(W, xs)
     cosine = jnp.vdot(g, want) / (jnp.linalg.norm(g) * jnp.linalg.norm(want))
     assert cosine > 0.99
+
+
+# --- found by running JAX's own tests under an identity policy (benchmarks/identity_policy.py) ---
+
+def _tpu_only_primitive():
+    """An identity primitive with a TPU lowering only: lowering it for the CPU fails."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+    prim = Primitive("jamp_test_tpu_only")
+    prim.def_abstract_eval(lambda x: x)
+    mlir.register_lowering(prim, lambda ctx, x: [x], platform="tpu")
+    return prim
+
+
+TPU_ONLY = _tpu_only_primitive()
+
+
+def per_platform(x, w):
+    return lax.platform_dependent(
+        x, w, cpu=lambda x, w: jnp.tanh(x @ w), tpu=lambda x, w: TPU_ONLY.bind(x @ w),
+        default=lambda x, w: x @ w)
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy()], ids=["f32", "bf16"])
+def test_platform_dependent_lowers_only_the_running_platforms_branch(policy):
+    f = jamp.autocast_transform(per_platform, policy)
+    ref = jnp.tanh(XS @ W)
+    for run in (f, jax.jit(f)):  # the TPU-only branch must not be lowered for the CPU
+        out = run(XS, W)
+        assert out.dtype == policy.compute_dtype  # tanh runs in the dtype it gets
+        np.testing.assert_allclose(out, ref, rtol=2e-2 if policy.compute_dtype != F32 else 1e-6,
+                                   atol=1e-2)
+    cond = eqns_named(jax.make_jaxpr(f)(XS, W), "cond")[0]
+    assert cond.params["branches_platforms"] == (("cpu",), ("tpu",), None)
+    # The branches were rewritten: the matmuls run in the compute dtype.
+    dtype = np.dtype(policy.compute_dtype).name
+    assert operand_dtypes(cond.params["branches"][0], "dot_general") == [(dtype, dtype)]
+
+
+def count_up(x, w):
+    """A while loop whose predicate depends on the (batched) carry."""
+    def body(c):
+        return c[0] + 1.0, c[1] + jnp.tanh(c[1] @ w)
+    return lax.while_loop(lambda c: c[0] < 3.0, body, (x, jnp.full((2, 8), 0.1)))[1]
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy()], ids=["f32", "bf16"])
+def test_while_with_batched_predicate_from_vmap(policy):
+    # vmap turns the predicate into bool[batch]: the loop runs while any element holds and steps
+    # only those. lax.while_loop cannot rebuild such a loop.
+    xs = jnp.array([-2.0, 0.0, 2.5])  # 5, 3 and 1 steps
+    batched = jax.vmap(count_up, in_axes=(0, None))
+    ref = batched(xs, W)
+    for f in (jamp.autocast_transform(batched, policy),
+              jax.jit(jamp.autocast_transform(batched, policy)),
+              jax.vmap(jamp.autocast_transform(count_up, policy), in_axes=(0, None))):
+        out = f(xs, W)
+        assert out.dtype == F32  # a carry keeps its traced dtype
+        np.testing.assert_allclose(out, ref, rtol=3e-2, atol=3e-2)
+    closed = jax.make_jaxpr(jamp.autocast_transform(batched, policy))(xs, W)
+    loop = eqns_named(closed, "while")[0]
+    dtype = np.dtype(policy.compute_dtype).name
+    assert operand_dtypes(loop.params["body_jaxpr"], "dot_general") == [(dtype, dtype)]
+    # jvp through the batched loop works too
+    _, tangent = jax.jvp(lambda w: jamp.autocast_transform(batched, policy)(xs, w), (W,), (W,))
+    _, ref_tangent = jax.jvp(lambda w: batched(xs, w), (W,), (W,))
+    np.testing.assert_allclose(tangent, ref_tangent, rtol=5e-2, atol=5e-2)
+
+
+@jax.custom_batching.custom_vmap
+def custom_batched_layer(x, w):
+    return jnp.tanh(x @ w)
+
+
+@custom_batched_layer.def_vmap
+def _custom_batched_layer_rule(axis_size, in_batched, x, w):
+    assert not in_batched[1]
+    RULE_CALLS.append(x.dtype)
+    return jnp.tanh(jnp.einsum("bij,jk->bik", x, w)), True
+
+
+RULE_CALLS = []
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy()], ids=["f32", "bf16"])
+def test_custom_vmap_function_is_rewritten_and_its_rule_still_batches(policy):
+    # custom_vmap_call had no rule: it warned and ran unchanged. Its body is rewritten now; the
+    # user's vmap rule runs in the traced dtypes, so the call returns those.
+    f = jamp.autocast_transform(custom_batched_layer, policy)
+    dtype = np.dtype(policy.compute_dtype).name
+    call = eqns_named(jax.make_jaxpr(f)(XS, W), "custom_vmap_call")[0]
+    assert operand_dtypes(call.params["call"], "dot_general") == [(dtype, dtype)]
+    out = jax.jit(f)(XS, W)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, jnp.tanh(XS @ W), rtol=2e-2, atol=2e-2)
+    RULE_CALLS.clear()
+    batch = jnp.stack([XS, 2 * XS])
+    out = jax.vmap(f, in_axes=(0, None))(batch, W)
+    assert RULE_CALLS == [F32] and out.dtype == F32  # the user's rule, in the traced dtype
+    np.testing.assert_allclose(out, jnp.tanh(batch @ W), rtol=2e-2, atol=2e-2)
+    _, tangent = jax.jvp(lambda w: f(XS, w), (W,), (W,))
+    np.testing.assert_allclose(tangent, (1 - jnp.tanh(XS @ W) ** 2) * (XS @ W), rtol=5e-2,
+                               atol=5e-2)

@@ -1,4 +1,5 @@
 """The rewriting evaluator: categories, constants, the cast cache, errors."""
+import re
 import warnings
 
 import jax
@@ -161,12 +162,52 @@ def test_unknown_higher_order_primitive_runs_in_traced_dtypes_and_warns_once(mon
 
 
 def test_rewrite_failure_names_primitive_and_source_line(monkeypatch):
-    def broken(step):
-        raise ValueError("boom")
-    monkeypatch.setitem(interpreter.RULES, "tanh", broken)
+    # A failure inside jamp's own code is a RewriteError naming the primitive and user's line.
+    monkeypatch.setitem(interpreter.RULES, "tanh", interpreter.RULES["scan"])  # wrong params
     f = jamp.autocast_transform(lambda x: jnp.tanh(x))  # this line is named in the error
-    with pytest.raises(jamp.RewriteError, match=r"`tanh`.*test_interpreter.py:\d+.*boom"):
+    with pytest.raises(jamp.RewriteError, match=r"`tanh`.*test_interpreter.py:\d+.*KeyError"):
         f(jnp.ones(3))
+
+
+def _jamp_notes(err):
+    return [n for n in getattr(err, "__notes__", []) if "jamp" in n]  # JAX adds its own
+
+
+def test_exceptions_from_user_code_keep_their_type(monkeypatch):
+    # Raised by the user's code (here a rule outside jamp) or by JAX: the type is kept, so
+    # `except NotImplementedError:` still fires; a note names the primitive and the line.
+    def broken(step):
+        raise NotImplementedError("boom")
+    monkeypatch.setitem(interpreter.RULES, "tanh", broken)
+    f = jamp.autocast_transform(lambda x: jnp.tanh(x))  # this line is named in the note
+    with pytest.raises(NotImplementedError, match="boom") as info:
+        jax.jit(f)(jnp.ones(3))
+    assert not isinstance(info.value, jamp.RewriteError)
+    notes = _jamp_notes(info.value)
+    assert len(notes) == 1 and re.search(r"`tanh`.*test_interpreter.py:\d+", notes[0])
+    nested = jamp.autocast_transform(lambda x: lax.cond(x.sum() > 0, jnp.tanh, jnp.sin, x))
+    with pytest.raises(NotImplementedError) as info:
+        nested(jnp.ones(3))
+    notes = _jamp_notes(info.value)
+    assert len(notes) == 1 and "`tanh`" in notes[0]  # the innermost equation, once
+
+
+def test_custom_jvp_rule_exceptions_propagate_unchanged():
+    @jax.custom_jvp
+    def f(x):
+        return jnp.sin(x)
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        raise NotImplementedError("no derivative here")
+
+    g = jamp.autocast_transform(lambda x: f(x) * 2.0, jamp.Policy(F32))
+    try:  # what a caller falling back to another path writes
+        jax.grad(g)(1.0)
+    except NotImplementedError as err:
+        assert "no derivative here" in str(err)
+    else:
+        pytest.fail("NotImplementedError did not propagate")
 
 
 def test_scatters_equalize_operands_and_rebuild_their_combiner():
@@ -272,3 +313,32 @@ def test_a_full_size_input_of_batch_one_is_still_a_residual():
     v = _rand(4, key=2)
     assert jamp.autocast_transform(lambda y, w, v: y @ w + v.reshape(2, 2))(
         _rand(2, 2), _rand(2, 2, key=3), v).dtype == F32
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_strict_dtype_promotion_leaves_jamps_own_casts_working(dtype):
+    # jamp's casts are explicit: a caller's jax.numpy_dtype_promotion("strict") must not reject
+    # the promotion of a bf16 matmul output with a float32 residual, nor the lower rule.
+    x, w = _rand(4, 8), _rand(8, 8)
+
+    def block(x, w):
+        h = x @ w + x[:, :8]                                  # add: bf16 with a float32 residual
+        h = lax.dot_general(h, w, (((1,), (0,)), ((), ())), preferred_element_type=F32)
+        return jnp.where(h > 0, h, jnp.finfo(F32).min).max(axis=-1) + jnp.exp(h).sum(axis=-1)
+
+    def runs():  # a new transform each time: nothing cached from the other promotion mode
+        f = jamp.autocast_transform(block, dtype=dtype)
+        return f, jax.jit(f)
+
+    refs = [run(x, w) for run in runs()]  # standard promotion
+    with jax.numpy_dtype_promotion("strict"):
+        f = runs()[0]
+        for run, ref in zip(runs(), refs):
+            out = run(x, w)
+            assert out.dtype == ref.dtype == F32
+            np.testing.assert_array_equal(out, ref)
+        grads = jax.grad(lambda w: f(x, w).sum())(w)
+        assert grads.dtype == F32 and np.isfinite(grads).all()
+        # The user's own implicit promotions stay as strict as they asked.
+        with pytest.raises(jax.dtypes.TypePromotionError):
+            jamp.autocast_transform(lambda x: x + x.astype(BF16))(x)

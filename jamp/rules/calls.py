@@ -1,5 +1,5 @@
 """Call-like primitives: ``jit`` (``pjit``), ``closed_call``/``core_call`` (``eval_jaxpr`` on jax
-0.12), ``checkpoint`` (remat).
+0.12), ``checkpoint`` (remat), ``custom_vmap_call``.
 
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .. import _compat as compat
-from ..interpreter import F64, Step, register
+from ..interpreter import F64, Step, is_float, register
 from ..regions import cast_inputs_dtype
 
 
@@ -43,3 +43,22 @@ def remat_rule(step: Step) -> Sequence[Any]:
     body = step.rewrite_sub(compat.as_closed(step.params["jaxpr"]), step.avals(), step.hints())
     jaxpr, consts = compat.hoist_consts(body)
     return step.bind([*consts, *step.args], jaxpr=jaxpr)
+
+
+@register("custom_vmap_call")
+def custom_vmap_rule(step: Step) -> Sequence[Any]:
+    """``jax.custom_batching.custom_vmap``: the function is rewritten, but its vmap rule is the
+    user's own code and runs in the traced dtypes, so the call takes and returns those (under
+    ``vmap`` JAX replaces the call with the rule, and their output types must agree)."""
+    args = step.with_cast({i: step.traced_aval(i).dtype for i in step.floating()})
+    avals = [compat.aval_of(a) for a in args]
+    body = step.rewrite_sub(step.params["call"], avals, step.hints())
+    jaxpr, consts = compat.open_and_consts(body)
+    out_dtypes = [v.aval.dtype for v in step.eqn.outvars]
+
+    def traced_dtypes_out(*operands: Any) -> list[Any]:
+        outs = compat.eval_jaxpr(jaxpr, consts, operands)
+        return [compat.convert(x, d) if is_float(d) and compat.aval_of(x).dtype != d else x
+                for x, d in zip(outs, out_dtypes)]
+
+    return step.bind(args, call=compat.trace_to_closed(traced_dtypes_out, avals))

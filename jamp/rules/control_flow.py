@@ -74,7 +74,23 @@ def while_rule(step: Step) -> Sequence[Any]:
         return _cast_to(outs, carry_dtypes)
 
     with compat.equation_context(step.eqn):
+        if compat.open_and_consts(params["cond_jaxpr"])[0].outvars[0].aval.shape:
+            return _batched_while(step, cond_fun, body_fun, init)
         return list(lax.while_loop(cond_fun, body_fun, init))
+
+
+def _batched_while(step: Step, cond_fun: Any, body_fun: Any, init: Sequence[Any]) -> list[Any]:
+    """A ``while`` whose predicate is an array (what ``vmap`` makes of a batched predicate: the
+    loop runs while any element holds and only those elements step): ``lax.while_loop`` accepts
+    scalar predicates only, so the primitive is bound again with the rewritten bodies."""
+    avals = [compat.aval_of(x) for x in init]
+    cond, cond_consts = compat.hoist_consts(
+        compat.trace_to_closed(lambda *carry: [cond_fun(list(carry))], avals))
+    body, body_consts = compat.hoist_consts(
+        compat.trace_to_closed(lambda *carry: body_fun(list(carry)), avals))
+    return step.bind([*cond_consts, *body_consts, *init], cond_jaxpr=compat.as_closed(cond),
+                     body_jaxpr=compat.as_closed(body), cond_nconsts=len(cond_consts),
+                     body_nconsts=len(body_consts))
 
 
 @register("cond")
@@ -91,5 +107,24 @@ def cond_rule(step: Step) -> Sequence[Any]:
         jaxpr, consts = compat.open_and_consts(branch)
         return lambda *ops: _cast_to(compat.eval_jaxpr(jaxpr, consts, ops), targets)
 
+    functions = [as_function(b) for b in branches]
+    platforms = step.params.get("branches_platforms")
     with compat.equation_context(step.eqn):
-        return list(lax.switch(index, [as_function(b) for b in branches], *operands))
+        if platforms is not None:  # lax.platform_dependent: lower only the target's branch
+            return list(_platform_dependent(operands, functions, platforms))
+        return list(lax.switch(index, functions, *operands))
+
+
+def _platform_dependent(operands: Sequence[Any], functions: Sequence[Any],
+                        platforms: Sequence[Any]) -> Any:
+    """Rebuild ``lax.platform_dependent`` from its ``branches_platforms`` (``None``: default).
+
+    Its index comes from ``platform_index``, which it binds again itself.
+    """
+    per_platform, default = {}, None
+    for names, function in zip(platforms, functions):
+        if names is None:
+            default = function
+        else:
+            per_platform.update({name: function for name in names})
+    return lax.platform_dependent(*operands, default=default, **per_platform)

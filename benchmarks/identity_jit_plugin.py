@@ -1,0 +1,157 @@
+"""pytest plugin for ``identity_policy.py``: runs JAX's own tests with ``jax.jit`` patched to
+``jax.jit(jamp.autocast_transform(f, Policy(jnp.float32)))``, and records every test's outcome.
+
+Loaded with ``-p identity_jit_plugin`` (``benchmarks/`` on ``PYTHONPATH``) before the test modules
+are imported, so their ``from jax import jit`` picks up the patch. Environment:
+
+- ``JAMP_IDENTITY_PATCH=1``: patch ``jax.jit`` (otherwise the run is the baseline);
+- ``JAMP_IDENTITY_OUT=path.json``: where the outcomes and the patch counters go.
+
+Static arguments (``static_argnums``/``static_argnames``) are bound before the function reaches
+``autocast_transform`` (a ``functools.partial``-style wrapper per static values), so they stay
+Python values; such jits are counted. The wrapper for a function is reused while its jitted
+function lives, so ``jax.jit(f)`` twice shares JAX's trace cache as it would without the patch.
+Only the public ``jax.jit`` is patched: JAX-internal ``api.jit`` uses (``jnp`` functions jitted
+at import) run unchanged.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+import weakref
+from typing import Any
+
+import pytest
+
+COUNTS = {"jit_calls": 0, "with_static_args": 0, "wrap_failed": 0}
+OUTCOMES: dict[str, dict[str, Any]] = {}
+
+
+def _install() -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax._src import api_util  # benchmark only: resolve static args as jax.jit does
+
+    import jamp
+
+    real_jit = jax.jit
+    policy = jamp.Policy(jnp.float32)
+    wrappers: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
+
+    def static_positions(fun: Any, kw: dict) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        nums, names = kw.get("static_argnums"), kw.get("static_argnames")
+        if nums is None and names is None:
+            return (), ()
+        try:
+            sig = inspect.signature(fun)
+        except (TypeError, ValueError):
+            sig = None
+        nums, names = api_util.infer_argnums_and_argnames(sig, nums, names)
+        return tuple(nums), tuple(names)
+
+    def identity_wrap(fun: Any, kw: dict) -> Any:
+        nums, names = static_positions(fun, kw)
+        key = (id(fun), nums, names)
+        cached = wrappers.get(key)
+        if cached is not None:
+            return cached
+        if nums or names:
+            COUNTS["with_static_args"] += 1
+        plain = jamp.autocast_transform(fun, policy)
+        per_static: dict[Any, Any] = {}
+
+        @functools.wraps(fun)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not (nums or names):
+                return plain(*args, **kwargs)
+            fixed_pos = {}
+            for i in nums:
+                i = i if i >= 0 else i + len(args)
+                if 0 <= i < len(args):
+                    fixed_pos[i] = args[i]
+            fixed_kw = {k: v for k, v in kwargs.items() if k in names}
+            dyn_args = [a for i, a in enumerate(args) if i not in fixed_pos]
+            dyn_kw = {k: v for k, v in kwargs.items() if k not in names}
+            try:
+                skey = (tuple(sorted(fixed_pos.items())), tuple(sorted(fixed_kw.items())))
+                hash(skey)
+            except TypeError:
+                skey = None
+            inner = per_static.get(skey) if skey is not None else None
+            if inner is None:
+                def bound(*d_args: Any, **d_kw: Any) -> Any:
+                    it = iter(d_args)
+                    full = [fixed_pos[i] if i in fixed_pos else next(it)
+                            for i in range(len(d_args) + len(fixed_pos))]
+                    return fun(*full, **d_kw, **fixed_kw)
+                inner = jamp.autocast_transform(functools.wraps(fun)(bound), policy)
+                if skey is not None:
+                    per_static[skey] = inner
+            return inner(*dyn_args, **dyn_kw)
+
+        wrapper._jamp_fun = fun  # keeps fun alive as long as the wrapper (the id key stays unique)
+        try:
+            wrappers[key] = wrapper
+        except TypeError:
+            pass
+        return wrapper
+
+    @functools.wraps(real_jit)
+    def patched_jit(fun: Any = None, /, **kw: Any) -> Any:
+        if fun is None:  # @jax.jit(static_argnums=...) decorator-factory form
+            return lambda f: patched_jit(f, **kw)
+        COUNTS["jit_calls"] += 1
+        try:
+            wrapped = identity_wrap(fun, kw)
+        except Exception:  # let jax.jit raise its own error for bad arguments
+            COUNTS["wrap_failed"] += 1
+            return real_jit(fun, **kw)
+        return real_jit(wrapped, **kw)
+
+    jax.jit = patched_jit
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("JAMP_IDENTITY_PATCH") == "1":
+        _install()
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when != "call" and not (report.failed or report.skipped):
+        return
+    entry = OUTCOMES.setdefault(report.nodeid, {"outcome": "pending"})
+    if entry["outcome"] not in ("pending", "passed"):
+        return  # keep the first non-pass (a setup error before its teardown)
+    entry["outcome"] = report.outcome
+    if report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        entry["message"] = (crash.message if crash is not None else str(report.longrepr))[:2000]
+        entry["when"] = report.when
+        text = str(report.longrepr)
+        entry["jamp_frames"] = "jamp/" in text
+        entry["tail"] = text[-3000:]
+    OUTCOMES[report.nodeid] = entry
+    if len(OUTCOMES) % 20 == 0:  # a run stopped early still leaves its results so far
+        _dump(finished=False)
+
+
+def pytest_warning_recorded(warning_message: Any, when: str, nodeid: str, location: Any) -> None:
+    category = getattr(warning_message, "category", None)
+    if category is not None and category.__module__.startswith("jamp") and nodeid:
+        entry = OUTCOMES.setdefault(nodeid, {"outcome": "pending"})
+        entry.setdefault("jamp_warnings", []).append(str(warning_message.message)[:300])
+
+
+def _dump(finished: bool) -> None:
+    out = os.environ.get("JAMP_IDENTITY_OUT")
+    if out:
+        with open(out + ".tmp", "w") as f:
+            json.dump({"patched": os.environ.get("JAMP_IDENTITY_PATCH") == "1",
+                       "finished": finished, "counts": COUNTS, "outcomes": OUTCOMES}, f, indent=1)
+        os.replace(out + ".tmp", out)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _dump(finished=True)
