@@ -2,6 +2,7 @@
 from .interpreter import RewriteError, UnsupportedPrimitiveWarning
 from .loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
                          scaled_value_and_grad, select_tree)
+from .nonfinite import NonFinite, find_nonfinite
 from .policy import Policy
 from .report import Report, explain
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
@@ -12,5 +13,6 @@ __all__ = [
     "get_autocast_dtype", "AutocastWarning", "RewriteError", "UnsupportedPrimitiveWarning",
     "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "all_finite", "select_tree",
     "scaled_value_and_grad", "explain", "Report",
+    "find_nonfinite", "NonFinite",
 ]
 __version__ = "0.1.0"

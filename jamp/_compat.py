@@ -67,6 +67,18 @@ def source_line(eqn: Any) -> str:
         return "<unknown source>"
 
 
+def is_backward(eqn: Any) -> bool:
+    """Whether an equation came from transposing another (``jax.grad``'s backward pass)."""
+    return any(isinstance(s, _siu.Transform) and s.name == "transpose"
+               for s in eqn.source_info.name_stack.stack)
+
+
+def traceback_of(eqn: Any) -> Any:
+    """The traceback object an equation was traced under; JAX and jamp pass it on unchanged to the
+    equations derived from it (casts, JVPs, transposes), so identity links them."""
+    return eqn.source_info.traceback
+
+
 @contextlib.contextmanager
 def equation_context(eqn: Any) -> Iterator[None]:
     """Re-bind under the equation's source info and name stack, as ``jax.core.eval_jaxpr`` does."""
