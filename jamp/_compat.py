@@ -67,10 +67,17 @@ def source_line(eqn: Any) -> str:
         return "<unknown source>"
 
 
-def is_backward(eqn: Any) -> bool:
-    """Whether an equation came from transposing another (``jax.grad``'s backward pass)."""
-    return any(isinstance(s, _siu.Transform) and s.name == "transpose"
-               for s in eqn.source_info.name_stack.stack)
+def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of the frames outside JAX an equation was traced from,
+    innermost first."""
+    return [(f.file_name, f.start_line, f.function_name)
+            for f in _siu.user_frames(eqn.source_info.traceback)]
+
+
+def transform_names(eqn: Any) -> frozenset[str]:
+    """The transformations an equation was traced under (``"jvp"``, ``"transpose"``, ...)."""
+    return frozenset(s.name for s in eqn.source_info.name_stack.stack
+                     if isinstance(s, _siu.Transform))
 
 
 def traceback_of(eqn: Any) -> Any:

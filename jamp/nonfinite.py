@@ -120,7 +120,9 @@ class NonFinite:
       primitive, dtype: the equation's primitive and output dtype.
       decision: why it ran in that dtype (table, region, rule, operand dtypes).
       scope: its scope path (``jax.named_scope`` / Flax module names joined by ``/``).
-      source: the user's source line, e.g. ``model.py:12:8 (batch_norm)``.
+      source: the source line it was traced from, e.g. ``model.py:12:8 (batch_norm)``.
+      caller: when ``source`` is inside an installed library (a Flax layer), the innermost line
+        of the user's own code that led there, else None.
       iterations: ``((loop primitive, iteration), ...)`` of the enclosing loops, outermost first.
       backward_of: for an equation of the backward pass, the forward equation it derives from
         (``"`rsqrt` at model.py:12:8 (f)"``), else None.
@@ -136,6 +138,7 @@ class NonFinite:
     decision: str
     scope: str
     source: str
+    caller: Optional[str]
     iterations: tuple
     backward_of: Optional[str]
     operands: tuple
@@ -156,7 +159,10 @@ class NonFinite:
                  f"{self.index} in program order{where})"]
         if self.backward_of:
             lines.append(f"  backward of {self.backward_of}")
-        lines += [f"  source:   {self.source}", f"  scope:    {self.scope or '(top level)'}",
+        lines.append(f"  source:   {self.source}")
+        if self.caller:
+            lines.append(f"  called from {self.caller}")
+        lines += [f"  scope:    {self.scope or '(top level)'}",
                   f"  decision: {self.decision}"]
         lines += [f"  operand {i}: {r}" for i, r in enumerate(self.operands)]
         lines += [f"  output {i}:  {r}" for i, r in enumerate(self.output)]
@@ -216,7 +222,7 @@ def find_nonfinite(fn: Callable, *args: Any, policy: Optional[Policy] = None, gr
     return NonFinite(
         primitive=site.primitive, dtype=getattr(site.out_dtype, "name", str(site.out_dtype)),
         decision=_decision_text(program.policy, site, sites), scope=site.scope,
-        source=site.source, iterations=tuple(zip(site.loops, found.iters)),
+        source=site.source, caller=site.caller, iterations=tuple(zip(site.loops, found.iters)),
         backward_of=backward_of, operands=tuple(ValueRange.of(v) for v in found.invals),
         output=tuple(ValueRange.of(v) for v in found.outs), float32_finite=f32, remedy=remedy,
         tried=tuple(tried), index=site.index)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -69,8 +70,27 @@ class Site:
         return compat.source_line(self.eqn)
 
     @property
+    def caller(self) -> Optional[str]:
+        """The innermost frame in the user's own code (outside installed libraries and jamp),
+        when ``source`` is in a library (a Flax or Haiku layer)."""
+        frames = compat.user_frames(self.eqn)
+        own = [f for f in frames if not _is_library(f[0])]
+        if not frames or not own or own[0] == frames[0]:
+            return None
+        file, line, function = own[0]
+        return f"{file}:{line} ({function})"
+
+    @property
     def scope(self) -> str:
         return "/".join(self.state.path)
+
+
+_JAMP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_library(file: str) -> bool:
+    return ("site-packages" in file or "dist-packages" in file
+            or os.path.abspath(file).startswith(_JAMP_DIR))
 
 
 # --- the program ------------------------------------------------------------------------------
@@ -228,6 +248,19 @@ class Walker:
     def __init__(self, policy: Policy, observer: "Observer", depth: int):
         self.policy, self.observer, self.depth = policy, observer, depth
         self.sites: dict[int, Site] = {}
+        self._primal: dict[int, Any] = {}  # id(traceback) -> first non-cast equation traced there
+
+    def is_derivative(self, eqn: Any) -> bool:
+        """Backward (transposed) equations, and the JVP rule's own computations (``0.5 / sqrt(x)``
+        for ``sqrt``): under ``jvp`` every equation a primitive's rule adds after the primitive
+        itself shares its traceback."""
+        transforms = compat.transform_names(eqn)
+        if "transpose" in transforms:
+            return True
+        if "jvp" not in transforms or eqn.primitive.name == "convert_element_type":
+            return False
+        primal = self._primal.setdefault(id(compat.traceback_of(eqn)), eqn)
+        return primal is not eqn and primal.primitive is not eqn.primitive
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], state: Any,
             base: int = 0, iters: tuple = (), loops: tuple = (), backward: bool = False,
@@ -241,7 +274,7 @@ class Walker:
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
             kind = KINDS.get(eqn.primitive.name)
-            is_backward = backward or compat.is_backward(eqn)
+            is_backward = backward or self.is_derivative(eqn)
             if kind is not None:
                 ctx = Context(self, eqn, index, iters, loops, is_backward,
                               regions.child(regions.state_for(eqn)))
