@@ -4,6 +4,7 @@ from .loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_f
                          scaled_value_and_grad, select_tree)
 from .nonfinite import NonFinite, find_nonfinite
 from .policy import Policy
+from .ranges import Ranges, value_ranges
 from .report import Report, explain
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
 from .transform import autocast_jaxpr, autocast_transform
@@ -14,5 +15,6 @@ __all__ = [
     "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "all_finite", "select_tree",
     "scaled_value_and_grad", "explain", "Report",
     "find_nonfinite", "NonFinite",
+    "value_ranges", "Ranges",
 ]
 __version__ = "0.1.0"
