@@ -195,13 +195,13 @@ def find_nonfinite(fn: Callable, *args: Any, policy: Optional[Policy] = None, gr
     """
     from .transform import resolve_policy
     policy = resolve_policy(policy)
-    program = trace_program(fn, policy, grad, args, kwargs, "find_nonfinite")
-    first, where = _first(program)
+    program, leaves = trace_program(fn, policy, grad, args, kwargs, "find_nonfinite")
+    first, where = _first(program, leaves)
     if first < 0:
         return None
     sites = program.sites(_FirstNonFinite.kind)
     site = sites[first]
-    found = _drill_down(program, site, where)
+    found = _drill_down(program, leaves)
     if found is None:  # finite op by op: only the compiled program (XLA fusion) overflowed
         found = _Found(site, [], [], tuple(where))
     site = found.site
@@ -209,7 +209,7 @@ def find_nonfinite(fn: Callable, *args: Any, policy: Optional[Policy] = None, gr
     candidates = _candidates(program, site, sites, f32)
     tried, remedy = [], None
     for candidate in candidates[:max_remedies]:
-        ok = _verify(fn, candidate, program, grad, args, kwargs)
+        ok = _verify(fn, candidate, program, leaves, grad, args, kwargs)
         tried.append((candidate, ok))
         if ok:
             remedy = candidate
@@ -228,14 +228,14 @@ def find_nonfinite(fn: Callable, *args: Any, policy: Optional[Policy] = None, gr
         tried=tuple(tried), index=site.index)
 
 
-def _first(program: Program, scale: float = 1.0) -> tuple[int, list[int]]:
-    first, where = program.run(_FirstNonFinite(), program.leaves, scale)
+def _first(program: Program, leaves: Sequence[Any], scale: float = 1.0) -> tuple[int, list[int]]:
+    first, where = program.run(_FirstNonFinite(), leaves, scale)
     return int(first), [int(i) for i in np.asarray(where)]
 
 
-def _drill_down(program: Program, site: Site, where: Sequence[int]) -> Optional[_Found]:
+def _drill_down(program: Program, leaves: Sequence[Any]) -> Optional[_Found]:
     try:
-        program.walk_eagerly(_StopAtNonFinite(), program.leaves)
+        program.walk_eagerly(_StopAtNonFinite(), leaves)
     except _Found as found:
         return found
     return None
@@ -335,10 +335,10 @@ def _candidates(program: Program, site: Site, sites: dict[int, Site],
     return sorted(out, key=lambda r: r.equations_changed)  # stable: milder loss scales first
 
 
-def _verify(fn: Callable, remedy: Remedy, program: Program, grad: Any, args: tuple,
-            kwargs: dict) -> bool:
+def _verify(fn: Callable, remedy: Remedy, program: Program, leaves: Sequence[Any], grad: Any,
+            args: tuple, kwargs: dict) -> bool:
     """Whether the call is finite everywhere under the remedy (one compiled pass)."""
     if remedy.loss_scale is not None:
-        return _first(program, remedy.loss_scale)[0] < 0
-    fixed = trace_program(fn, remedy.policy, grad, args, kwargs, "find_nonfinite")
-    return _first(fixed)[0] < 0
+        return _first(program, leaves, remedy.loss_scale)[0] < 0
+    fixed, _ = trace_program(fn, remedy.policy, grad, args, kwargs, "find_nonfinite")
+    return _first(fixed, leaves)[0] < 0

@@ -105,7 +105,6 @@ class Program:
 
     policy: Policy
     closed: Any
-    leaves: list[Any]
     argnums: Optional[tuple[int, ...]]
     n_sites: int
     depth: int
@@ -157,8 +156,9 @@ _MAX_PROGRAMS = 16
 
 
 def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
-                  kwargs: dict, caller: str) -> Program:
-    """The checked program for this call (cached on fn, policy, grad and the argument avals)."""
+                  kwargs: dict, caller: str) -> tuple[Program, list[Any]]:
+    """The checked program for this call (cached on fn, policy, grad and the argument avals),
+    and the call's array leaves to run it on."""
     from .transform import _split_static, autocast_transform
     if not callable(fn):
         raise TypeError(f"{caller} expects a callable, got {type(fn).__name__}")
@@ -167,6 +167,7 @@ def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
     traced_at, static = _split_static(flat, in_tree)
     leaves = [flat[i] for i in traced_at]
     avals = tuple(compat.aval_of(x) for x in leaves)
+    _check_inputs_finite(flat, in_tree, traced_at, caller)
     if argnums is not None and max(argnums) >= len(args):
         raise ValueError(f"{caller}: grad={grad!r} names argument {max(argnums)} but "
                          f"{getattr(fn, '__name__', 'fn')} was given {len(args)} positional ones")
@@ -177,8 +178,7 @@ def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
         key = None
     program = _PROGRAMS.get(key) if key is not None else None
     if program is not None:
-        program.leaves = leaves
-        return program
+        return program, leaves
     mixed = autocast_transform(fn, policy)
 
     def call(scale: Any, *traced_leaves: Any) -> Any:
@@ -193,12 +193,38 @@ def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
 
     closed = jax.make_jaxpr(call)(jax.ShapeDtypeStruct((), np.float32), *avals)
     n_sites, depth = count_sites(compat.open_and_consts(closed)[0])
-    program = Program(policy, closed, leaves, argnums, n_sites, depth)
+    program = Program(policy, closed, argnums, n_sites, depth)
     if key is not None:
         if len(_PROGRAMS) >= _MAX_PROGRAMS:
             _PROGRAMS.pop(next(iter(_PROGRAMS)))
         _PROGRAMS[key] = program
-    return program
+    return program, leaves
+
+
+def _check_inputs_finite(flat: list[Any], in_tree: Any, traced_at: list[int], caller: str) -> None:
+    """A non-finite argument would be blamed on the first equation reading it: name it instead."""
+    floating = [i for i in traced_at if is_float(compat.aval_of(flat[i]).dtype)]
+    if not floating:
+        return
+    finite = np.asarray(_all_finite_each(*[flat[i] for i in floating]))
+    bad = [i for i, ok in zip(floating, finite) if not ok]
+    if bad:
+        paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
+        names = ", ".join(_argument_name(paths[i][0]) for i in bad)
+        raise ValueError(f"{caller}: argument {names} already holds inf or NaN before the "
+                         "function runs")
+
+
+@jax.jit
+def _all_finite_each(*leaves: Any) -> Any:
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def _argument_name(path: tuple) -> str:
+    """``args[0]['params']['w']`` for a leaf of ``(args, kwargs)``."""
+    where, *rest = path
+    head = "args" if getattr(where, "idx", None) == 0 else "kwargs"
+    return head + jax.tree_util.keystr(tuple(rest))
 
 
 # --- higher-order equations: how to count and walk their bodies ---------------------------------

@@ -138,9 +138,8 @@ def value_ranges(fn: Callable, *args: Any, policy: Optional[Policy] = None, grad
     """
     from .transform import resolve_policy
     policy = resolve_policy(policy)
-    program = trace_program(fn, policy, grad, args, kwargs, "value_ranges")
-    peak, nonzero, flushed, subnormal = (np.asarray(a) for a in
-                                         program.run(_Ranges(), program.leaves))
+    program, leaves = trace_program(fn, policy, grad, args, kwargs, "value_ranges")
+    peak, nonzero, flushed, subnormal = (np.asarray(a) for a in program.run(_Ranges(), leaves))
     sites = program.sites(_Ranges.kind)
     entries = [_entry(policy, site, sites, float(peak[i]), int(nonzero[i]), int(flushed[i]),
                       int(subnormal[i]))

@@ -293,3 +293,32 @@ def test_readme_worked_example_runs_as_written(capsys):
     printed = capsys.readouterr().out
     assert printed.splitlines()[0] == "nan"
     assert "remedy (verified" in printed and '{"square"}' in printed
+
+
+def test_a_non_finite_argument_is_named_by_its_path():
+    params = {"w": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])}
+    with pytest.raises(ValueError, match=r"argument args\[0\]\['b'\] already holds inf or NaN"):
+        jamp.find_nonfinite(lambda p, x: jnp.sum(p["w"] * x + p["b"]), params, jnp.ones(2))
+    with pytest.raises(ValueError, match=r"kwargs\['x'\]"):
+        jamp.value_ranges(lambda x: x, x=jnp.array([jnp.inf]))
+
+
+def test_decision_names_the_region_or_rule_that_set_the_dtype():
+    def f(x, w):
+        h = x @ w                                   # float16 by the policy
+        with jamp.autocast(enabled=False):
+            return h * 1e4                          # stays float16: regions do not cast back
+
+    found = jamp.find_nonfinite(f, jnp.full((1, 2), 10.0), jnp.eye(2), policy=F16)
+    assert found.primitive == "mul" and found.dtype == "float16"
+    assert "autocast is off here (region)" in found.decision
+    assert found.float32_finite is True
+
+    def g(x, w):
+        with jax.named_scope("blk"):
+            return x @ w
+    by_rule = jamp.Policy(jnp.bfloat16, rules=(("blk", jnp.float16),))
+    found = jamp.find_nonfinite(g, jnp.full((1, 2), 7e4), jnp.eye(2), policy=by_rule)
+    assert found.scope == "blk"
+    assert "set by rule 'blk'" in found.decision
+    assert found.remedy.kind == "rule" and found.remedy.policy.rules[-1][0] == "blk"
