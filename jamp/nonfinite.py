@@ -25,8 +25,8 @@ import numpy as np
 from . import _compat as compat
 from .interpreter import KEEP_TRACED_DTYPES, SHAPE_ONLY, is_float
 from .policy import Policy
-from .probe import (SIXTEEN_BIT, Observer, Program, Site, bind, decision, floating_outputs,
-                    forward_site, trace_program)
+from .probe import (FINITE_PRESERVING, SIXTEEN_BIT, Observer, Program, Site, bind, decision,
+                    floating_outputs, forward_site, trace_program)
 
 F32 = np.dtype(np.float32)
 
@@ -39,13 +39,35 @@ class _FirstNonFinite(Observer):
     def init(self, n_sites: int, depth: int) -> Any:
         return jnp.int32(-1), jnp.zeros((depth,), jnp.int32)
 
-    def observe(self, state, site, invals, outs, iters):
+    def measure(self, site, invals, outs, iters):
+        if site.primitive in FINITE_PRESERVING and not _nonfinite_literal(site.eqn):
+            return None
+        if site.primitive == "convert_element_type" and _widening(site.eqn):
+            return None
+        flags = [jnp.all(jnp.isfinite(o)) for o in floating_outputs(outs)]
+        return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
+
+    def fold(self, state, sites, measures, iters):
         first, where = state
-        finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(o)) for o in floating_outputs(outs)]))
-        hit = (first < 0) & ~finite
+        bad = ~jnp.stack(measures)
+        batch_first = jnp.asarray([s.index for s in sites], jnp.int32)[jnp.argmax(bad)]
+        hit = (first < 0) & jnp.any(bad)
         if iters:
             where = jnp.where(hit, jnp.stack([jnp.asarray(i, jnp.int32) for i in iters]), where)
-        return jnp.where(hit, jnp.int32(site.index), first), where
+        return jnp.where(hit, batch_first, first), where
+
+
+def _nonfinite_literal(eqn: Any) -> bool:
+    return any(isinstance(v, compat.Literal) and is_float(np.result_type(v.val))
+               and not np.isfinite(np.asarray(v.val, np.float64)).all() for v in eqn.invars)
+
+
+def _widening(eqn: Any) -> bool:
+    """A float-to-float cast that cannot overflow (to float32/float64, or bfloat16 -> float16 is
+    not one: float16 has the smaller range)."""
+    source, target = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+    return (is_float(source) and is_float(target)
+            and jnp.finfo(target).max >= jnp.finfo(source).max)
 
 
 class _Found(Exception):
@@ -59,11 +81,11 @@ class _StopAtNonFinite(Observer):
 
     kind = "eager"
 
-    def observe(self, state, site, invals, outs, iters):
+    def measure(self, site, invals, outs, iters):
         if not all(bool(np.isfinite(np.asarray(o, np.float32)).all())
                    for o in floating_outputs(outs)):
             raise _Found(site, invals, outs, tuple(int(i) for i in iters))
-        return state
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -297,11 +297,23 @@ class Walker:
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
         index = base
+        # Measures of the sites since the last fold: folded in one batch (one reduction over a
+        # stack, not a chain of hundreds of scalar updates, which compiles much faster).
+        pending: list[tuple[Site, Any]] = []
+
+        def fold(state: Any) -> Any:
+            if pending:
+                state = self.observer.fold(state, [s for s, _ in pending],
+                                           [m for _, m in pending], self.pad(iters))
+                pending.clear()
+            return state
+
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
             kind = KINDS.get(eqn.primitive.name)
             is_backward = backward or self.is_derivative(eqn)
             if kind is not None:
+                state = fold(state)  # earlier sites first: the body's fold comes after them
                 ctx = Context(self, eqn, index, iters, loops, is_backward,
                               regions.child(regions.state_for(eqn)))
                 outs, state = kind.walk(ctx, invals, state)
@@ -311,12 +323,14 @@ class Walker:
                 site = Site(index, eqn, jaxpr, regions.state_for(eqn), loops, is_backward)
                 self.sites[index] = site
                 if site.floating:
-                    state = self.observer.observe(state, site, invals, outs, self.pad(iters))
+                    measure = self.observer.measure(site, invals, outs, self.pad(iters))
+                    if measure is not None:
+                        pending.append((site, measure))
                 index += 1
             for var, value in zip(eqn.outvars, outs):
                 if not isinstance(var, compat.DropVar):
                     env[var] = value
-        return [read(v) for v in jaxpr.outvars], state
+        return [read(v) for v in jaxpr.outvars], fold(state)
 
     def pad(self, iters: tuple) -> tuple:
         return tuple(iters) + (0,) * (self.depth - len(iters))
@@ -437,16 +451,34 @@ def _zero() -> Any:
 # --- observers ----------------------------------------------------------------------------------
 
 class Observer:
-    """Folds each site's outputs into a state; ``kind`` names the compiled check it belongs to."""
+    """Measures each site's outputs and folds batches of measures into a state; ``kind`` names
+    the compiled check it belongs to."""
 
     kind = "observer"
 
     def init(self, n_sites: int, depth: int) -> Any:
         return None
 
-    def observe(self, state: Any, site: Site, invals: Sequence[Any], outs: Sequence[Any],
+    def measure(self, site: Site, invals: Sequence[Any], outs: Sequence[Any],
                 iters: tuple) -> Any:
+        """A (traced) summary of the site's outputs, or None to skip the site."""
+        return None
+
+    def fold(self, state: Any, sites: list[Site], measures: list[Any], iters: tuple) -> Any:
+        """The state after the measures of ``sites`` (in program order, same loop iteration)."""
         return state
+
+
+# Primitives that cannot turn finite operands into inf/NaN (they move, pick or compare values):
+# the first non-finite equation of a program is never one of them, unless a literal operand is.
+FINITE_PRESERVING = frozenset({
+    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
+    "dynamic_slice", "gather", "concatenate", "pad", "select_n", "copy", "copy_p", "rev",
+    "neg", "abs", "sign", "floor", "ceil", "round", "max", "min", "clamp", "reduce_max",
+    "reduce_min", "argmax", "argmin", "sort", "stop_gradient", "dynamic_update_slice", "scatter",
+    "cummax", "cummin", "optimization_barrier", "sharding_constraint", "tanh", "logistic", "sin",
+    "cos", "is_finite", "squeeze", "real", "imag", "conj",
+})
 
 
 def floating_outputs(outs: Sequence[Any]) -> list[Any]:

@@ -36,19 +36,28 @@ class _Ranges(Observer):
     def init(self, n_sites: int, depth: int) -> Any:
         return (jnp.zeros((n_sites,), jnp.float32),) + (jnp.zeros((n_sites,), jnp.int32),) * 3
 
-    def observe(self, state, site, invals, outs, iters):
-        if not site.sixteen_bit:
-            return state
-        peak, nonzero, flushed, subnormal = state
+    def measure(self, site, invals, outs, iters):
+        if not site.sixteen_bit or site.primitive in MOVES_VALUES:
+            return None
         values = [jnp.abs(o.astype(jnp.float32)).ravel() for o in outs
                   if hasattr(o, "dtype") and o.dtype == site.out_dtype]
         x = jnp.concatenate(values) if len(values) > 1 else values[0]
         nz = x != 0
-        i = site.index
-        return (peak.at[i].max(jnp.max(x, initial=0.0)),
-                nonzero.at[i].add(jnp.sum(nz, dtype=jnp.int32)),
-                flushed.at[i].add(jnp.sum(nz & (x <= _F16_FLUSH), dtype=jnp.int32)),
-                subnormal.at[i].add(jnp.sum(nz & (x < _F16_NORMAL), dtype=jnp.int32)))
+        return (jnp.max(x, initial=0.0), jnp.sum(nz, dtype=jnp.int32),
+                jnp.sum(nz & (x <= _F16_FLUSH), dtype=jnp.int32),
+                jnp.sum(nz & (x < _F16_NORMAL), dtype=jnp.int32))
+
+    def fold(self, state, sites, measures, iters):
+        ids = jnp.asarray([s.index for s in sites], jnp.int32)
+        peak, *counts = state
+        stacked = [jnp.stack(column) for column in zip(*measures)]
+        return (peak.at[ids].max(stacked[0]),
+                *(c.at[ids].add(new) for c, new in zip(counts, stacked[1:])))
+
+
+# Only move or copy values: their range is their operand's (listed under its own equation).
+MOVES_VALUES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose",
+                          "copy", "copy_p", "rev", "optimization_barrier", "sharding_constraint"})
 
 
 @dataclasses.dataclass(frozen=True)
