@@ -118,7 +118,8 @@ class ValueRange:
 
 @dataclasses.dataclass(frozen=True)
 class Remedy:
-    """A change that makes the call finite: a policy (rule or fp32-table entry) or a loss scale.
+    """A change that makes the call finite: a policy (rule, fp32-table entry or, as a last resort,
+    ``compute_dtype=float32``) or a loss scale.
 
     ``code`` is what to write; ``policy`` and ``loss_scale`` are the checked values;
     ``equations_changed`` counts the equations whose precision the change can affect.
@@ -354,6 +355,11 @@ def _candidates(program: Program, site: Site, sites: dict[int, Site],
                                   'jnp.float32),))',
                           policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
                           equations_changed=changed))
+    if policy.compute_dtype != F32:
+        # Last resort, when nothing narrower works: no mixed precision at all.
+        out.append(Remedy("compute dtype", "policy.replace(compute_dtype=jnp.float32)",
+                          policy.replace(compute_dtype=jnp.float32),
+                          equations_changed=sum(s.sixteen_bit for s in sites.values())))
     return sorted(out, key=lambda r: r.equations_changed)  # stable: milder loss scales first
 
 

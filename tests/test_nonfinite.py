@@ -322,3 +322,43 @@ def test_decision_names_the_region_or_rule_that_set_the_dtype():
     assert found.scope == "blk"
     assert "set by rule 'blk'" in found.decision
     assert found.remedy.kind == "rule" and found.remedy.policy.rules[-1][0] == "blk"
+
+
+def test_nested_loops_report_every_iteration_and_remat_bodies_are_entered():
+    def f(xs):
+        def outer(c, x):
+            def inner(carry):
+                j, v = carry
+                return j + 1, jax.checkpoint(lambda u: jnp.log(u - 1.0))(v)  # nested-log
+            return c, jax.lax.while_loop(lambda carry: carry[0] < 3, inner, (0, x))[1]
+        return jax.lax.scan(outer, 0.0, xs)[1]
+
+    # 1e6 -> 13.8 -> 2.55 -> 0.44 stays finite; 2.5 -> 0.405 -> log(-0.595) is NaN at j = 1.
+    xs = jnp.array([[1e6], [1e6], [2.5], [1e6]])
+    found = jamp.find_nonfinite(f, xs)
+    assert found.primitive == "log"
+    assert found.iterations == (("scan", 2), ("while", 1))
+    assert file_and_line(found.source) == here("nested-log")
+
+
+try:
+    from hypothesis import given, settings, strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a test extra
+    given = None
+
+if given is not None:
+    def product(x, w):
+        return x @ w
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.floats(-1e5, 1e5, width=32), st.floats(-1e5, 1e5, width=32))
+    def test_found_exactly_when_the_float16_program_overflows(a, b):
+        """Agrees with numpy's float16: the casts of a and b, then their product, rounded."""
+        x, w = jnp.full((1, 1), a, jnp.float32), jnp.full((1, 1), b, jnp.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            expected = np.isfinite(np.float16(np.float32(np.float16(a)) * np.float32(np.float16(b))))
+        found = jamp.find_nonfinite(product, x, w, policy=F16)
+        assert (found is None) == bool(expected)
+        if found is not None:
+            assert found.primitive in ("convert_element_type", "dot_general")
+            assert found.remedy is not None
