@@ -112,19 +112,19 @@ class Program:
 
     def run(self, observer: "Observer", leaves: Sequence[Any], scale: float = 1.0) -> Any:
         """The observer's final state after one compiled pass (cached per observer kind)."""
-        check = self.compiled.get(observer.kind)
-        if check is None:
+        entry = self.compiled.get(observer.kind)
+        if entry is None:
             walker = Walker(self.policy, observer, self.depth)
             jaxpr, consts = compat.open_and_consts(self.closed)
 
-            def check(scale_arg: Any, *flat: Any) -> Any:
+            def instrumented(scale_arg: Any, *flat: Any) -> Any:
                 state = observer.init(self.n_sites, self.depth)
                 return walker.run(jaxpr, consts, [scale_arg, *flat], state)[1]
-            compiled = jax.jit(check).lower(np.float32(scale), *leaves).compile(
+            executable = jax.jit(instrumented).lower(np.float32(scale), *leaves).compile(
                 compiler_options=EXACT_ROUNDING)
-            check = self.compiled[observer.kind] = (compiled, walker)
-        fn, _ = check
-        return fn(np.float32(scale), *leaves)
+            entry = self.compiled[observer.kind] = (executable, walker)
+        executable, _ = entry
+        return executable(np.float32(scale), *leaves)
 
     def sites(self, observer_kind: str) -> dict[int, Site]:
         return self.compiled[observer_kind][1].sites
