@@ -12,9 +12,10 @@ Two regimes: **warm** (the call repeated: jamp keeps the traced, compiled check 
 policy and argument shapes) as the median of ``--reps`` calls, against the warm jitted step;
 **cold** (a fresh function object, so everything is traced and compiled again) against the first
 call of a freshly jitted step, median of ``--cold-reps``. Goal (issue 15): at most 5x one jitted
-forward+backward. With ``--failing`` a third row times a call whose program is *not* finite (a float16 policy and
-floating arguments scaled by 1e4): the compiled pass, the op-by-op drill-down and the remedy
-search (at most 3 remedies here; each one tried is one more traced and compiled check; no goal).
+forward+backward. With ``--failing`` a third row times a call whose program is *not* finite
+(a float16 policy and floating arguments scaled by 1e4): the compiled pass, the op-by-op
+drill-down and the remedy search (at most 3 remedies here; each one tried is one more traced and
+compiled check; no goal).
 
 When not called, these features cost nothing: they add no hook to the interpreter or to
 ``autocast_transform``; the check is a separate program built only when asked for.

@@ -18,7 +18,6 @@ import dataclasses
 import re
 from typing import Any, Callable, Optional, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -195,8 +194,8 @@ class NonFinite:
         if self.remedy is not None:
             lines.append(f"  remedy (verified, the call is then finite): {self.remedy}")
         else:
-            lines.append("  no remedy found" + (": tried " + "; ".join(str(r) for r, _ in self.tried)
-                                                if self.tried else ""))
+            tried = "; ".join(str(r) for r, _ in self.tried)
+            lines.append("  no remedy found" + (f": tried {tried}" if tried else ""))
         return "\n".join(lines)
 
 
@@ -270,7 +269,8 @@ def _decision_text(policy: Policy, site: Site, sites: dict[int, Site]) -> str:
     forward = forward_site(site, sites)
     if forward is None:
         return "derived by jax.grad"
-    return f"derived by jax.grad from the forward `{forward.primitive}` ({decision(policy, forward)})"
+    return (f"derived by jax.grad from the forward `{forward.primitive}` "
+            f"({decision(policy, forward)})")
 
 
 # --- the same equation in float32 ---------------------------------------------------------------

@@ -356,7 +356,8 @@ if given is not None:
         """Agrees with numpy's float16: the casts of a and b, then their product, rounded."""
         x, w = jnp.full((1, 1), a, jnp.float32), jnp.full((1, 1), b, jnp.float32)
         with np.errstate(over="ignore", invalid="ignore"):
-            expected = np.isfinite(np.float16(np.float32(np.float16(a)) * np.float32(np.float16(b))))
+            product16 = np.float32(np.float16(a)) * np.float32(np.float16(b))
+            expected = np.isfinite(np.float16(product16))
         found = jamp.find_nonfinite(product, x, w, policy=F16)
         assert (found is None) == bool(expected)
         if found is not None:
