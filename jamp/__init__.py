@@ -2,7 +2,9 @@
 from .interpreter import RewriteError, UnsupportedPrimitiveWarning
 from .loss_scale import (DynamicLossScale, NoOpLossScale, StaticLossScale, all_finite,
                          scaled_value_and_grad, select_tree)
+from .nonfinite import NonFinite, find_nonfinite
 from .policy import Policy, UnmatchedRuleWarning
+from .ranges import Ranges, value_ranges
 from .report import Report, explain
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
 from .transform import autocast_jaxpr, autocast_transform
@@ -12,5 +14,7 @@ __all__ = [
     "get_autocast_dtype", "AutocastWarning", "RewriteError", "UnsupportedPrimitiveWarning",
     "NoOpLossScale", "StaticLossScale", "DynamicLossScale", "all_finite", "select_tree",
     "scaled_value_and_grad", "explain", "Report", "UnmatchedRuleWarning",
+    "find_nonfinite", "NonFinite",
+    "value_ranges", "Ranges",
 ]
 __version__ = "0.1.0"

@@ -77,6 +77,25 @@ def source_line(eqn: Any) -> str:
         return "<unknown source>"
 
 
+def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of the frames outside JAX an equation was traced from,
+    innermost first."""
+    return [(f.file_name, f.start_line, f.function_name)
+            for f in _siu.user_frames(eqn.source_info.traceback)]
+
+
+def transform_names(eqn: Any) -> frozenset[str]:
+    """The transformations an equation was traced under (``"jvp"``, ``"transpose"``, ...)."""
+    return frozenset(s.name for s in eqn.source_info.name_stack.stack
+                     if isinstance(s, _siu.Transform))
+
+
+def traceback_of(eqn: Any) -> Any:
+    """The traceback object an equation was traced under; JAX and jamp pass it on unchanged to the
+    equations derived from it (casts, JVPs, transposes), so identity links them."""
+    return eqn.source_info.traceback
+
+
 @contextlib.contextmanager
 def equation_context(eqn: Any) -> Iterator[None]:
     """Re-bind under the equation's source info and name stack, as ``jax.core.eval_jaxpr`` does."""

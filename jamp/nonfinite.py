@@ -1,0 +1,372 @@
+"""``jamp.find_nonfinite``: the first equation of the mixed-precision program whose output is inf
+or NaN, why it ran in its dtype, and the narrowest change of policy that makes the call finite.
+
+Example::
+
+    found = jamp.find_nonfinite(loss_fn, params, batch, policy=policy, grad=True)
+    if found is not None:
+        print(found)                 # primitive, dtype, policy decision, scope, source line, ...
+        policy = found.remedy.policy  # verified to make the call finite
+
+How: one compiled pass of the instrumented program (``probe.py``) returns the index of the first
+non-finite equation and its loop iterations; only then is the program walked op by op up to it,
+for the operand values. Remedies are verified with the same compiled pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import _compat as compat
+from .interpreter import KEEP_TRACED_DTYPES, SHAPE_ONLY, is_float
+from .policy import Policy
+from .probe import (FINITE_PRESERVING, SIXTEEN_BIT, Observer, Program, Site, bind, decision,
+                    floating_outputs, forward_site, trace_program)
+
+F32 = np.dtype(np.float32)
+
+
+class _FirstNonFinite(Observer):
+    """Compiled pass: (index of the first non-finite site or -1, its loop iterations)."""
+
+    kind = "first_nonfinite"
+
+    def init(self, n_sites: int, depth: int) -> Any:
+        return jnp.int32(-1), jnp.zeros((depth,), jnp.int32)
+
+    def measure(self, site, invals, outs, iters):
+        if site.primitive in FINITE_PRESERVING and not _nonfinite_literal(site.eqn):
+            return None
+        if site.primitive == "convert_element_type" and _widening(site.eqn):
+            return None
+        flags = [jnp.all(jnp.isfinite(o)) for o in floating_outputs(outs)]
+        return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
+
+    def fold(self, state, sites, measures, iters):
+        first, where = state
+        bad = ~jnp.stack(measures)
+        batch_first = jnp.asarray([s.index for s in sites], jnp.int32)[jnp.argmax(bad)]
+        hit = (first < 0) & jnp.any(bad)
+        if iters:
+            where = jnp.where(hit, jnp.stack([jnp.asarray(i, jnp.int32) for i in iters]), where)
+        return jnp.where(hit, batch_first, first), where
+
+
+def _nonfinite_literal(eqn: Any) -> bool:
+    return any(isinstance(v, compat.Literal) and is_float(np.result_type(v.val))
+               and not np.isfinite(np.asarray(v.val, np.float64)).all() for v in eqn.invars)
+
+
+def _widening(eqn: Any) -> bool:
+    """A float-to-float cast that cannot overflow (to float32/float64, or bfloat16 -> float16 is
+    not one: float16 has the smaller range)."""
+    source, target = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
+    return (is_float(source) and is_float(target)
+            and jnp.finfo(target).max >= jnp.finfo(source).max)
+
+
+class _Found(Exception):
+    def __init__(self, site: Site, invals: Sequence[Any], outs: Sequence[Any], iters: tuple):
+        super().__init__(site.index)
+        self.site, self.invals, self.outs, self.iters = site, invals, outs, iters
+
+
+class _StopAtNonFinite(Observer):
+    """Eager walk: stops at the first site whose concrete outputs are not all finite."""
+
+    kind = "eager"
+
+    def measure(self, site, invals, outs, iters):
+        if not all(bool(np.isfinite(np.asarray(o, np.float32)).all())
+                   for o in floating_outputs(outs)):
+            raise _Found(site, invals, outs, tuple(int(i) for i in iters))
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueRange:
+    """What an operand or output held: dtype, shape, min/max of the finite values, counts."""
+
+    dtype: str
+    shape: tuple
+    min: float
+    max: float
+    nan: int
+    inf: int
+
+    @classmethod
+    def of(cls, value: Any) -> "ValueRange":
+        array = np.asarray(value)
+        wide = array.astype(np.float64) if is_float(array.dtype) else array
+        finite = wide[np.isfinite(wide)] if is_float(array.dtype) else wide.ravel()
+        nan = int(np.isnan(wide).sum()) if is_float(array.dtype) else 0
+        inf = int(np.isinf(wide).sum()) if is_float(array.dtype) else 0
+        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (np.nan, np.nan)
+        return cls(np.dtype(array.dtype).name, tuple(array.shape), lo, hi, nan, inf)
+
+    def __str__(self) -> str:
+        counts = "".join(f", {n} {what}" for n, what in ((self.nan, "NaN"), (self.inf, "inf")) if n)
+        values = (f"finite values in [{self.min:.6g}, {self.max:.6g}]" if self.min == self.min
+                  else "no finite values")
+        return f"{self.dtype}{list(self.shape)} {values}{counts}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Remedy:
+    """A change that makes the call finite: a policy (rule, fp32-table entry or, as a last resort,
+    ``compute_dtype=float32``) or a loss scale.
+
+    ``code`` is what to write; ``policy`` and ``loss_scale`` are the checked values;
+    ``equations_changed`` counts the equations whose precision the change can affect.
+    """
+
+    kind: str
+    code: str
+    policy: Policy = dataclasses.field(repr=False)
+    loss_scale: Optional[float] = None
+    equations_changed: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.code}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """The first non-finite equation of a call (``find_nonfinite``'s answer).
+
+    Attributes:
+      primitive, dtype: the equation's primitive and output dtype.
+      decision: why it ran in that dtype (table, region, rule, operand dtypes).
+      scope: its scope path (``jax.named_scope`` / Flax module names joined by ``/``).
+      source: the source line it was traced from, e.g. ``model.py:12:8 (batch_norm)``.
+      caller: when ``source`` is inside an installed library (a Flax layer), the innermost line
+        of the user's own code that led there, else None.
+      iterations: ``((loop primitive, iteration), ...)`` of the enclosing loops, outermost first.
+      backward_of: for an equation of the backward pass, the forward equation it derives from
+        (``"`rsqrt` at model.py:12:8 (f)"``), else None.
+      operands, output: ranges of what went in and came out.
+      float32_finite: whether the same equation on the same operands, computed in float32, is
+        finite (None if it cannot run in float32).
+      remedy: the narrowest verified change that makes the call finite, or None.
+      tried: every change tried, with whether it made the call finite.
+    """
+
+    primitive: str
+    dtype: str
+    decision: str
+    scope: str
+    source: str
+    caller: Optional[str]
+    iterations: tuple
+    backward_of: Optional[str]
+    operands: tuple
+    output: tuple
+    float32_finite: Optional[bool]
+    remedy: Optional[Remedy]
+    tried: tuple
+    index: int
+
+    @property
+    def equation(self) -> str:
+        return (f"backward of {self.backward_of}" if self.backward_of
+                else f"`{self.primitive}` at {self.source}")
+
+    def __str__(self) -> str:
+        where = "".join(f", {name} iteration {i}" for name, i in self.iterations)
+        lines = [f"first non-finite value: `{self.primitive}` -> {self.dtype} (equation "
+                 f"{self.index} in program order{where})"]
+        if self.backward_of:
+            lines.append(f"  backward of {self.backward_of}")
+        lines.append(f"  source:   {self.source}")
+        if self.caller:
+            lines.append(f"  called from {self.caller}")
+        lines += [f"  scope:    {self.scope or '(top level)'}",
+                  f"  decision: {self.decision}"]
+        lines += [f"  operand {i}: {r}" for i, r in enumerate(self.operands)]
+        lines += [f"  output {i}:  {r}" for i, r in enumerate(self.output)]
+        f32 = {True: "finite", False: "also non-finite",
+               None: "could not be computed"}[self.float32_finite]
+        lines.append(f"  the same equation in float32 on these operands: {f32}")
+        if self.remedy is not None:
+            lines.append(f"  remedy (verified, the call is then finite): {self.remedy}")
+        else:
+            tried = "; ".join(str(r) for r, _ in self.tried)
+            lines.append("  no remedy found" + (f": tried {tried}" if tried else ""))
+        return "\n".join(lines)
+
+
+def find_nonfinite(fn: Callable, *args: Any, policy: Optional[Policy] = None, grad: Any = False,
+                   max_remedies: int = 6, **kwargs: Any) -> Optional[NonFinite]:
+    """Run ``autocast_transform(fn, policy)(*args, **kwargs)`` and find its first inf/NaN.
+
+    Equations are checked in program order, inside jit, scan, while, cond, remat and
+    custom_jvp/custom_vjp bodies, with the loop iteration. With ``grad=True`` (or an argument index
+    or tuple of them) the checked program is ``jax.value_and_grad`` of the mixed-precision
+    function, as it runs in training, and backward equations are covered too. Returns None when
+    every value is finite, else a :class:`NonFinite` whose ``remedy`` (if any) was checked to make
+    the call finite. Up to ``max_remedies`` candidate changes are tried, narrowest first.
+
+    Example::
+
+        found = jamp.find_nonfinite(model.apply, variables, x, policy=jamp.Policy(jnp.float16))
+        assert found is None, str(found)
+    """
+    from .transform import resolve_policy
+    policy = resolve_policy(policy)
+    program, leaves = trace_program(fn, policy, grad, args, kwargs, "find_nonfinite")
+    first, where = _first(program, leaves)
+    if first < 0:
+        return None
+    sites = program.sites(_FirstNonFinite.kind)
+    site = sites[first]
+    found = _drill_down(program, leaves)
+    if found is None:  # finite op by op: only the compiled program (XLA fusion) overflowed
+        found = _Found(site, [], [], tuple(where))
+    site = found.site
+    f32 = _finite_in_float32(site, found.invals) if found.invals else None
+    candidates = _candidates(program, site, sites, f32)
+    tried, remedy = [], None
+    for candidate in candidates[:max_remedies]:
+        ok = _verify(fn, candidate, program, leaves, grad, args, kwargs)
+        tried.append((candidate, ok))
+        if ok:
+            remedy = candidate
+            break
+    backward_of = None
+    if site.backward:
+        forward = forward_site(site, sites)
+        backward_of = (f"`{forward.primitive}` at {forward.source}" if forward is not None
+                       else f"an equation at {site.source}")
+    return NonFinite(
+        primitive=site.primitive, dtype=getattr(site.out_dtype, "name", str(site.out_dtype)),
+        decision=_decision_text(program.policy, site, sites), scope=site.scope,
+        source=site.source, caller=site.caller, iterations=tuple(zip(site.loops, found.iters)),
+        backward_of=backward_of, operands=tuple(ValueRange.of(v) for v in found.invals),
+        output=tuple(ValueRange.of(v) for v in found.outs), float32_finite=f32, remedy=remedy,
+        tried=tuple(tried), index=site.index)
+
+
+def _first(program: Program, leaves: Sequence[Any], scale: float = 1.0) -> tuple[int, list[int]]:
+    first, where = program.run(_FirstNonFinite(), leaves, scale)
+    return int(first), [int(i) for i in np.asarray(where)]
+
+
+def _drill_down(program: Program, leaves: Sequence[Any]) -> Optional[_Found]:
+    try:
+        program.walk_eagerly(_StopAtNonFinite(), leaves)
+    except _Found as found:
+        return found
+    return None
+
+
+def _decision_text(policy: Policy, site: Site, sites: dict[int, Site]) -> str:
+    if not site.backward:
+        return decision(policy, site)
+    forward = forward_site(site, sites)
+    if forward is None:
+        return "derived by jax.grad"
+    return (f"derived by jax.grad from the forward `{forward.primitive}` "
+            f"({decision(policy, forward)})")
+
+
+# --- the same equation in float32 ---------------------------------------------------------------
+
+_DTYPE_PARAMS = ("new_dtype", "preferred_element_type")
+
+
+def _finite_in_float32(site: Site, invals: Sequence[Any]) -> Optional[bool]:
+    """Whether the equation, its 16-bit operands and dtype params widened to float32, is finite."""
+    eqn = site.eqn
+    widened = [jnp.asarray(v, F32) if hasattr(v, "dtype") and np.dtype(v.dtype) in SIXTEEN_BIT
+               else v for v in invals]
+    params = {k: (F32 if k in _DTYPE_PARAMS and v is not None and np.dtype(v) in SIXTEEN_BIT
+                  else v) for k, v in eqn.params.items()}
+    try:
+        outs = bind(eqn.replace(params=params), widened)
+    except Exception:  # a primitive whose params pin its operand dtypes
+        return None
+    return all(bool(np.isfinite(np.asarray(o, np.float32)).all()) for o in floating_outputs(outs))
+
+
+# --- remedies -----------------------------------------------------------------------------------
+
+def _glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+_NOT_A_TABLE_REMEDY = SHAPE_ONLY | KEEP_TRACED_DTYPES | {"convert_element_type"}
+
+
+def _ancestors(site: Site, sites: dict[int, Site], limit: int = 24) -> list[Site]:
+    """Leaf equations of the same jaxpr that feed ``site``, nearest first."""
+    by_eqn = {id(s.eqn): s for s in sites.values() if s.jaxpr is site.jaxpr}
+    producer = {id(v): e for e in site.jaxpr.eqns for v in e.outvars}
+    seen, queue, out = set(), [site.eqn], []
+    while queue and len(out) < limit:
+        eqn = queue.pop(0)
+        for v in eqn.invars:
+            parent = producer.get(id(v))
+            if parent is None or id(parent) in seen:
+                continue
+            seen.add(id(parent))
+            if id(parent) in by_eqn:
+                out.append(by_eqn[id(parent)])
+            queue.append(parent)
+    return out
+
+
+def _table_candidate(policy: Policy, name: str, sites: dict[int, Site]) -> Remedy:
+    changes = {"fp32": policy.fp32 | {name}}
+    code = f'policy.replace(fp32=policy.fp32 | {{"{name}"}}'
+    if name in policy.promote:
+        changes["promote"] = policy.promote - {name}
+        code += f', promote=policy.promote - {{"{name}"}}'
+    changed = sum(1 for s in sites.values() if s.primitive == name and s.sixteen_bit)
+    return Remedy("fp32-table entry", code + ")", policy.replace(**changes),
+                  equations_changed=changed)
+
+
+def _candidates(program: Program, site: Site, sites: dict[int, Site],
+                f32: Optional[bool]) -> list[Remedy]:
+    """Changes that could make the call finite, fewest equations affected first."""
+    policy = program.policy
+    out: list[Remedy] = []
+    if site.backward and site.sixteen_bit and f32 and program.argnums is not None:
+        # The forward pass was finite: scaling the loss down keeps the cotangents in range.
+        for exponent in (4, 8, 12, 16):
+            out.append(Remedy("loss scale", f"jamp.StaticLossScale(2.0 ** -{exponent})", policy,
+                              loss_scale=2.0 ** -exponent))
+    tabled = set()
+    for s in ([site] if site.sixteen_bit and f32 else []) + _ancestors(site, sites):
+        name = s.primitive
+        if (s.sixteen_bit and name not in tabled and name not in _NOT_A_TABLE_REMEDY
+                and policy.category(name) in (None, "promote")):
+            tabled.add(name)
+            out.append(_table_candidate(policy, name, sites))
+    path = site.state.path
+    for depth in range(len(path), 0, -1):
+        pattern = "/".join(_glob_escape(p) for p in path[:depth])
+        changed = sum(1 for s in sites.values() if s.state.path[:depth] == path[:depth])
+        out.append(Remedy("rule", f'policy.replace(rules=policy.rules + (("{pattern}", '
+                                  'jnp.float32),))',
+                          policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
+                          equations_changed=changed))
+    if policy.compute_dtype != F32:
+        # Last resort, when nothing narrower works: no mixed precision at all.
+        out.append(Remedy("compute dtype", "policy.replace(compute_dtype=jnp.float32)",
+                          policy.replace(compute_dtype=jnp.float32),
+                          equations_changed=sum(s.sixteen_bit for s in sites.values())))
+    return sorted(out, key=lambda r: r.equations_changed)  # stable: milder loss scales first
+
+
+def _verify(fn: Callable, remedy: Remedy, program: Program, leaves: Sequence[Any], grad: Any,
+            args: tuple, kwargs: dict) -> bool:
+    """Whether the call is finite everywhere under the remedy (one compiled pass)."""
+    if remedy.loss_scale is not None:
+        return _first(program, leaves, remedy.loss_scale)[0] < 0
+    fixed, _ = trace_program(fn, remedy.policy, grad, args, kwargs, "find_nonfinite")
+    return _first(fixed, leaves)[0] < 0

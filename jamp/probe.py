@@ -1,0 +1,524 @@
+"""Instrumented evaluation of the program that actually runs, for ``find_nonfinite`` and
+``value_ranges``.
+
+The program is ``autocast_transform(fn, policy)`` (or its ``jax.value_and_grad``, so backward
+equations are there too), traced once to a jaxpr. A :class:`Walker` evaluates that jaxpr equation
+by equation and hands every leaf equation's outputs to an *observer*, which folds them into a
+small state (a flag, maxima, counts). scan/while/cond bodies are rebuilt with ``lax`` and thread
+the state through their carries; jit, remat and custom-derivative bodies are entered inline. Under
+``jax.jit`` this is one compiled pass; under ``jax.disable_jit()`` the same walk runs op by op
+(loops become Python loops), which is how a failure is drilled down to concrete operands.
+
+Leaf equations are *sites*, numbered in program order (cond branches one after another); the
+numbering depends only on the jaxpr, so every trace of a body gets the same numbers. The policy
+decision of a site comes from the interpreter's own region logic (``Rewriter.state_for``) and
+``Policy.category``, not from a copy of it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _compat as compat
+from .interpreter import Rewriter, is_float
+from .policy import Policy, RegionState
+
+# XLA may otherwise keep a chain of 16-bit ops in float32 inside a fusion (CPUs do): the check
+# must see every op round to its dtype, as the program says and as op-by-op execution does.
+EXACT_ROUNDING = {"xla_allow_excess_precision": False}
+SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One leaf equation of the checked program, with where and why it ran as it did."""
+
+    index: int
+    eqn: Any
+    jaxpr: Any                 # the (open) jaxpr holding it, to follow its operands back
+    state: RegionState
+    loops: tuple[str, ...]     # primitives of the enclosing loops, outermost first
+    backward: bool
+
+    @property
+    def primitive(self) -> str:
+        return self.eqn.primitive.name
+
+    @property
+    def out_dtype(self) -> Optional[np.dtype]:
+        dtypes = [np.dtype(v.aval.dtype) for v in self.eqn.outvars if hasattr(v.aval, "dtype")]
+        floating = [d for d in dtypes if is_float(d)]
+        return (floating or dtypes or [None])[0]
+
+    @property
+    def floating(self) -> bool:
+        return any(hasattr(v.aval, "dtype") and is_float(v.aval.dtype) for v in self.eqn.outvars)
+
+    @property
+    def sixteen_bit(self) -> bool:
+        return self.out_dtype in SIXTEEN_BIT
+
+    @property
+    def source(self) -> str:
+        return compat.source_line(self.eqn)
+
+    @property
+    def caller(self) -> Optional[str]:
+        """The innermost frame in the user's own code (outside installed libraries and jamp),
+        when ``source`` is in a library (a Flax or Haiku layer)."""
+        frames = compat.user_frames(self.eqn)
+        own = [f for f in frames if not _is_library(f[0])]
+        if not frames or not own or own[0] == frames[0]:
+            return None
+        file, line, function = own[0]
+        return f"{file}:{line} ({function})"
+
+    @property
+    def scope(self) -> str:
+        return "/".join(self.state.path)
+
+
+_JAMP_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_library(file: str) -> bool:
+    return ("site-packages" in file or "dist-packages" in file
+            or os.path.abspath(file).startswith(_JAMP_DIR))
+
+
+# --- the program ------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Program:
+    """``fn`` under ``policy`` on one argument structure, traced to a closed jaxpr.
+
+    Its first input is a float32 loss scale (1.0 for the plain call): under ``grad`` the loss is
+    multiplied by it before differentiating, so a loss-scale remedy is checked without retracing.
+    """
+
+    policy: Policy
+    closed: Any
+    argnums: Optional[tuple[int, ...]]
+    n_sites: int
+    depth: int
+    compiled: dict = dataclasses.field(default_factory=dict)  # observer kind -> jitted check
+
+    def run(self, observer: "Observer", leaves: Sequence[Any], scale: float = 1.0) -> Any:
+        """The observer's final state after one compiled pass (cached per observer kind)."""
+        entry = self.compiled.get(observer.kind)
+        if entry is None:
+            walker = Walker(self.policy, observer, self.depth)
+            jaxpr, consts = compat.open_and_consts(self.closed)
+
+            def instrumented(scale_arg: Any, *flat: Any) -> Any:
+                state = observer.init(self.n_sites, self.depth)
+                return walker.run(jaxpr, consts, [scale_arg, *flat], state)[1]
+            executable = jax.jit(instrumented).lower(np.float32(scale), *leaves).compile(
+                compiler_options=EXACT_ROUNDING)
+            entry = self.compiled[observer.kind] = (executable, walker)
+        executable, _ = entry
+        return executable(np.float32(scale), *leaves)
+
+    def sites(self, observer_kind: str) -> dict[int, Site]:
+        return self.compiled[observer_kind][1].sites
+
+    def walk_eagerly(self, observer: "Observer", leaves: Sequence[Any],
+                     scale: float = 1.0) -> "Walker":
+        """Op by op, loops as Python loops: the observer sees concrete values."""
+        walker = Walker(self.policy, observer, self.depth)
+        jaxpr, consts = compat.open_and_consts(self.closed)
+        with jax.disable_jit():
+            walker.run(jaxpr, consts, [np.float32(scale), *leaves], None)
+        return walker
+
+
+def normalize_argnums(grad: Any) -> Optional[tuple[int, ...]]:
+    if grad is False or grad is None:
+        return None
+    if grad is True:
+        return (0,)
+    if isinstance(grad, int):
+        return (grad,)
+    if isinstance(grad, (tuple, list)) and all(isinstance(i, int) for i in grad):
+        return tuple(grad)
+    raise TypeError(f"grad must be False, True, an argument index or a tuple of them, got {grad!r}")
+
+
+_PROGRAMS: dict[Any, Program] = {}
+_MAX_PROGRAMS = 16
+
+
+def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
+                  kwargs: dict, caller: str) -> tuple[Program, list[Any]]:
+    """The checked program for this call (cached on fn, policy, grad and the argument avals),
+    and the call's array leaves to run it on."""
+    from .transform import _split_static, autocast_transform
+    if not callable(fn):
+        raise TypeError(f"{caller} expects a callable, got {type(fn).__name__}")
+    argnums = normalize_argnums(grad)
+    flat, in_tree = jax.tree.flatten((args, kwargs))
+    traced_at, static = _split_static(flat, in_tree)
+    leaves = [flat[i] for i in traced_at]
+    avals = tuple(compat.aval_of(x) for x in leaves)
+    _check_inputs_finite(flat, in_tree, traced_at, caller)
+    if argnums is not None and max(argnums) >= len(args):
+        raise ValueError(f"{caller}: grad={grad!r} names argument {max(argnums)} but "
+                         f"{getattr(fn, '__name__', 'fn')} was given {len(args)} positional ones")
+    try:
+        key = (fn, policy, argnums, in_tree, avals, static)
+        hash(key)
+    except TypeError:
+        key = None
+    program = _PROGRAMS.get(key) if key is not None else None
+    if program is not None:
+        return program, leaves
+    mixed = autocast_transform(fn, policy)
+
+    def call(scale: Any, *traced_leaves: Any) -> Any:
+        full = list(flat)
+        for i, leaf in zip(traced_at, traced_leaves):
+            full[i] = leaf
+        call_args, call_kwargs = jax.tree.unflatten(in_tree, full)
+        if argnums is None:
+            return mixed(*call_args, **call_kwargs)
+        scaled = lambda *a: mixed(*a, **call_kwargs) * scale
+        return jax.value_and_grad(scaled, argnums)(*call_args)
+
+    closed = jax.make_jaxpr(call)(jax.ShapeDtypeStruct((), np.float32), *avals)
+    n_sites, depth = count_sites(compat.open_and_consts(closed)[0])
+    program = Program(policy, closed, argnums, n_sites, depth)
+    if key is not None:
+        if len(_PROGRAMS) >= _MAX_PROGRAMS:
+            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+        _PROGRAMS[key] = program
+    return program, leaves
+
+
+def _check_inputs_finite(flat: list[Any], in_tree: Any, traced_at: list[int], caller: str) -> None:
+    """A non-finite argument would be blamed on the first equation reading it: name it instead."""
+    floating = [i for i in traced_at if is_float(compat.aval_of(flat[i]).dtype)]
+    if not floating:
+        return
+    finite = np.asarray(_all_finite_each(*[flat[i] for i in floating]))
+    bad = [i for i, ok in zip(floating, finite) if not ok]
+    if bad:
+        paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
+        names = ", ".join(_argument_name(paths[i][0]) for i in bad)
+        raise ValueError(f"{caller}: argument {names} already holds inf or NaN before the "
+                         "function runs")
+
+
+@jax.jit
+def _all_finite_each(*leaves: Any) -> Any:
+    return jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def _argument_name(path: tuple) -> str:
+    """``args[0]['params']['w']`` for a leaf of ``(args, kwargs)``."""
+    where, *rest = path
+    head = "args" if getattr(where, "idx", None) == 0 else "kwargs"
+    return head + jax.tree_util.keystr(tuple(rest))
+
+
+# --- higher-order equations: how to count and walk their bodies ---------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    bodies: Callable[[Any], list[Any]]   # eqn -> the open jaxprs walked, in numbering order
+    loop: bool
+    walk: Callable[..., Any]
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def _open(value: Any) -> Any:
+    return compat.open_and_consts(compat.as_closed(value))[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _count_cached(jaxpr: Any) -> tuple[int, int]:
+    sites, depth = 0, 0
+    for eqn in jaxpr.eqns:
+        kind = KINDS.get(eqn.primitive.name)
+        if kind is None:
+            sites += 1
+            continue
+        for body in kind.bodies(eqn):
+            n, d = _count_cached(body)
+            sites += n
+            depth = max(depth, d + int(kind.loop))
+    return sites, depth
+
+
+def count_sites(jaxpr: Any) -> tuple[int, int]:
+    """(number of leaf equations, deepest loop nesting) of a jaxpr, bodies included."""
+    return _count_cached(jaxpr)
+
+
+def _body_of(eqn: Any) -> list[Any]:
+    params = eqn.params
+    return [_open(params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"])]
+
+
+class Walker:
+    """Evaluates a jaxpr under the current trace, feeding each site's outputs to an observer."""
+
+    def __init__(self, policy: Policy, observer: "Observer", depth: int):
+        self.policy, self.observer, self.depth = policy, observer, depth
+        self.sites: dict[int, Site] = {}
+        self._primal: dict[int, Any] = {}  # id(traceback) -> first non-cast equation traced there
+
+    def is_derivative(self, eqn: Any) -> bool:
+        """Backward (transposed) equations, and the JVP rule's own computations (``0.5 / sqrt(x)``
+        for ``sqrt``): under ``jvp`` every equation a primitive's rule adds after the primitive
+        itself shares its traceback."""
+        transforms = compat.transform_names(eqn)
+        if "transpose" in transforms:
+            return True
+        if "jvp" not in transforms or eqn.primitive.name == "convert_element_type":
+            return False
+        primal = self._primal.setdefault(id(compat.traceback_of(eqn)), eqn)
+        return primal is not eqn and primal.primitive is not eqn.primitive
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], state: Any,
+            base: int = 0, iters: tuple = (), loops: tuple = (), backward: bool = False,
+            regions: Optional[Rewriter] = None) -> tuple[list[Any], Any]:
+        regions = regions or Rewriter(self.policy, RegionState(True, self.policy.compute_dtype))
+        env: dict[Any, Any] = {}
+        read = lambda a: a.val if isinstance(a, compat.Literal) else env[a]
+        env.update(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        index = base
+        # Measures of the sites since the last fold: folded in one batch (one reduction over a
+        # stack, not a chain of hundreds of scalar updates, which compiles much faster).
+        pending: list[tuple[Site, Any]] = []
+
+        def fold(state: Any) -> Any:
+            if pending:
+                state = self.observer.fold(state, [s for s, _ in pending],
+                                           [m for _, m in pending], self.pad(iters))
+                pending.clear()
+            return state
+
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            kind = KINDS.get(eqn.primitive.name)
+            is_backward = backward or self.is_derivative(eqn)
+            if kind is not None:
+                state = fold(state)  # earlier sites first: the body's fold comes after them
+                ctx = Context(self, eqn, index, iters, loops, is_backward,
+                              regions.child(regions.state_for(eqn)))
+                outs, state = kind.walk(ctx, invals, state)
+                index += sum(count_sites(b)[0] for b in kind.bodies(eqn))
+            else:
+                outs = bind(eqn, invals)
+                site = Site(index, eqn, jaxpr, regions.state_for(eqn), loops, is_backward)
+                self.sites[index] = site
+                if site.floating:
+                    measure = self.observer.measure(site, invals, outs, self.pad(iters))
+                    if measure is not None:
+                        pending.append((site, measure))
+                index += 1
+            for var, value in zip(eqn.outvars, outs):
+                if not isinstance(var, compat.DropVar):
+                    env[var] = value
+        return [read(v) for v in jaxpr.outvars], fold(state)
+
+    def pad(self, iters: tuple) -> tuple:
+        return tuple(iters) + (0,) * (self.depth - len(iters))
+
+
+def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
+    with compat.equation_context(eqn):
+        out = eqn.primitive.bind(*invals, **compat.bind_params(eqn))
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+@dataclasses.dataclass
+class Context:
+    """A higher-order equation being walked."""
+
+    walker: Walker
+    eqn: Any
+    base: int
+    iters: tuple
+    loops: tuple
+    backward: bool
+    regions: Rewriter
+
+    def run(self, closed: Any, args: Sequence[Any], state: Any, offset: int = 0,
+            iteration: Any = None) -> tuple[list[Any], Any]:
+        jaxpr, consts = compat.open_and_consts(compat.as_closed(closed))
+        looped = iteration is not None
+        return self.walker.run(
+            jaxpr, consts, args, state, self.base + offset,
+            self.iters + ((iteration,) if looped else ()),
+            self.loops + ((self.eqn.primitive.name,) if looped else ()), self.backward,
+            self.regions)
+
+
+def register_kind(*names: str, bodies: Callable[[Any], list[Any]], loop: bool = False):
+    def wrap(walk: Callable[..., Any]) -> Callable[..., Any]:
+        for name in names:
+            KINDS[name] = Kind(bodies, loop, walk)
+        return walk
+    return wrap
+
+
+@register_kind("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
+               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", bodies=_body_of)
+def _inline(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
+    """Calls and custom-derivative calls: the body, inline (no derivative is taken here)."""
+    params = ctx.eqn.params
+    body = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+    return ctx.run(body, invals, state)
+
+
+@register_kind("scan", bodies=lambda eqn: [_open(eqn.params["jaxpr"])], loop=True)
+def _scan(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
+    params = ctx.eqn.params
+    if params["length"] == 0:  # no iteration runs (and disable_jit refuses empty scans)
+        return bind(ctx.eqn, invals), state
+    n_consts, n_carry = compat.scan_counts(params, len(invals))
+    consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
+                        invals[n_consts + n_carry:])
+
+    def body(carry: Any, x: Any) -> Any:
+        values, st, it = carry
+        outs, st = ctx.run(params["jaxpr"], [*consts, *values, *x], st, iteration=it)
+        return (outs[:n_carry], st, it + 1), outs[n_carry:]
+
+    with compat.equation_context(ctx.eqn):
+        (carry, state, _), ys = lax.scan(body, (list(init), state, _zero()), list(xs),
+                                         length=params["length"], reverse=params["reverse"],
+                                         unroll=params["unroll"])
+    return [*carry, *ys], state
+
+
+@register_kind("while", bodies=lambda eqn: [_open(eqn.params["body_jaxpr"])], loop=True)
+def _while(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
+    """The loop body is walked; the (scalar) condition is evaluated as is."""
+    params = ctx.eqn.params
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts = invals[:n_cond], invals[n_cond:n_cond + n_body]
+    init = list(invals[n_cond + n_body:])
+    cond_jaxpr, cond_inner = compat.open_and_consts(params["cond_jaxpr"])
+
+    def cond_fun(carry: Any) -> Any:
+        return compat.eval_jaxpr(cond_jaxpr, cond_inner, [*cond_consts, *carry[0]])[0]
+
+    def body_fun(carry: Any) -> Any:
+        values, st, it = carry
+        outs, st = ctx.run(params["body_jaxpr"], [*body_consts, *values], st, iteration=it)
+        return outs, st, it + 1
+
+    with compat.equation_context(ctx.eqn):
+        values, state, _ = lax.while_loop(cond_fun, body_fun, (init, state, _zero()))
+    return list(values), state
+
+
+def _branches(eqn: Any) -> list[Any]:
+    return [_open(b) for b in eqn.params["branches"]]
+
+
+@register_kind("cond", bodies=_branches)
+def _cond(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
+    index, operands = invals[0], list(invals[1:])
+    offsets = np.cumsum([0] + [count_sites(b)[0] for b in _branches(ctx.eqn)]).tolist()
+
+    def branch(k: int, closed: Any) -> Callable[..., Any]:
+        return lambda ops, st: tuple(ctx.run(closed, ops, st, offset=offsets[k]))
+
+    fns = [branch(k, b) for k, b in enumerate(ctx.eqn.params["branches"])]
+    with compat.equation_context(ctx.eqn):
+        outs, state = lax.switch(index, fns, operands, state)
+    return list(outs), state
+
+
+def _zero() -> Any:
+    # Concrete under disable_jit (Python loops index with it); an int32 scalar under jit.
+    return 0 if jax.config.jax_disable_jit else jnp.int32(0)
+
+
+# --- observers ----------------------------------------------------------------------------------
+
+class Observer:
+    """Measures each site's outputs and folds batches of measures into a state; ``kind`` names
+    the compiled check it belongs to."""
+
+    kind = "observer"
+
+    def init(self, n_sites: int, depth: int) -> Any:
+        return None
+
+    def measure(self, site: Site, invals: Sequence[Any], outs: Sequence[Any],
+                iters: tuple) -> Any:
+        """A (traced) summary of the site's outputs, or None to skip the site."""
+        return None
+
+    def fold(self, state: Any, sites: list[Site], measures: list[Any], iters: tuple) -> Any:
+        """The state after the measures of ``sites`` (in program order, same loop iteration)."""
+        return state
+
+
+# Primitives that cannot turn finite operands into inf/NaN (they move, pick or compare values):
+# the first non-finite equation of a program is never one of them, unless a literal operand is.
+FINITE_PRESERVING = frozenset({
+    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
+    "dynamic_slice", "gather", "concatenate", "pad", "select_n", "copy", "copy_p", "rev",
+    "neg", "abs", "sign", "floor", "ceil", "round", "max", "min", "clamp", "reduce_max",
+    "reduce_min", "argmax", "argmin", "sort", "stop_gradient", "dynamic_update_slice", "scatter",
+    "cummax", "cummin", "optimization_barrier", "sharding_constraint", "tanh", "logistic", "sin",
+    "cos", "is_finite", "squeeze", "real", "imag", "conj",
+})
+
+
+def floating_outputs(outs: Sequence[Any]) -> list[Any]:
+    return [o for o in outs if hasattr(o, "dtype") and is_float(o.dtype)]
+
+
+# --- what a site's dtype was decided by ---------------------------------------------------------
+
+_TABLE_TEXT: dict[Optional[str], Callable[[RegionState, str], str]] = {
+    "lower": lambda s, d: f"lower table: runs in the compute dtype {s.dtype.name}",
+    "fp32": lambda s, d: "fp32 table: computes in float32",
+    "promote": lambda s, d: f"promote table: its operands arrived in {d}, it runs in the widest",
+    None: lambda s, d: f"in no table: runs in the dtype its operands arrive in ({d})",
+}
+
+
+def decision(policy: Policy, site: Site) -> str:
+    """Why a site ran in its dtype, in the policy's terms (table, region, rule, inputs)."""
+    state, name = site.state, site.primitive
+    dtype = getattr(site.out_dtype, "name", str(site.out_dtype))
+    if name == "convert_element_type":
+        text = (f"a cast to {dtype}: jamp inserts one where the next op's table asks for "
+                "another dtype (or your code casts here)")
+    elif not state.enabled:
+        text = (f"autocast is off here ({state.decided_by}): runs in the dtype its operands "
+                f"arrive in ({dtype})")
+    else:
+        text = _TABLE_TEXT[policy.category(name)](state, dtype)
+    if state.decided_by != "policy" and state.enabled:
+        text += f"; compute dtype {state.dtype.name} set by {state.decided_by}"
+    return text
+
+
+def forward_site(site: Site, sites: dict[int, Site]) -> Optional[Site]:
+    """For a backward site, the forward equation it was derived from (same traced source)."""
+    traceback = compat.traceback_of(site.eqn)
+    candidates = [s for s in sites.values() if not s.backward and s.index < site.index
+                  and compat.traceback_of(s.eqn) is traceback]
+    if not candidates:
+        candidates = [s for s in sites.values() if not s.backward and s.index < site.index
+                      and s.source == site.source]
+    not_casts = [s for s in candidates if s.primitive != "convert_element_type"]
+    return (not_casts or candidates or [None])[-1]

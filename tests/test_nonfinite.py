@@ -1,0 +1,365 @@
+"""jamp.find_nonfinite: the first inf/NaN of the mixed-precision program, why, and a remedy."""
+import os
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jamp
+
+BF16 = jamp.Policy(jnp.bfloat16)
+F16 = jamp.Policy(jnp.float16)
+# The one-pass-variance case needs `square` (and `x ** 2`) in bfloat16, whatever the default table.
+SQUARE_IN_BF16 = BF16.replace(fp32=BF16.fp32 - {"square", "integer_pow"})
+
+
+def line_of(marker: str) -> int:
+    """The line of this file carrying ``# <marker>``."""
+    with open(__file__) as f:
+        for number, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {marker}"):
+                return number
+    raise AssertionError(marker)
+
+
+def file_and_line(source: str) -> tuple[str, int]:
+    match = re.match(r"(.*?):(\d+)(?::\d+)? \(", source)
+    assert match, source
+    return os.path.basename(match.group(1)), int(match.group(2))
+
+
+def here(marker: str) -> tuple[str, int]:
+    return os.path.basename(__file__), line_of(marker)
+
+
+def all_finite(tree) -> bool:
+    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+
+
+# --- one-pass-variance BatchNorm -----------------------------------------------------------------
+
+def one_pass_batch_norm(x, eps=1e-5):
+    mean = jnp.mean(x, axis=0)
+    var = jnp.mean(jnp.square(x), axis=0) - jnp.square(mean)   # E[x^2] - E[x]^2
+    return (x - mean) * jax.lax.rsqrt(var + eps)  # bn-rsqrt
+
+
+def conv_bn(w, x):
+    with jax.named_scope("dense"):
+        h = x @ w
+    with jax.named_scope("bn"):
+        h = one_pass_batch_norm(h)
+    return jnp.sum(h * h)
+
+
+def bn_inputs():
+    # Activations of ~3.1 with a tiny spread: bfloat16 rounds E[x^2] below E[x]^2.
+    x = 1.0 + 1e-4 * jnp.arange(32.0).reshape(8, 4)
+    return jnp.eye(4) * 3.1, x
+
+
+def test_one_pass_variance_batch_norm_is_localised_to_rsqrt_and_fixed_by_square_in_fp32():
+    w, x = bn_inputs()
+    assert all_finite(conv_bn(w, x))
+    assert not all_finite(jamp.autocast_transform(conv_bn, SQUARE_IN_BF16)(w, x))
+
+    found = jamp.find_nonfinite(conv_bn, w, x, policy=SQUARE_IN_BF16)
+
+    assert found.primitive == "rsqrt" and found.dtype == "float32"
+    assert file_and_line(found.source) == here("bn-rsqrt")
+    assert found.scope == "bn" and found.backward_of is None and found.iterations == ()
+    assert found.decision.startswith("fp32 table")
+    assert found.operands[0].max < 0                     # the variance came out negative
+    assert found.output[0].nan == 4
+    assert found.float32_finite is False                 # rsqrt itself is not the culprit...
+    assert found.remedy.kind == "fp32-table entry"       # ...the bfloat16 square upstream is
+    assert "square" in found.remedy.policy.fp32
+    assert all_finite(jamp.autocast_transform(conv_bn, found.remedy.policy)(w, x))
+    text = str(found)
+    assert "rsqrt" in text and "bn" in text and "square" in text
+
+
+# --- float16 overflow in an MLP ------------------------------------------------------------------
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32)(x))
+        return nn.Dense(4)(x)  # mlp-head
+
+
+def mlp_setup():
+    model = MLP()
+    x = jnp.ones((2, 8))
+    params = model.init(jax.random.PRNGKey(0), x)
+    return model, jax.tree.map(lambda p: jnp.abs(p) * 100, params), x
+
+
+def test_float16_overflow_in_an_mlp_is_localised_to_the_head_matmul():
+    model, params, x = mlp_setup()
+    assert all_finite(model.apply(params, x))                   # ~1e5: fine in float32
+    assert not all_finite(jamp.autocast_transform(model.apply, F16)(params, x))
+
+    found = jamp.find_nonfinite(model.apply, params, x, policy=F16)
+
+    assert (found.primitive, found.dtype) == ("dot_general", "float16")
+    assert found.scope.endswith("Dense_1")
+    assert file_and_line(found.caller) == here("mlp-head")    # the source line is Flax's Dense
+    assert "flax" in found.source
+    assert found.decision.startswith("lower table") and "float16" in found.decision
+    assert found.output[0].inf > 0 and found.float32_finite is True
+    assert found.remedy.kind == "rule"
+    pattern, dtype = found.remedy.policy.rules[-1]
+    assert pattern.endswith("Dense_1") and dtype == np.dtype(jnp.float32)
+    assert all_finite(jamp.autocast_transform(model.apply, found.remedy.policy)(params, x))
+
+
+def test_find_nonfinite_leaves_the_caller_params_untouched():
+    model, params, x = mlp_setup()
+    before = jax.tree.map(np.array, params)
+    jamp.find_nonfinite(model.apply, params, x, policy=F16)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, np.asarray(b)), before, params)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+
+
+# --- NaN inside a scan body ----------------------------------------------------------------------
+
+def normalize_steps(w, xs):
+    def step(total, x):
+        x = x @ w
+        with jax.named_scope("norm"):
+            mean = jnp.mean(x)
+            var = jnp.mean(jnp.square(x)) - jnp.square(mean)
+            y = (x - mean) * jax.lax.rsqrt(var + 1e-5)  # scan-rsqrt
+        return total + jnp.sum(y), y
+    return jax.lax.scan(step, 0.0, xs)
+
+
+def scan_inputs():
+    rng = np.random.default_rng(0)
+    xs = rng.normal(size=(5, 16)).astype(np.float32)
+    xs[3] = 1.0 + 1e-4 * np.arange(16)                # one step whose spread bfloat16 loses
+    return jnp.eye(16) * 3.1, jnp.asarray(xs)
+
+
+def test_nan_inside_a_scan_body_reports_the_iteration():
+    w, xs = scan_inputs()
+    assert all_finite(normalize_steps(w, xs))
+    found = jamp.find_nonfinite(normalize_steps, w, xs, policy=SQUARE_IN_BF16)
+
+    assert found.primitive == "rsqrt"
+    assert found.iterations == (("scan", 3),)
+    assert file_and_line(found.source) == here("scan-rsqrt")
+    assert found.scope == "norm"
+    assert found.remedy is not None
+    assert all_finite(jamp.autocast_transform(normalize_steps, found.remedy.policy)(w, xs))
+
+
+def test_nan_inside_while_and_cond_bodies_and_jit():
+    @jax.jit
+    def inner(x):
+        return jnp.log(x)  # jit-log
+
+    def f(x):
+        def body(carry):
+            i, v = carry
+            v = jax.lax.cond(i == 2, lambda u: inner(u - 5.0), lambda u: u + 1.0, v)
+            return i + 1, v
+        return jax.lax.while_loop(lambda c: c[0] < 4, body, (0, x))[1]
+
+    found = jamp.find_nonfinite(f, jnp.ones(3))
+    assert found.primitive == "log"
+    assert found.iterations == (("while", 2),)
+    assert file_and_line(found.source) == here("jit-log")
+    assert found.float32_finite is False and found.remedy is None   # log of a negative number
+
+
+def test_first_in_program_order_wins():
+    def f(x):
+        a = jnp.log(x - 2.0)  # first-bad
+        b = jnp.sqrt(x - 3.0)
+        return a + b
+    found = jamp.find_nonfinite(f, jnp.ones(2))
+    assert found.primitive == "log" and file_and_line(found.source) == here("first-bad")
+
+
+def test_nan_inside_a_custom_jvp_body():
+    @jax.custom_jvp
+    def safe_log(x):
+        return jnp.log(x)  # custom-body
+
+    safe_log.defjvp(lambda p, t: (safe_log(p[0]), t[0] / p[0]))
+    found = jamp.find_nonfinite(lambda x: jnp.sum(safe_log(x)), -jnp.ones(2))
+    assert found.primitive == "log" and file_and_line(found.source) == here("custom-body")
+
+
+def test_custom_vjp_backward_rule_is_covered():
+    @jax.custom_vjp
+    def f(x):
+        return x * 2.0
+
+    def fwd(x):
+        return f(x), x
+
+    def bwd(x, g):
+        return (g * jnp.log(x),)
+
+    f.defvjp(fwd, bwd)
+
+    def loss(x):
+        return jnp.sum(f(x))  # vjp-call
+
+    found = jamp.find_nonfinite(loss, jnp.zeros(2), grad=True)
+    assert found.primitive == "log" and found.backward_of is not None
+    # JAX traces a custom_vjp's bwd under the call's source info: the line calling f.
+    assert file_and_line(found.source) == here("vjp-call")
+
+
+# --- the backward pass ---------------------------------------------------------------------------
+
+def scaled_loss(w, x):
+    with jax.named_scope("layer"):
+        h = jnp.tanh(x @ w)
+    return 2.0 ** 19 * jnp.mean(h * h)  # scaled-mean
+
+
+def test_float16_overflow_in_the_backward_pass_is_fixed_by_a_loss_scale():
+    w, x = jnp.eye(3), jnp.ones((2, 3))
+    grad_fn = jax.grad(jamp.autocast_transform(scaled_loss, F16))
+    assert all_finite(jamp.autocast_transform(scaled_loss, F16)(w, x))
+    assert not all_finite(grad_fn(w, x))
+
+    assert jamp.find_nonfinite(scaled_loss, w, x, policy=F16) is None    # the forward is finite
+    found = jamp.find_nonfinite(scaled_loss, w, x, policy=F16, grad=True)
+
+    assert found.backward_of is not None and found.dtype == "float16"
+    assert file_and_line(found.source) == here("scaled-mean")
+    assert str(found).splitlines()[1].strip().startswith("backward of")
+    assert found.float32_finite is True
+    assert found.remedy.kind == "loss scale"
+    scale = found.remedy.loss_scale
+    scaled_grads = jax.grad(lambda *a: scale * jamp.autocast_transform(scaled_loss, F16)(*a))(w, x)
+    assert all_finite(scaled_grads)
+
+
+def test_backward_of_sqrt_at_zero_is_reported_with_no_remedy():
+    def loss(w, x):
+        return jnp.sum(jnp.sqrt(jnp.maximum(x @ w, 0.0)))  # sqrt-line
+
+    found = jamp.find_nonfinite(loss, jnp.eye(3), -jnp.ones((2, 3)), grad=True)
+    assert found.backward_of.startswith("`sqrt`")
+    assert file_and_line(found.source) == here("sqrt-line")
+    assert found.float32_finite is False        # d/dx sqrt(x) at 0 is inf in any precision
+    assert found.remedy is None and found.tried
+
+
+# --- finite programs, and bad input --------------------------------------------------------------
+
+def test_a_finite_program_reports_nothing():
+    model, params, x = mlp_setup()
+    assert jamp.find_nonfinite(model.apply, params, x) is None               # bfloat16: fine
+    w, x2 = bn_inputs()
+    assert jamp.find_nonfinite(conv_bn, w, x2, policy=BF16.replace(
+        fp32=BF16.fp32 | {"square"})) is None
+    assert jamp.find_nonfinite(scaled_loss, jnp.eye(3), jnp.ones((2, 3)), grad=True) is None
+
+
+def test_static_arguments_and_kwargs_pass_through():
+    def f(x, *, train: bool, shift):
+        return jnp.log(x + shift) if train else x
+    assert jamp.find_nonfinite(f, jnp.ones(2), train=False, shift=jnp.float32(-5)) is None
+    assert jamp.find_nonfinite(f, jnp.ones(2), train=True, shift=jnp.float32(-5)).primitive == "log"
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="find_nonfinite expects a callable"):
+        jamp.find_nonfinite(3, jnp.ones(2))
+    with pytest.raises(TypeError, match="grad must be"):
+        jamp.find_nonfinite(jnp.sum, jnp.ones(2), grad="yes")
+    with pytest.raises(ValueError, match="names argument 1"):
+        jamp.find_nonfinite(jnp.sum, jnp.ones(2), grad=1)
+
+
+def test_readme_worked_example_runs_as_written(capsys):
+    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+    with open(readme) as f:
+        text = f.read()
+    section = text.split("### Why did my loss go NaN?", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[0] == "nan"
+    assert "remedy (verified" in printed and '{"square"}' in printed
+
+
+def test_a_non_finite_argument_is_named_by_its_path():
+    params = {"w": jnp.ones(2), "b": jnp.array([1.0, jnp.nan])}
+    with pytest.raises(ValueError, match=r"argument args\[0\]\['b'\] already holds inf or NaN"):
+        jamp.find_nonfinite(lambda p, x: jnp.sum(p["w"] * x + p["b"]), params, jnp.ones(2))
+    with pytest.raises(ValueError, match=r"kwargs\['x'\]"):
+        jamp.value_ranges(lambda x: x, x=jnp.array([jnp.inf]))
+
+
+def test_decision_names_the_region_or_rule_that_set_the_dtype():
+    def f(x, w):
+        h = x @ w                                   # float16 by the policy
+        with jamp.autocast(enabled=False):
+            return h * 1e4                          # stays float16: regions do not cast back
+
+    found = jamp.find_nonfinite(f, jnp.full((1, 2), 10.0), jnp.eye(2), policy=F16)
+    assert found.primitive == "mul" and found.dtype == "float16"
+    assert "autocast is off here (region)" in found.decision
+    assert found.float32_finite is True
+
+    def g(x, w):
+        with jax.named_scope("blk"):
+            return x @ w
+    by_rule = jamp.Policy(jnp.bfloat16, rules=(("blk", jnp.float16),))
+    found = jamp.find_nonfinite(g, jnp.full((1, 2), 7e4), jnp.eye(2), policy=by_rule)
+    assert found.scope == "blk"
+    assert "set by rule 'blk'" in found.decision
+    assert found.remedy.kind == "rule" and found.remedy.policy.rules[-1][0] == "blk"
+
+
+def test_nested_loops_report_every_iteration_and_remat_bodies_are_entered():
+    def f(xs):
+        def outer(c, x):
+            def inner(carry):
+                j, v = carry
+                return j + 1, jax.checkpoint(lambda u: jnp.log(u - 1.0))(v)  # nested-log
+            return c, jax.lax.while_loop(lambda carry: carry[0] < 3, inner, (0, x))[1]
+        return jax.lax.scan(outer, 0.0, xs)[1]
+
+    # 1e6 -> 13.8 -> 2.55 -> 0.44 stays finite; 2.5 -> 0.405 -> log(-0.595) is NaN at j = 1.
+    xs = jnp.array([[1e6], [1e6], [2.5], [1e6]])
+    found = jamp.find_nonfinite(f, xs)
+    assert found.primitive == "log"
+    assert found.iterations == (("scan", 2), ("while", 1))
+    assert file_and_line(found.source) == here("nested-log")
+
+
+try:
+    from hypothesis import given, settings, strategies as st
+except ImportError:  # pragma: no cover - hypothesis is a test extra
+    given = None
+
+if given is not None:
+    def product(x, w):
+        return x @ w
+
+    @settings(max_examples=25, deadline=None)
+    @given(st.floats(-1e5, 1e5, width=32), st.floats(-1e5, 1e5, width=32))
+    def test_found_exactly_when_the_float16_program_overflows(a, b):
+        """Agrees with numpy's float16: the casts of a and b, then their product, rounded."""
+        x, w = jnp.full((1, 1), a, jnp.float32), jnp.full((1, 1), b, jnp.float32)
+        with np.errstate(over="ignore", invalid="ignore"):
+            product16 = np.float32(np.float16(a)) * np.float32(np.float16(b))
+            expected = np.isfinite(np.float16(product16))
+        found = jamp.find_nonfinite(product, x, w, policy=F16)
+        assert (found is None) == bool(expected)
+        if found is not None:
+            assert found.primitive in ("convert_element_type", "dot_general")
+            assert found.remedy is not None

@@ -1,0 +1,80 @@
+"""jamp.value_ranges: per 16-bit equation, how close its values came to overflow and underflow."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jamp
+
+F16 = jamp.Policy(jnp.float16)
+F16_MAX = 65504.0
+
+
+def layer(w, x):
+    with jax.named_scope("layer"):
+        return x @ w
+
+
+def test_largest_magnitude_is_reported_as_a_fraction_of_the_dtype_max():
+    w = jnp.eye(4)
+    x = jnp.array([[1000.0, -32752.0, 3.0, 0.0]])           # exact in float16
+    ranges = jamp.value_ranges(layer, w, x, policy=F16)
+    assert ranges.entries[0].max_abs == 32752.0       # the input's cast ties with the matmul
+    top = next(e for e in ranges.entries if e.primitive == "dot_general")
+    assert (top.dtype, top.scope) == ("float16", "layer")
+    assert top.max_abs == 32752.0
+    assert top.max_fraction == pytest.approx(32752.0 / F16_MAX)
+    assert top.float16_fraction == top.max_fraction
+    assert ranges.overflows == []
+
+
+def test_overflows_come_first_and_count_as_infinite():
+    w = jnp.eye(2)
+    def f(w, x):
+        small = jnp.tanh(x @ w)
+        with jax.named_scope("big"):
+            big = (x * 1e3) @ w                               # 7e4 overflows float16
+        return small, big
+    ranges = jamp.value_ranges(f, w, jnp.full((1, 2), 70.0), policy=F16)
+    assert ranges.entries[0].scope == "big" and ranges.entries[0].max_fraction == np.inf
+    assert [e.scope for e in ranges.overflows] == ["big"]
+    assert "big" in str(ranges).splitlines()[3]
+
+
+def test_flush_to_zero_and_subnormal_shares_in_float16():
+    w = jnp.eye(4)
+    x = jnp.array([[1e-9, 2e-9, 1e-6, 1.0]])   # two flush to zero in float16, one is subnormal
+    ranges = jamp.value_ranges(layer, w, x)          # bfloat16 keeps all of them
+    dot = next(e for e in ranges.entries if e.primitive == "dot_general")
+    assert dot.dtype == "bfloat16"
+    assert dot.flush_share == pytest.approx(2 / 4)
+    assert dot.subnormal_share == pytest.approx(3 / 4)
+    assert dot in ranges.underflows
+
+
+def test_backward_underflow_says_a_loss_scale_matters():
+    def loss(w, x):
+        return 1e-9 * jnp.sum(jnp.tanh(x @ w))
+    ranges = jamp.value_ranges(loss, jnp.eye(3), jnp.ones((2, 3)), grad=True)
+    backward = [e for e in ranges.underflows if e.backward_of]
+    assert backward and backward[0].flush_share == 1.0
+    assert "loss scale" in str(ranges)
+    forward_only = jamp.value_ranges(loss, jnp.eye(3), jnp.ones((2, 3)))
+    assert not any(e.backward_of for e in forward_only.entries)
+
+
+def test_loop_iterations_accumulate():
+    def f(w, xs):
+        def step(c, x):
+            return c, x @ w
+        return jax.lax.scan(step, 0.0, xs)[1]
+    xs = jnp.arange(1.0, 6.0).reshape(5, 1, 1) * jnp.ones((5, 1, 2))
+    dot = next(e for e in jamp.value_ranges(f, jnp.eye(2), xs, policy=F16).entries
+               if e.primitive == "dot_general")
+    assert dot.max_abs == 5.0 and dot.nonzero == 10
+
+
+def test_no_16_bit_equations_under_a_float32_policy():
+    ranges = jamp.value_ranges(layer, jnp.eye(2), jnp.ones((1, 2)),
+                               policy=jamp.Policy(jnp.float32))
+    assert ranges.entries == () and "none" in str(ranges)
