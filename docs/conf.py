@@ -51,6 +51,9 @@ nitpick_ignore_regex = [
     ("py:class", r"Signature"),
     # Report.unmatched_rules holds these; the class is not public (not in jamp.__all__).
     ("py:class", r"jamp\.policy\.UnmatchedRule"),
+    # NonFinite.remedies and Ranges.entries hold these records; they are not public either.
+    ("py:class", r"jamp\.nonfinite\.Remedy"),
+    ("py:class", r"jamp\.ranges\.RangeEntry"),
 ]
 
 html_theme_options = {"show_toc_level": 2}
