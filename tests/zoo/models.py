@@ -28,13 +28,14 @@ def _keys(n):
 # ----------------------------------------------------------------------------------- Flax linen
 
 def flax_resnet() -> ZooCase:
-    """examples/imagenet ResNet18 (V1.5) at 1/8 width, training mode (batch statistics). Its
-    BatchNorm names the ``batch`` axis, as the example's pmapped train step does; a vmap over a
-    one-device axis provides it."""
+    """examples/imagenet ResNet V1.5 with two stages of one block (the second strided, with its
+    projection) at 8 filters, in training mode (batch statistics). Its BatchNorm names the
+    ``batch`` axis, as the example's pmapped train step does; a vmap over a one-device axis
+    provides it."""
     from .flax_examples import imagenet_models as m
-    model = m.ResNet18(num_classes=10, num_filters=8)
-    x = jax.random.normal(_keys(1)[0], (1, 4, 32, 32, 3))  # (devices, batch, H, W, C)
-    variables = jax.jit(lambda x: model.init(KEY, x, train=False), )(x[0])
+    model = m.ResNet(stage_sizes=[1, 1], block_cls=m.ResNetBlock, num_classes=10, num_filters=8)
+    x = jax.random.normal(_keys(1)[0], (1, 4, 16, 16, 3))  # (devices, batch, H, W, C)
+    variables = model.init(KEY, x[0], train=False)
 
     def step(variables, x):
         return model.apply(variables, x, train=True, mutable=["batch_stats"])
@@ -44,7 +45,7 @@ def flax_resnet() -> ZooCase:
         logits, _ = forward({"params": params, "batch_stats": batch_stats}, x)
         return logits
     return ZooCase(forward, (variables, x), loss_fn,
-                   (variables["params"], variables["batch_stats"], x), depth=2 * 18)
+                   (variables["params"], variables["batch_stats"], x), depth=2 * 6)
 
 
 def flax_lm1b() -> ZooCase:
@@ -56,7 +57,7 @@ def flax_lm1b() -> ZooCase:
                                  dropout_rate=0.1, attention_dropout_rate=0.1, deterministic=False)
     model = m.TransformerLM(config)
     tokens = jax.random.randint(_keys(1)[0], (2, 16), 1, 64).at[1, 12:].set(0)  # padded row
-    params = nn.unbox(jax.jit(lambda t: model.init(KEY, t))(tokens)["params"])
+    params = nn.unbox(model.init(KEY, tokens)["params"])
     rngs = {"dropout": jax.random.key(7)}
 
     def forward(params, tokens, rngs):
@@ -72,7 +73,7 @@ def flax_sst2() -> ZooCase:
                              dropout_rate=0.1, word_dropout_rate=0.1)
     tokens = jax.random.randint(_keys(1)[0], (3, 10), 2, 50)
     lengths = jnp.array([10, 7, 4])
-    variables = jax.jit(lambda t, n: model.init(KEY, t, n, deterministic=True))(tokens, lengths)
+    variables = model.init(KEY, tokens, lengths, deterministic=True)
     rngs = {"dropout": jax.random.key(7)}
 
     def forward(params, tokens, lengths, rngs):
@@ -86,7 +87,7 @@ def flax_vae() -> ZooCase:
     from .flax_examples import vae_models as m
     model = m.model(8)
     x = jax.random.uniform(_keys(1)[0], (4, 784))
-    params = jax.jit(lambda x: model.init(KEY, x, jax.random.key(1)))(x)["params"]
+    params = model.init(KEY, x, jax.random.key(1))["params"]
 
     def forward(params, x, z_rng):
         return model.apply({"params": params}, x, z_rng)
@@ -324,17 +325,15 @@ def diffrax_neural_ode() -> ZooCase:
 # --------------------------------------------------------------------------------------- Haiku
 
 def haiku_resnet18() -> ZooCase:
-    """``hk.nets.ResNet`` with ResNet18's blocks (2, 2, 2, 2), non-bottleneck, at 1/8 of its
-    channels, in training mode: its BatchNorm computes the variance as E[x^2] - E[x]^2."""
+    """``hk.nets.ResNet18`` in training mode on 16x16 images: its BatchNorm computes the variance
+    as E[x^2] - E[x]^2."""
     import haiku as hk
 
     def net(x):
-        return hk.nets.ResNet(blocks_per_group=(2, 2, 2, 2), num_classes=10, bottleneck=False,
-                              channels_per_group=(8, 16, 32, 64),
-                              use_projection=(False, True, True, True))(x, is_training=True)
+        return hk.nets.ResNet18(num_classes=10)(x, is_training=True)
     model = hk.transform_with_state(net)
-    x = jax.random.normal(_keys(1)[0], (4, 32, 32, 3))
-    params, state = jax.jit(model.init)(KEY, x)
+    x = jax.random.normal(_keys(1)[0], (2, 16, 16, 3))
+    params, state = model.init(KEY, x)
 
     def forward(params, state, x):
         return model.apply(params, state, None, x)
@@ -354,7 +353,7 @@ def haiku_lstm() -> ZooCase:
         return hk.Linear(3)(hs)
     model = hk.transform(net)
     xs = jax.random.normal(_keys(1)[0], (12, 4, 6))  # (time, batch, features)
-    params = jax.jit(model.init)(KEY, xs)
+    params = model.init(KEY, xs)
 
     def forward(params, xs):
         return model.apply(params, None, xs)
