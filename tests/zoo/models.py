@@ -393,7 +393,7 @@ def keras_cnn() -> ZooCase:
 
 
 MODELS = [
-    ZooModel("flax_resnet18", flax_resnet, slow=True),
+    ZooModel("flax_resnet", flax_resnet, slow=True),
     ZooModel("flax_lm1b", flax_lm1b),
     ZooModel("flax_sst2", flax_sst2),
     ZooModel("flax_vae", flax_vae),

@@ -33,6 +33,7 @@ def main(patterns):
                     cells.append("FAIL")
                     failures.append(f"{model.name}[{policy}] {name}: {type(e).__name__}: "
                                     f"{str(e)[:1500]}")
+                    print(f"FAIL {failures[-1]}", file=sys.stderr, flush=True)
             print(f"| {model.name} | {policy} | " + " | ".join(cells) +
                   f" | {time.perf_counter() - start:.0f} |", flush=True)
             print("    stages: " + ", ".join(f"{k} {v:.1f}s" for k, v in run.seconds.items()),
