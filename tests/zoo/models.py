@@ -135,12 +135,12 @@ def nnx_scan_mlp() -> ZooCase:
     def forward(model, x):
         return model(x), nnx.state(model, nnx.BatchStat)
 
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss_fn(params, rest, x):
-        return nnx.merge(graphdef, params, rest)(x)
-    return ZooCase(forward, (model, x), loss_fn, (params, rest, x), depth=2 * 5,
-                   jit=nnx.jit)
+    def loss_fn(model, x):
+        return model(x)
+    # NNX's own transforms: nnx.jit and nnx.grad (w.r.t. the nnx.Param state) propagate the
+    # BatchNorm/RNG updates; jax.grad cannot differentiate through nnx.scan on a merged module.
+    return ZooCase(forward, (model, x), loss_fn, (model, x), depth=2 * 5, jit=nnx.jit,
+                   grad=nnx.grad, params_of=lambda model: nnx.state(model, nnx.Param))
 
 
 # ------------------------------------------------------------------------------------- Equinox
