@@ -222,6 +222,7 @@ class ZooRun:
         self.label = f"{model.name}[{policy_name}]"
         self._stages: dict[str, tuple[bool, Any]] = {}
         self.seconds: dict[str, float] = {}       # stage -> wall time (for the zoo's budget)
+        self.relative_errors: dict[str, float] = {}  # output path -> measured error (rel_error)
         self.warnings: dict[str, list[str]] = {}   # stage -> jamp-caused warning messages
         self.mutations: dict[str, tuple[dict, dict]] = {}  # stage -> (before, after) snapshots
 
@@ -360,6 +361,7 @@ def check_relative_error(run: ZooRun) -> None:
     for (path, r), (_, o) in zip(ref, out):
         if is_float(r):
             err = relative_l2(o, r)
+            run.relative_errors[path] = err
             if not err <= bound:
                 bad.append(f"{path}: relative L2 error {err:.3g} > bound {bound:.3g} "
                            f"(output {o.dtype})")

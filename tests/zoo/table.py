@@ -38,6 +38,9 @@ def main(patterns):
                   f" | {time.perf_counter() - start:.0f} |", flush=True)
             print("    stages: " + ", ".join(f"{k} {v:.1f}s" for k, v in run.seconds.items()),
                   file=sys.stderr, flush=True)
+            if run.relative_errors:
+                print(f"    max relative error {max(run.relative_errors.values()):.3g}",
+                      file=sys.stderr, flush=True)
     print("\n## Failures\n")
     for f in failures:
         print(f"- {f}\n")
