@@ -1,0 +1,461 @@
+"""One harness for every zoo model: run a model under a policy, then judge it check by check.
+
+A model adapter (``models.py``) gives a :class:`ZooCase`; :class:`ZooRun` runs it under one jamp
+policy, lazily and at most once per stage (a stage that raised re-raises in every check that needs
+it), and each function in :data:`CHECKS` asserts one property of the run against float32.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+import warnings
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jamp
+import jamp.interpreter
+
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooCase:
+    """A model as its user calls it.
+
+    forward: ``forward(*args)``, the user's function (outputs include updated state, if any).
+    args: the caller's example arguments (NNX modules, Equinox modules, pytrees). They are
+      copied before every call, so no call sees another's mutations.
+    loss_fn: ``loss_fn(params, *rest)`` -> outputs to differentiate; ``grad_args`` is
+      ``(params, *rest)`` and the gradient is taken with respect to ``params`` only.
+    depth: the number of 16-bit roundings that compound along the longest path from input to
+      output (see :func:`relative_error_bound`).
+    jit: how the library's users compile ``forward`` (``eqx.filter_jit`` for Equinox modules,
+      ``nnx.jit`` for NNX modules); ``grad`` likewise (``nnx.grad`` differentiates an NNX
+      module's ``nnx.Param`` state), and ``params_of(grad_args[0])`` is what it differentiates.
+    """
+    forward: Callable[..., Any]
+    args: tuple
+    loss_fn: Callable[..., Any]
+    grad_args: tuple
+    depth: int
+    jit: Callable[[Callable], Callable] = jax.jit
+    grad: Callable[[Callable], Callable] = jax.grad
+    params_of: Callable[[Any], Any] = lambda params: params
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooModel:
+    name: str
+    build: Callable[[], ZooCase]
+    slow: bool = False
+
+
+POLICIES = {
+    "bf16": jamp.Policy(jnp.bfloat16),
+    "fp16": jamp.Policy(jnp.float16),
+    "cast_inputs": jamp.Policy(cast_inputs=True),
+}
+
+
+def relative_error_bound(policy: jamp.Policy, depth: int) -> float:
+    """Largest acceptable relative L2 error of a 16-bit run against float32.
+
+    Each 16-bit rounding (an operand cast to the compute dtype, a matmul output rounded to it)
+    has relative error at most u = eps/2 (bfloat16 2**-8 ~ 3.9e-3, float16 2**-11 ~ 4.9e-4).
+    ``depth`` counts the rounding levels along the longest path (2 per layer: operand cast and
+    output rounding). We allow 4 u per level, added linearly (the worst case, errors aligned;
+    random errors would add as sqrt(depth)), with 4x headroom for layers whose gain exceeds 1
+    (ReLU networks at init, recurrent steps). float16's bound is floored at 4 * 2**-9 (~7.8e-3):
+    BatchNorm statistics over 2-6 examples and 16-bit inputs of a few hundred features make
+    relative differences of that order in any 16-bit vs float32 comparison. A result above the
+    bound is not rounding noise but a wrong dtype somewhere (a variance, a reduction or a
+    softmax in 16 bits) or a NaN. Known looseness: for the deepest models (depth 36) the bf16
+    bound reaches ~0.56; the table script prints measured errors to tighten it per model.
+    """
+    unit = float(jnp.finfo(policy.compute_dtype).eps) / 2
+    return max(4 * unit * depth, 4 * 2.0**-9 if policy.compute_dtype == jnp.float16 else 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees: copying the caller's arguments, snapshotting them, comparing outputs.
+
+def fresh_copy(tree: Any) -> Any:
+    """A deep copy of the caller's arguments: NNX graphs cloned, arrays copied."""
+    def copy(x):
+        if isinstance(x, nnx.Module):
+            return nnx.clone(x)
+        if isinstance(x, jax.Array):
+            return jnp.array(x, copy=True) if not jnp.issubdtype(x.dtype, jax.dtypes.prng_key) \
+                else jax.random.wrap_key_data(jnp.array(jax.random.key_data(x), copy=True),
+                                              impl=jax.random.key_impl(x))
+        if isinstance(x, np.ndarray):
+            return x.copy()
+        return x
+    return jax.tree.map(copy, tree, is_leaf=lambda x: isinstance(x, nnx.Module))
+
+
+def snapshot(tree: Any) -> dict[str, tuple[str, np.ndarray]]:
+    """path -> (dtype name, host value) for every array the caller owns, NNX state included."""
+    def expand(x):
+        return nnx.state(x) if isinstance(x, nnx.Module) else x
+    expanded = jax.tree.map(expand, tree, is_leaf=lambda x: isinstance(x, nnx.Module))
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(expanded)[0]:
+        if isinstance(leaf, (jax.Array, np.ndarray)):
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                out[jax.tree_util.keystr(path)] = (str(leaf.dtype), np.asarray(jax.random.key_data(leaf)))
+            else:
+                out[jax.tree_util.keystr(path)] = (str(leaf.dtype), np.asarray(leaf))
+    return out
+
+
+def array_leaves(tree: Any) -> list[tuple[str, Any]]:
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+            if isinstance(x, (jax.Array, np.ndarray))]
+
+
+def is_float(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def relative_l2(x: Any, ref: Any) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(x - ref) / denom) if denom else float(np.linalg.norm(x))
+
+
+def cosine(a: list[Any], b: list[Any]) -> float:
+    a = np.concatenate([np.asarray(x, np.float64).ravel() for x in a])
+    b = np.concatenate([np.asarray(x, np.float64).ravel() for x in b])
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+def projection_loss(loss_fn: Callable[..., Any], out_shapes: Any) -> Callable[..., Any]:
+    """loss(params, *rest): a fixed random projection of every floating output, in float32.
+
+    A random projection gives every output element a cotangent of its own (a sum or a mean of
+    squares would weight them by sign or size); the cast to float32 is the user's, as in a
+    mixed-precision loss.
+    """
+    leaves = [s for s in jax.tree.leaves(out_shapes) if jnp.issubdtype(s.dtype, jnp.floating)]
+    keys = jax.random.split(jax.random.key(1234), max(len(leaves), 1))
+    weights = [np.asarray(jax.random.normal(k, s.shape, F32)) for k, s in zip(keys, leaves)]
+
+    def loss(params, *rest):
+        outs = [o for o in jax.tree.leaves(loss_fn(params, *rest))
+                if jnp.issubdtype(o.dtype, jnp.floating)]
+        return sum(jnp.mean(o.astype(F32) * w) for o, w in zip(outs, weights))
+    return loss
+
+
+# ---------------------------------------------------------------------------------------------
+# A run: one model under one policy.
+
+class StageFailed(AssertionError):
+    pass
+
+
+def stage(method):
+    """A lazily computed run stage; its exception (or result) is kept and re-raised on reuse."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self):
+        if name not in self._stages:
+            start = time.perf_counter()
+            try:
+                self._stages[name] = (True, method(self))
+            except Exception as e:  # recorded for every check that needs this stage
+                self._stages[name] = (False, e)
+            self.seconds[name] = time.perf_counter() - start
+        ok, value = self._stages[name]
+        if not ok:
+            raise StageFailed(f"{self.label}: stage {name!r} raised "
+                              f"{type(value).__name__}: {value}") from value
+        return value
+    return property(wrapper)
+
+
+class Float32Run:
+    """A model's float32 results, computed once per process and shared by every policy."""
+
+    def __init__(self, model: ZooModel):
+        self.label = f"{model.name}[float32]"
+        self.case = model.build()
+        self._stages: dict[str, tuple[bool, Any]] = {}
+        self.seconds: dict[str, float] = {}
+
+    @stage
+    def reference(self):
+        """The float32 model, compiled as its users compile it (NNX state updates included):
+        (outputs, warnings it emits, (arguments before, after))."""
+        args = fresh_copy(self.case.args)
+        before = snapshot(args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = jax.block_until_ready(self.case.jit(self.case.forward)(*args))
+        return out, [f"{w.category.__name__}: {w.message}" for w in caught], (before, snapshot(args))
+
+    @stage
+    def loss(self):
+        shapes = jax.eval_shape(self.case.loss_fn, *self.case.grad_args)
+        return projection_loss(self.case.loss_fn, shapes)
+
+    @stage
+    def reference_grads(self):
+        return self.case.jit(self.case.grad(self.loss))(*fresh_copy(self.case.grad_args))
+
+
+_FLOAT32_RUNS: dict[str, Float32Run] = {}
+
+
+class ZooRun:
+    def __init__(self, model: ZooModel, policy_name: str):
+        self.model, self.policy_name = model, policy_name
+        self.policy = POLICIES[policy_name]
+        self.label = f"{model.name}[{policy_name}]"
+        self._stages: dict[str, tuple[bool, Any]] = {}
+        self.seconds: dict[str, float] = {}       # stage -> wall time (for the zoo's budget)
+        self.relative_errors: dict[str, float] = {}  # output path -> measured error (rel_error)
+        self.warnings: dict[str, list[str]] = {}   # stage -> jamp-caused warning messages
+        self.mutations: dict[str, tuple[dict, dict]] = {}  # stage -> (before, after) snapshots
+
+    @functools.cached_property
+    def shared(self) -> "Float32Run":
+        if self.model.name not in _FLOAT32_RUNS:
+            _FLOAT32_RUNS[self.model.name] = Float32Run(self.model)
+        return _FLOAT32_RUNS[self.model.name]
+
+    @property
+    def case(self) -> ZooCase:
+        return self.shared.case
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _call(self, stage_name: str, fn: Callable, args: tuple, reference_warnings=()) -> Any:
+        """Call ``fn`` on a fresh copy of ``args``, recording warnings and what it did to them."""
+        args = fresh_copy(args)
+        before = snapshot(args)
+        jamp.interpreter._warned.clear()  # jamp warns once per process; every run must see it
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = jax.block_until_ready(fn(*args))
+        reference = set(reference_warnings)
+        self.warnings[stage_name] = [f"{w.category.__name__}: {w.message}" for w in caught
+                                     if f"{w.category.__name__}: {w.message}" not in reference]
+        self.mutations[stage_name] = (before, snapshot(args))
+        return out
+
+    @functools.cached_property
+    def transformed(self) -> Callable:
+        return jamp.autocast_transform(self.case.forward, self.policy)
+
+    # -- float32 references (shared by the model's runs under every policy) --------------------
+    @property
+    def reference(self):
+        return self.shared.reference
+
+    @property
+    def loss(self):
+        return self.shared.loss
+
+    @property
+    def reference_grads(self):
+        return self.shared.reference_grads
+
+    # -- jamp stages ----------------------------------------------------------------------------
+    @stage
+    def eager(self):
+        return self._call("eager", self.transformed, self.case.args, self.reference[1])
+
+    @stage
+    def jitted(self):
+        """Compiled as the library's users compile it, under ``jax_enable_checks`` (JAX then
+        type-checks every jaxpr it builds, jamp's rewritten program included)."""
+        with jax.enable_checks(True):
+            return self._call("jit", self.case.jit(self.transformed), self.case.args,
+                              self.reference[1])
+
+    @stage
+    def grads_outer(self):
+        """jax.grad(autocast_transform(loss)), the README's recommended order, under
+        ``jax_enable_checks``."""
+        fn = self.case.jit(self.case.grad(jamp.autocast_transform(self.loss, self.policy)))
+        with jax.enable_checks(True):
+            return self._call("grad(autocast(f))", fn, self.case.grad_args)
+
+    @stage
+    def grads_inner(self):
+        """autocast_transform(jax.grad(loss)), with the README's advice for this order:
+        ``output_dtype=float32`` so gradients come back in float32, not the matmul dtype."""
+        fn = self.case.jit(jamp.autocast_transform(self.case.grad(self.loss),
+                                             self.policy.replace(output_dtype=F32)))
+        return self._call("autocast(grad(f))", fn, self.case.grad_args)
+
+    @stage
+    def report(self):
+        args = fresh_copy(self.case.args)
+        return jamp.explain(self.case.forward, *args, policy=self.policy)
+
+
+# ---------------------------------------------------------------------------------------------
+# The checks. Each takes a ZooRun and raises AssertionError with what went wrong.
+
+def check_runs_clean(run: ZooRun) -> None:
+    """No exception and no warning (beyond those the float32 model itself emits) in any call."""
+    problems = []
+    for name in ("eager", "jitted", "grads_outer", "grads_inner", "report"):
+        try:
+            getattr(run, name)
+        except StageFailed as e:
+            problems.append(str(e))
+    problems += [f"{stage}: {msg}" for stage, msgs in run.warnings.items() for msg in msgs]
+    assert not problems, "\n".join(problems)
+
+
+def check_jit_equals_eager(run: ZooRun) -> None:
+    """``jax.jit(f)`` and eager ``f`` agree to within 2 units in the last place of the output's
+    dtype at the output's scale: the same program, at most rounded differently where XLA fuses
+    differently (eager calls compile the same rewritten program)."""
+    eager, jitted = array_leaves(run.eager), array_leaves(run.jitted)
+    assert [p for p, _ in eager] == [p for p, _ in jitted]
+    bad = []
+    for (path, e), (_, j) in zip(eager, jitted):
+        if e.dtype != j.dtype:
+            bad.append(f"{path}: dtype eager {e.dtype} vs jit {j.dtype}")
+        elif is_float(e):
+            scale = float(np.max(np.abs(np.asarray(j, np.float64)), initial=0.0))
+            tol = 2 * float(jnp.finfo(e.dtype).eps) * scale
+            err = float(np.max(np.abs(np.asarray(e, np.float64) - np.asarray(j, np.float64)),
+                               initial=0.0))
+            if not err <= tol:
+                bad.append(f"{path}: max |eager - jit| = {err:.3g} > {tol:.3g} ({e.dtype})")
+        elif not np.array_equal(snapshot_value(e), snapshot_value(j)):
+            bad.append(f"{path}: {e.dtype} values differ")
+    assert not bad, "\n".join(bad)
+
+
+def snapshot_value(x):
+    return np.asarray(jax.random.key_data(x)) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) \
+        else np.asarray(x)
+
+
+def check_finite(run: ZooRun) -> None:
+    bad = [f"{p}: {int(np.sum(~np.isfinite(np.asarray(x, np.float32))))} non-finite of {x.size}"
+           for p, x in array_leaves(run.eager) if is_float(x) and not np.all(np.isfinite(np.asarray(x, np.float32)))]
+    assert not bad, "\n".join(bad)
+
+
+def check_relative_error(run: ZooRun) -> None:
+    """Every floating output within :func:`relative_error_bound` of float32 (relative L2);
+    integer outputs (counters, indices) equal."""
+    bound = relative_error_bound(run.policy, run.case.depth)
+    ref, out = array_leaves(run.reference[0]), array_leaves(run.eager)
+    assert [p for p, _ in ref] == [p for p, _ in out]
+    bad = []
+    for (path, r), (_, o) in zip(ref, out):
+        if is_float(r):
+            err = relative_l2(o, r)
+            run.relative_errors[path] = err
+            if not err <= bound:
+                bad.append(f"{path}: relative L2 error {err:.3g} > bound {bound:.3g} "
+                           f"(output {o.dtype})")
+        elif not np.array_equal(snapshot_value(o), snapshot_value(r)):
+            bad.append(f"{path}: {r.dtype} output differs from float32 run")
+    assert not bad, "\n".join(bad)
+
+
+def _grad_stages(run: ZooRun):
+    return {"grad(autocast(f))": run.grads_outer, "autocast(grad(f))": run.grads_inner}
+
+
+def check_grads_finite(run: ZooRun) -> None:
+    bad = [f"{order} {p}: non-finite" for order, g in _grad_stages(run).items()
+           for p, x in array_leaves(g) if not np.all(np.isfinite(np.asarray(x, np.float32)))]
+    assert not bad, "\n".join(bad)
+
+
+def check_grads_dtype(run: ZooRun) -> None:
+    params = array_leaves(run.case.params_of(run.case.grad_args[0]))
+    bad = []
+    for order, grads in _grad_stages(run).items():
+        g = array_leaves(grads)
+        assert [p for p, _ in g] == [p for p, _ in params], f"{order}: gradient tree differs"
+        bad += [f"{order} {p}: gradient {x.dtype}, parameter {w.dtype}"
+                for (p, x), (_, w) in zip(g, params) if x.dtype != w.dtype]
+    assert not bad, "\n".join(bad)
+
+
+def check_grads_cosine(run: ZooRun) -> None:
+    """Cosine similarity of all parameters' gradients (one vector) to float32's >= 0.99."""
+    ref = [x for _, x in array_leaves(run.reference_grads)]
+    bad = []
+    for order, grads in _grad_stages(run).items():
+        c = cosine([x for _, x in array_leaves(grads)], ref)
+        if not c >= 0.99:
+            bad.append(f"{order}: cosine to float32 gradients {c:.4f} < 0.99")
+    assert not bad, "\n".join(bad)
+
+
+def check_enable_checks(run: ZooRun) -> None:
+    """The compiled forward and grad(autocast(f)) were traced under ``jax_enable_checks`` (see
+    those stages) and ran without error."""
+    run.jitted, run.grads_outer
+
+
+def check_inputs_unchanged(run: ZooRun) -> None:
+    """No jamp call changes the dtype of anything the caller passed, nor a value the float32
+    call leaves alone; state the model itself updates (NNX BatchNorm statistics, RNG counters)
+    changes as the float32 call changes it (same dtype, within the relative-error bound)."""
+    _, _, (ref_before, ref_after) = run.reference
+    for name in ("eager", "jitted", "grads_outer", "grads_inner"):
+        getattr(run, name)
+    bound = relative_error_bound(run.policy, run.case.depth)
+    bad = []
+    for stage_name, (before, after) in run.mutations.items():
+        # what the float32 forward call updates (NNX state); pure pytrees: nothing
+        ref_changes = {p for p in ref_before if p in ref_after
+                       and not np.array_equal(ref_before[p][1], ref_after[p][1])}
+        for path, (dtype, value) in before.items():
+            if path not in after:
+                bad.append(f"{stage_name}: {path} disappeared")
+                continue
+            new_dtype, new_value = after[path]
+            if new_dtype != dtype:
+                bad.append(f"{stage_name}: {path} dtype {dtype} -> {new_dtype}")
+            elif path in ref_changes and stage_name in ("eager", "jit"):
+                expected = ref_after[path][1]
+                if np.issubdtype(expected.dtype, np.floating):
+                    if not relative_l2(new_value, expected) <= bound:
+                        bad.append(f"{stage_name}: {path} updated to {new_value!r:.60}, float32 "
+                                   f"run updates it to {expected!r:.60}")
+                elif not np.array_equal(new_value, expected):
+                    bad.append(f"{stage_name}: {path} updated differently from the float32 run")
+            elif path not in ref_changes and not np.array_equal(new_value, value):
+                bad.append(f"{stage_name}: {path} value changed (the float32 call keeps it)")
+    assert not bad, "\n".join(bad)
+
+
+def check_explain_share(run: ZooRun) -> None:
+    share = run.report.low_precision_flop_share
+    assert share >= 0.99, (f"16-bit share of matmul/conv FLOPs {share:.4f} < 0.99: "
+                           f"{run.report.flops}\n{run.report}")
+
+
+CHECKS = {
+    "runs_clean": check_runs_clean,
+    "jit_eq_eager": check_jit_equals_eager,
+    "finite": check_finite,
+    "rel_error": check_relative_error,
+    "grads_finite": check_grads_finite,
+    "grads_dtype": check_grads_dtype,
+    "grads_cosine": check_grads_cosine,
+    "enable_checks": check_enable_checks,
+    "inputs_unchanged": check_inputs_unchanged,
+    "explain_share": check_explain_share,
+}
