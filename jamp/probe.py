@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat as compat
+from .call_args import split_leaves, static_key
 from .interpreter import Rewriter, is_float
 from .policy import Policy, RegionState
 
@@ -159,12 +160,12 @@ def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
                   kwargs: dict, caller: str) -> tuple[Program, list[Any]]:
     """The checked program for this call (cached on fn, policy, grad and the argument avals),
     and the call's array leaves to run it on."""
-    from .transform import _split_static, autocast_transform
+    from .transform import autocast_transform
     if not callable(fn):
         raise TypeError(f"{caller} expects a callable, got {type(fn).__name__}")
     argnums = normalize_argnums(grad)
     flat, in_tree = jax.tree.flatten((args, kwargs))
-    traced_at, static = _split_static(flat, in_tree)
+    traced_at, static = split_leaves(flat, in_tree, None, numbers_are_static=False)
     leaves = [flat[i] for i in traced_at]
     avals = tuple(compat.aval_of(x) for x in leaves)
     _check_inputs_finite(flat, in_tree, traced_at, caller)
@@ -172,7 +173,7 @@ def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
         raise ValueError(f"{caller}: grad={grad!r} names argument {max(argnums)} but "
                          f"{getattr(fn, '__name__', 'fn')} was given {len(args)} positional ones")
     try:
-        key = (fn, policy, argnums, in_tree, avals, static)
+        key = (fn, policy, argnums, in_tree, avals, static_key(static))
         hash(key)
     except TypeError:
         key = None
