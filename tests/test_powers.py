@@ -46,7 +46,8 @@ def test_one_pass_variance_with_squares_taken_out_of_the_fp32_table_is_nan():
     policy = jamp.Policy(jnp.bfloat16)
     policy = policy.replace(fp32=policy.fp32 - {"square"})
     fn = lambda x, w: one_pass_batch_norm(x, w, jnp.square)
-    assert not bool(jnp.all(jnp.isfinite(jamp.autocast_transform(fn, policy)(X, W))))
+    with jax.disable_jit():  # eager calls compile; XLA on the CPU may keep bf16 values in f32
+        assert not bool(jnp.all(jnp.isfinite(jamp.autocast_transform(fn, policy)(X, W))))
 
 
 @pytest.mark.parametrize("approximate", [True, False])
