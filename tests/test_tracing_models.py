@@ -3,7 +3,6 @@ Flax's own pytree nodes (``LogicallyPartitioned`` boxes, NNX states) round-trip.
 import functools
 import subprocess
 import sys
-import warnings
 
 import chex
 import jax
@@ -15,6 +14,7 @@ from flax import nnx
 
 import jamp
 import tracing
+from tests.test_tracing import recorded_tracer_warnings
 
 KEY = jax.random.key(0)
 
@@ -143,19 +143,12 @@ def bf16_case():
             [(params, jax.random.normal(KEY, (3, 32)))])
 
 
-def tracer_warnings(fn):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = fn()
-    return result, [str(w.message) for w in caught if issubclass(w.category,
-                                                                  tracing.TracerWarning)]
-
-
 @pytest.mark.parametrize("case", [resnet_case, lm_case, nnx_case, bf16_case],
                          ids=["autocast-resnet", "autocast-lm", "autocast-nnx", "bf16-mlp"])
 def test_mixed_precision_models_trace_and_check_without_warnings(case):
     fn, example, checks = case()
-    traced, warns = tracer_warnings(lambda: tracing.trace(fn, example, check_inputs=checks))
+    traced, warns = recorded_tracer_warnings(
+        lambda: tracing.trace(fn, example, check_inputs=checks))
     assert warns == []
     chex.assert_trees_all_close(traced(*example), fn(*example), atol=0.1, rtol=0.05)
 
@@ -185,7 +178,7 @@ def test_outputs_that_really_diverge_in_a_bf16_model_still_warn():
         log_probs, loss = bf16_mlp(params, x)
         return log_probs, loss * scale
 
-    _, warns = tracer_warnings(lambda: tracing.check_trace(
+    _, warns = recorded_tracer_warnings(lambda: tracing.check_trace(
         noisy, (params, jax.random.normal(KEY, (8, 32)))))
     assert warns and all("Output nr 2." in w for w in warns)
 
