@@ -33,7 +33,9 @@ def python_blocks(text):
 
 
 def run_page(page):
-    namespace = {"__name__": f"docs:{page.name}"}
+    # "__main__", as in a script or a REPL: tracing's leak check walks the globals of user code
+    # only, and a module name that is not imported would pass for a library's.
+    namespace = {"__name__": "__main__"}
     for line, code in python_blocks(page.read_text()):
         # Padding keeps line numbers in tracebacks equal to the page's.
         exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
