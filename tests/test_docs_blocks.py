@@ -6,6 +6,7 @@ Tracebacks point at the page and its line. ``docs/api.md`` must list every publi
 """
 import pathlib
 import re
+import warnings
 
 import pytest
 
@@ -32,13 +33,22 @@ def python_blocks(text):
             for match in FENCE.finditer(text)]
 
 
+# A warning of jamp or tracing that a page does not expect (inside warnings.catch_warnings or
+# pytest.warns) is a mistake in the page, such as a rule that matches nothing.
+LIBRARY_WARNINGS = (jamp.AutocastWarning, jamp.UnmatchedRuleWarning,
+                    jamp.UnsupportedPrimitiveWarning, tracing.TracerWarning)
+
+
 def run_page(page):
     # "__main__", as in a script or a REPL: tracing's leak check walks the globals of user code
     # only, and a module name that is not imported would pass for a library's.
     namespace = {"__name__": "__main__"}
-    for line, code in python_blocks(page.read_text()):
-        # Padding keeps line numbers in tracebacks equal to the page's.
-        exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
+    with warnings.catch_warnings():
+        for category in LIBRARY_WARNINGS:
+            warnings.simplefilter("error", category)
+        for line, code in python_blocks(page.read_text()):
+            # Padding keeps line numbers in tracebacks equal to the page's.
+            exec(compile("\n" * (line - 1) + code, str(page), "exec"), namespace)
 
 
 @pytest.mark.slow  # a guide compiles many small programs (about 20 s on a busy 2-core machine)
