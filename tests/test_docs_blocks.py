@@ -16,9 +16,8 @@ import tracing
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 
-# Pages outside docs/ whose blocks must run too. README.md joins this list once its blocks are
-# complete programs (issue 14).
-EXTRA_PAGES: list[pathlib.Path] = []
+# Pages outside docs/ whose blocks must run too.
+EXTRA_PAGES: list[pathlib.Path] = [ROOT / "README.md"]
 
 PAGES = sorted(DOCS.glob("**/*.md")) + EXTRA_PAGES
 PAGES = [page for page in PAGES if "_build" not in page.parts]
@@ -70,9 +69,32 @@ def test_a_block_cannot_use_a_name_no_earlier_block_defines(tmp_path):
     assert info.traceback[-1].path == page and info.traceback[-1].lineno + 1 == 8  # 0-based
 
 
+def test_an_unexpected_library_warning_fails_the_page(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nimport jax.numpy as jnp, jamp\n"
+                    "policy = jamp.Policy(rules=(('haed', None),))\n"
+                    "jamp.autocast_transform(lambda x: x @ x, policy)(jnp.ones((2, 2)))\n```\n")
+    with pytest.raises(jamp.UnmatchedRuleWarning, match="haed"):
+        run_page(page)
+
+
+def test_a_page_may_expect_a_warning(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\nimport pytest, jax.numpy as jnp, jamp\n"
+                    "policy = jamp.Policy(rules=(('haed', None),))\n"
+                    "with pytest.warns(jamp.UnmatchedRuleWarning):\n"
+                    "    jamp.autocast_transform(lambda x: x @ x, policy)(jnp.ones((2, 2)))\n```\n")
+    run_page(page)
+
+
 def test_pages_are_collected():
     assert DOCS / "index.md" in PAGES
-    assert DOCS / "guides" / "choosing-a-policy.md" in PAGES
+    assert ROOT / "README.md" in PAGES
+    for page in ["guides/choosing-a-policy", "guides/training-with-flax",
+                 "guides/debugging-precision", "guides/checking-traces", "guides/freezing",
+                 "migration/from-torch", "migration/from-jmp", "migration/from-flax",
+                 "reference/transforming", "reference/dtypes"]:
+        assert DOCS / f"{page}.md" in PAGES
 
 
 def test_api_reference_lists_every_public_name():

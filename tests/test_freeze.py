@@ -694,12 +694,12 @@ def test_errors_name_what_was_wrong():
         frozen(x, rngs={"dropout": jax.random.key(0)})
 
 
-def test_readme_example_runs():
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = readme.split("## Freezing for inference", 1)[1]
+def test_freezing_guide_example_runs():
+    guide = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "freezing.md").read_text()
+    section = guide.split("## Freeze a linen module", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     namespace: dict = {}
-    exec(compile(code, "README.md (Freezing for inference)", "exec"), namespace)
+    exec(compile(code, "docs/guides/freezing.md (Freeze a linen module)", "exec"), namespace)
     frozen, x = namespace["frozen"], namespace["x"]
     assert counts(frozen.jaxpr)["conv_general_dilated"] == 1
     assert namespace["bf16"](x).shape == frozen(x).shape

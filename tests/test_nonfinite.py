@@ -284,13 +284,14 @@ def test_bad_arguments_are_named():
         jamp.find_nonfinite(jnp.sum, jnp.ones(2), grad=1)
 
 
-def test_readme_worked_example_runs_as_written(capsys):
-    readme = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-    with open(readme) as f:
+def test_debugging_guide_worked_example_runs_as_written(capsys):
+    guide = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                         "guides", "debugging-precision.md")
+    with open(guide) as f:
         text = f.read()
-    section = text.split("### Why did my loss go NaN?", 1)[1]
+    section = text.split("## Why did my loss go NaN?", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "README.md", "exec"), {})
+    exec(compile(code, guide, "exec"), {"__name__": "__main__"})
     printed = capsys.readouterr().out
     assert printed.splitlines()[0] == "nan"
     assert "remedy (verified" in printed and '{"square"}' in printed

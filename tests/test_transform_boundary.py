@@ -172,14 +172,15 @@ def test_eager_outputs_equal_jit_outputs_in_type_and_dtype():
         assert eager[key].dtype == jitted[key].dtype, key
 
 
-def test_readme_transform_a_function_snippet_runs():
+def test_transform_a_function_snippet_runs():
     import pathlib
     import re
-    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
-    section = readme[readme.index("### Transform a function"):readme.index("### Regions")]
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "reference" / "transforming.md")
+    text = page.read_text()
+    section = text[text.index("## Transform a function"):text.index("## Regions")]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    namespace = {"fn": lambda a: a @ a}
-    exec(compile(code, "README.md (Transform a function)", "exec"), namespace)
+    namespace: dict = {}
+    exec(compile(code, f"{page} (Transform a function)", "exec"), namespace)
     assert namespace["x"].dtype == BF16 and namespace["s"].dtype == F32
     assert namespace["f16"].policy == jamp.Policy(F16)
     assert namespace["step"](jnp.ones((4, 4)), 2).dtype == BF16
