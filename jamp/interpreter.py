@@ -275,11 +275,16 @@ class Rewriter:
         self._rewritten = {} if rewritten is None else rewritten
         # Environments of the jaxprs being evaluated (outermost first), shared with children.
         self._active: list[Env] = [] if active is None else active
+        # What rules decided at an equation, by id of its traceback, which the equations JAX
+        # derives from it (its transposes in a ``jax.grad`` program) share; shared with children.
+        self.site_decisions: dict[tuple[str, int], Any] = {}
 
     def child(self, state: RegionState) -> "Rewriter":
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
-        return Rewriter(self.policy, state, self._rewritten, self.recorder, self.scope_log,
-                        self._active)
+        sub = Rewriter(self.policy, state, self._rewritten, self.recorder, self.scope_log,
+                       self._active)
+        sub.site_decisions = self.site_decisions
+        return sub
 
     def outer_value(self, value: Any) -> Any:
         """``value``, or, for a tracer of the user's finished trace (closed over by a custom

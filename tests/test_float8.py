@@ -80,8 +80,8 @@ def test_forward_program_quantizes_both_operands_to_e4m3():
     jaxpr = jax.make_jaxpr(fn)(x, w)
     assert len(converts_to(jaxpr, E4M3)) == 2 and not converts_to(jaxpr, E5M2)
     (dot,) = eqns_named(jaxpr, "dot_general")
-    # the dot reads the dequantized (bfloat16) operands and returns bfloat16
-    assert [v.aval.dtype for v in dot.invars] == [np.dtype(jnp.bfloat16)] * 2
+    # the dot reads the float8 operands and accumulates into bfloat16
+    assert [v.aval.dtype for v in dot.invars] == [np.dtype(E4M3)] * 2
     assert dot.outvars[0].aval.dtype == np.dtype(jnp.bfloat16)
     # every other op follows the bfloat16 tables: tanh bfloat16, the amax reductions float32
     assert {e.outvars[0].aval.dtype for e in eqns_named(jaxpr, "tanh")} == {np.dtype(jnp.bfloat16)}
@@ -226,24 +226,32 @@ def test_explain_reports_float8_share():
 
 # --- the HLO pattern XLA's GPU GEMM rewriter folds into a float8 GEMM -------------------------
 
-def test_stablehlo_has_fp8_qdq_pattern_around_dot():
-    """Flax fp8_ops' shape: divide by the scale, clamp, convert to f8; convert back, multiply by
-    the scale; the dot reads those products."""
+def test_stablehlo_has_the_float8_gemm_pattern():
+    """What XLA's GPU GEMM rewriter folds into one cuBLASLt float8 GEMM (Flax's
+    Fp8DirectDotGeneralOp emits the same): each operand divided by its scale, clamped and
+    converted to f8E4M3FN; a dot_general of the two f8 tensors into bf16; the product multiplied
+    by the (broadcast) product of the scales."""
     x, w = normal(0, (16, 32)), normal(1, (32, 8))
     text = jax.jit(jamp.autocast_transform(lambda x, w: x @ w, FP8)).lower(x, w).as_text()
     to_fp8 = re.findall(r"(%\S+) = stablehlo\.convert (%\S+) : \(tensor<[\dx]+xf32>\) -> "
                         r"tensor<[\dx]+xf8E4M3FN>", text)
     assert len(to_fp8) == 2
-    clamped = {m for m in re.findall(r"(%\S+) = stablehlo\.clamp", text)}
+    clamped = set(re.findall(r"(%\S+) = stablehlo\.clamp", text))
     assert {src for _, src in to_fp8} <= clamped
-    dequantized = {}
-    for q, _ in to_fp8:
-        (back,) = re.findall(rf"(%\S+) = stablehlo\.convert {re.escape(q)} : "
-                             r"\(tensor<[\dx]+xf8E4M3FN>\) -> tensor<[\dx]+xbf16>", text)
-        (scaled,) = re.findall(rf"(%\S+) = stablehlo\.multiply {re.escape(back)}, %\S+", text)
-        dequantized[q] = scaled
-    (dot_args,) = re.findall(r"stablehlo\.dot_general (%\S+), (%\S+),", text)
-    assert set(dot_args) == set(dequantized.values())
+    ((dot, lhs, rhs, types),) = re.findall(
+        r"(%\S+) = stablehlo\.dot_general (%\S+), (%\S+), .*: \((.*)\) -> tensor<16x8xbf16>", text)
+    assert {lhs, rhs} == {q for q, _ in to_fp8}
+    assert types.count("f8E4M3FN") == 2
+    (scaled,) = re.findall(rf"%\S+ = stablehlo\.multiply {re.escape(dot)}, (%\S+)", text)
+    assert re.search(rf"{re.escape(scaled)} = stablehlo\.broadcast_in_dim %\S+, dims = \[\]", text)
+
+
+def test_backward_dots_read_e5m2_and_e4m3_operands():
+    x, w = normal(0, (16, 32)), normal(1, (32, 8))
+    text = jax.jit(jax.grad(jamp.autocast_transform(loss, FP8), argnums=(0, 1))).lower(w, x).as_text()
+    dots = re.findall(r"stablehlo\.dot_general .*: \((.*)\) -> tensor<\S+>", text)
+    assert len(dots) == 3
+    assert sum("f8E5M2" in t and "f8E4M3FN" in t for t in dots) == 2   # dgrad and wgrad
 
 
 # --- property ---------------------------------------------------------------------------------
@@ -266,3 +274,49 @@ def test_no_fp8_ops_without_float8_policy():
     jaxpr = jax.make_jaxpr(jamp.autocast_transform(jax.grad(loss)))(w, x)
     assert not any(e.primitive.name == "custom_vjp_call" for e in iter_eqns(jaxpr))
     assert not converts_to(jaxpr, E4M3) and not converts_to(jaxpr, E5M2)
+
+
+# --- which products run in float8 -------------------------------------------------------------
+
+def attention_loss(params, x):
+    wq, wk, wv, w2 = params
+    q, k, v = x @ wq, x @ wk, x @ wv
+    scores = jax.nn.softmax(q @ k.T)          # two activations: stays bfloat16
+    return jnp.sum(jnp.tanh((scores @ v) @ w2))
+
+
+def dot_operand_dtypes(jaxpr):
+    return sorted(tuple(v.aval.dtype.name for v in e.invars) for e in eqns_named(jaxpr, "dot_general"))
+
+
+@pytest.mark.parametrize("order", ["grad_outside", "grad_inside"])
+def test_only_products_with_a_weight_run_in_float8(order):
+    x = normal(0, (8, 16))
+    params = tuple(normal(i, shape, scale=0.25) for i, shape in
+                   enumerate([(16, 16), (16, 16), (16, 16), (16, 4)], start=1))
+    grad = (jax.grad(jamp.autocast_transform(attention_loss, FP8)) if order == "grad_outside"
+            else jamp.autocast_transform(jax.grad(attention_loss), FP8))
+    dtypes = dot_operand_dtypes(jax.make_jaxpr(grad)(params, x))
+    fp8 = [d for d in dtypes if any(n.startswith("float8") for n in d)]
+    bf16 = [d for d in dtypes if d == ("bfloat16", "bfloat16")]
+    # forward: q, k, v and the head in float8, q @ k.T and scores @ v in bfloat16; backward: the
+    # transposes of the float8 dots read an e5m2 cotangent, the attention products' transposes
+    # (two each) stay bfloat16.
+    assert dtypes.count(("float8_e4m3fn", "float8_e4m3fn")) == 4
+    assert all("float8_e5m2" in d for d in fp8 if d != ("float8_e4m3fn", "float8_e4m3fn"))
+    assert len(fp8) > 4
+    assert len(bf16) == 2 + 4 and len(fp8) + len(bf16) == len(dtypes)
+    g = grad(params, x)
+    want = jax.grad(attention_loss)(params, x)
+    assert all(cosine(a, b) > 0.99 for a, b in zip(g, want))
+
+
+def test_mlp_weight_gradient_in_grad_program_is_float8():
+    """In ``autocast_transform(jax.grad(f))`` the weight-gradient dot (hidden activations times
+    the cotangent, no weight among its operands) follows its forward dot into float8."""
+    def mlp_loss(w1, w2, x):
+        return jnp.sum(jnp.tanh(jnp.tanh(x @ w1) @ w2))
+    x, w1, w2 = normal(0, (8, 16)), normal(1, (16, 16)), normal(2, (16, 4))
+    grad = jamp.autocast_transform(jax.grad(mlp_loss, argnums=(0, 1)), FP8)
+    dtypes = dot_operand_dtypes(jax.make_jaxpr(grad)(w1, w2, x))
+    assert all(any(n.startswith("float8") for n in d) for d in dtypes), dtypes
