@@ -275,9 +275,9 @@ class Rewriter:
         self._rewritten = {} if rewritten is None else rewritten
         # Environments of the jaxprs being evaluated (outermost first), shared with children.
         self._active: list[Env] = [] if active is None else active
-        # What rules decided at an equation, by id of its traceback, which the equations JAX
+        # What rules decided at a source site (scope path and line), which the equations JAX
         # derives from it (its transposes in a ``jax.grad`` program) share; shared with children.
-        self.site_decisions: dict[tuple[str, int], Any] = {}
+        self.site_decisions: dict[tuple, Any] = {}
 
     def child(self, state: RegionState) -> "Rewriter":
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""

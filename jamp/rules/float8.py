@@ -171,12 +171,14 @@ def _qualifies(step: Step) -> bool:
     (attention's ``q @ k`` and ``p @ v``) stay bfloat16, as in TransformerEngine: their per-tensor
     amax and quantization passes over the score matrix cost more than float8 saves (measured on
     an H100, benchmarks/README.md). A transposed dot of a ``jax.grad`` program (an operand that is
-    a cotangent) follows the decision made at the forward dot it came from."""
+    a cotangent) follows the decision made at the forward dot of the same source line and scope."""
     floating = step.floating()
     if not (step.eqn.primitive.name in SCALED_PRIMITIVES and len(step.args) == 2
             and floating == [0, 1] and all(step.aval(i).dtype != F64 for i in floating)):
         return False
-    site = ("float8", id(compat.traceback_of(step.eqn)))
+    # JAX gives transposed equations tracebacks of their own: link them by the user's source
+    # position and scope path instead (the same line in one layer is the same kind of product).
+    site = ("float8", compat.scope_names(step.eqn), compat.source_line(step.eqn))
     decisions = step.rewriter.site_decisions
     if any(step.has_tag(i, "cotangent") for i in range(2)) and site in decisions:
         return decisions[site]
