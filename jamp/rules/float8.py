@@ -1,27 +1,27 @@
 """float8 matmuls and convolutions: ``Policy(jnp.float8_e4m3fn)``.
 
-Each lower-table op (``dot_general``, ``conv_general_dilated``) with two floating operands runs
-on float8 copies of them, each scaled per tensor from its current absolute maximum
-(``scale = amax / finfo(fp8).max``, so the largest magnitude maps to the format's largest finite
-value and nothing saturates to inf). Forward operands use ``float8_e4m3fn``; operands that the
-backward pass computed (cotangents) use ``float8_e5m2``, TransformerEngine's HYBRID recipe:
+A lower-table op with two floating operands, one of them a weight (see ``_qualifies``), runs on
+float8 copies of its operands, each scaled per tensor from its current absolute maximum
+(``scale = amax / finfo(fp8).max``: the largest magnitude maps to the format's largest finite
+value, nothing saturates to inf). Forward operands use ``float8_e4m3fn``, cotangents
+``float8_e5m2`` (TransformerEngine's HYBRID recipe):
 
-- under ``jax.grad(autocast_transform(f))`` the op's output carries ``gradient_qdq``, whose
-  backward rule scales the incoming cotangent to e5m2, so the transposed dots JAX derives read
-  an e5m2 cotangent and the e4m3 forward operands;
-- under ``autocast_transform(jax.grad(f))`` the transposed dots are ordinary equations of the
-  program: an operand computed by a transposed equation (``Env.cotangent``) is scaled to e5m2.
+- ``dot_general`` becomes ``scaled_dot``: the two float8 tensors go straight into the dot, which
+  accumulates in bfloat16 (or ``accumulate_dtype``) and is multiplied by the product of the scales,
+  the shape XLA's GPU GEMM rewriter turns into one cuBLASLt float8 GEMM. It is a ``custom_vjp``:
+  under ``jax.grad(autocast_transform(f))`` its backward rule scales the cotangent to e5m2 and
+  computes both transposed products from the saved float8 operands.
+- ``conv_general_dilated`` needs operands of one dtype, so it keeps the QDQ form: quantize,
+  dequantize to bfloat16, convolve; ``gradient_qdq`` on its output passes the cotangent through
+  e5m2. float8 numerics, bfloat16 kernels.
+- Under ``autocast_transform(jax.grad(f))`` the transposed products are ordinary equations: an
+  operand computed by a transposed equation (``Env.cotangent``) is scaled to e5m2.
 
-The emitted program has the shape of Flax's ``fp8_ops`` (quantize: divide by the scale, clamp,
-convert to float8; dequantize: convert back, multiply by the scale; then the dot), which XLA's GPU
-GEMM rewriter turns into one cuBLASLt float8 GEMM with the scales as its operands. Quantization is
-straight-through for gradients (its derivative is taken as the identity, as in Flax and
-TransformerEngine), and gradients come back in the operands' own dtypes (float32 parameters get
-float32 gradients). Every other op follows the bfloat16 tables: the fp32 table runs in float32,
-the rest in bfloat16 (``Policy.value_dtype``).
-
-Scales are computed from the tensor itself on every call ("current scaling"): no state to carry,
-at the cost of one max-reduction per operand. Under ``jax.vmap`` a tensor is one example's slice.
+Quantization is straight-through for gradients (as in Flax and TransformerEngine), and gradients
+come back in the operands' own dtypes. Every other op follows the bfloat16 tables
+(``Policy.value_dtype``). Scales come from the tensor itself on every call ("current scaling"):
+no state to carry, one max-reduction per operand. Under ``jax.vmap`` a tensor is one example's
+slice.
 """
 from __future__ import annotations
 
