@@ -43,7 +43,8 @@ import optax
 import jamp
 
 MODES = ("float32", "bfloat16", "float16")
-COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+COMPUTE_DTYPES = {"float32": None, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+                  "float8": jnp.float8_e4m3fn}  # float8: --modes only (benchmarks/float8.py)
 MAX_ACCURACY_GAP = 1.5  # percentage points between any two of the three runs
 SPLIT_SEED = 0          # the train/test split is the same for every --seed
 
@@ -356,9 +357,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     epochs = args.epochs or (QUICK_EPOCHS if args.quick else EPOCHS)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - set(MODES)
+    unknown = set(modes) - set(COMPUTE_DTYPES)
     if unknown:
-        raise SystemExit(f"--modes: unknown {sorted(unknown)}, expected a subset of {MODES}")
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}, expected a subset of {tuple(COMPUTE_DTYPES)}")
     data = load_data()
     print(f"digits: {len(data.x_train)} train / {len(data.x_test)} test images, {epochs} epochs "
           f"of {len(data.x_train) // args.batch_size} steps, batch {args.batch_size}, adam lr "

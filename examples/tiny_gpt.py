@@ -250,9 +250,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     args = parse_args(argv)
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = set(modes) - set(MODES)
+    unknown = set(modes) - set(COMPUTE_DTYPES)
     if unknown or "float32" not in modes:
-        raise SystemExit(f"--modes: expected float32 and a subset of {MODES}, got {modes}")
+        raise SystemExit(f"--modes: expected float32 and a subset of {tuple(COMPUTE_DTYPES)}, got {modes}")
     print(f"tiny GPT: sort {LENGTH} digits; {steps} steps of {args.batch_size} sequences, adam "
           f"peak lr {args.lr}, seed {args.seed}; jax {jax.__version__} on {jax.default_backend()}")
     start = time.perf_counter()

@@ -99,7 +99,7 @@ class Hint:
     tags: frozenset = frozenset()
 
 
-TAGS = ("scalar_like", "lower_outputs", "expanded", "input_view")
+TAGS = ("scalar_like", "lower_outputs", "expanded", "input_view", "cotangent")
 INPUT = Hint(tags=frozenset({"input_view"}))  # a function input (a parameter, a batch)
 
 # Primitives that only move or replicate data; a constant stays a constant through them.
@@ -134,6 +134,18 @@ class Env:
         self.lower_outputs: set[Any] = set()
         self.expanded: set[Any] = set()
         self.input_view: set[Any] = set()
+        self._cotangent: Optional[set[Any]] = None
+
+    @property
+    def cotangent(self) -> set[Any]:
+        """Values the backward pass computed (outputs of transposed equations, and sub-jaxpr
+        inputs that receive one): float8 scales them to the gradient format (jamp/fp8.py).
+        Found on the first question, so other policies never pay for the walk."""
+        if self._cotangent is None:
+            self._cotangent = {v for eqn in (self.jaxpr.eqns if self.jaxpr is not None else ())
+                               if "transpose" in compat.transform_names(eqn)
+                               for v in eqn.outvars}
+        return self._cotangent
 
     def accumulated(self, var: Any) -> bool:
         """Whether ``var`` is summed later in this jaxpr (computed once, on the first question)."""
@@ -163,6 +175,9 @@ class Step:
         self.rewriter, self.env, self.eqn, self.state = rewriter, env, eqn, state
         self.args: list[Any] = [env.read(v) for v in eqn.invars]
         self.bound_args: Sequence[Any] = self.args
+        # The format a scaled lower-table op computed in (float8), for jamp.explain's FLOPs:
+        # its bound operands are the dequantized values XLA folds into the float8 GEMM.
+        self.flop_dtype: Optional[np.dtype] = None
 
     @property
     def policy(self) -> Policy:
@@ -260,11 +275,16 @@ class Rewriter:
         self._rewritten = {} if rewritten is None else rewritten
         # Environments of the jaxprs being evaluated (outermost first), shared with children.
         self._active: list[Env] = [] if active is None else active
+        # What rules decided at a source site (scope path and line), which the equations JAX
+        # derives from it (its transposes in a ``jax.grad`` program) share; shared with children.
+        self.site_decisions: dict[tuple, Any] = {}
 
     def child(self, state: RegionState) -> "Rewriter":
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
-        return Rewriter(self.policy, state, self._rewritten, self.recorder, self.scope_log,
-                        self._active)
+        sub = Rewriter(self.policy, state, self._rewritten, self.recorder, self.scope_log,
+                       self._active)
+        sub.site_decisions = self.site_decisions
+        return sub
 
     def outer_value(self, value: Any) -> Any:
         """``value``, or, for a tracer of the user's finished trace (closed over by a custom
@@ -435,9 +455,19 @@ def lower_rule(step: Step) -> Sequence[Any]:
         if not arrived or traced is None:
             return step.bind(args)
         return step.bind(args, **_output_type(step, widest(traced, *arrived)))
-    dtype = step.state.dtype
+    scaled = SCALED_FORMATS.get(step.state.dtype)
+    outs = scaled(step) if scaled is not None else None
+    if outs is not None:
+        return outs
+    dtype = step.state.value_dtype
     args = step.with_cast({i: dtype for i in floating})
     return step.bind(args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+
+
+# Compute dtypes whose lower-table ops run on scaled operands (jamp/fp8.py registers float8):
+# dtype -> rule returning the outputs, or None where the op does not qualify (it then runs in the
+# state's value dtype).
+SCALED_FORMATS: dict[np.dtype, Callable[[Step], Optional[Sequence[Any]]]] = {}
 
 
 def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
@@ -471,7 +501,7 @@ def fp32_rule(step: Step) -> Sequence[Any]:
     outs = step.bind(step.with_cast(targets))
     if state.keep_compute_dtype and in_compute_dtype(step):
         with compat.equation_context(step.eqn):
-            outs = [compat.convert(x, state.dtype) if compat.aval_of(x).dtype == F32 else x
+            outs = [compat.convert(x, state.value_dtype) if compat.aval_of(x).dtype == F32 else x
                     for x in outs]
     return outs
 
@@ -487,7 +517,7 @@ def in_compute_dtype(step: Step) -> bool:
 
     Scalar-like operands do not count; at least one other floating operand must exist.
     """
-    dtype = step.state.dtype
+    dtype = step.state.value_dtype
     operands = [step.aval(i) for i in step.floating() if not is_scalar_like(step, i)]
     return dtype != F32 and bool(operands) and all(a.dtype == dtype for a in operands)
 

@@ -56,7 +56,22 @@ PROMOTE: frozenset[str] = frozenset({
     "eq", "ne", "lt", "le", "gt", "ge", "select_and_scatter_add", "select_and_gather_add",
 })
 
-_FLOATING_COMPUTE = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(jnp.float32))
+BF16 = np.dtype(jnp.bfloat16)
+# float8 compute (``Policy(jnp.float8_e4m3fn)``, jamp/fp8.py): the lower table runs on per-tensor
+# scaled float8 operands (e4m3 forward, e5m2 cotangents: TransformerEngine's HYBRID format); values
+# between those ops are bfloat16. Only e4m3 is a compute dtype: e5m2 is the gradient format.
+FLOAT8_COMPUTE = np.dtype(jnp.float8_e4m3fn)
+_FLOATING_COMPUTE = (BF16, np.dtype(jnp.float16), np.dtype(jnp.float32), FLOAT8_COMPUTE)
+
+
+def is_float8(dtype: Any) -> bool:
+    return np.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def value_dtype(compute: np.dtype) -> np.dtype:
+    """The dtype values take outside the lower table: bfloat16 under a float8 compute dtype (an
+    activation stored in float8 would lose its per-tensor scale), else the compute dtype."""
+    return BF16 if is_float8(compute) else compute
 _DEFAULT_TABLES = {"lower": ("LOWER", lambda: LOWER), "fp32": ("FP32", lambda: FP32),
                    "promote": ("PROMOTE", lambda: PROMOTE)}
 
@@ -86,6 +101,11 @@ def _dtype_or_none(value: Any, field: str) -> Optional[np.dtype]:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"Policy.{field} must be a floating dtype (bfloat16, float16, float32), "
                          f"got {dtype.name}")
+    if is_float8(dtype) and (dtype != FLOAT8_COMPUTE or not field.startswith(("compute", "rules"))):
+        raise ValueError(
+            f"Policy.{field} cannot be {dtype.name}: float8 is only a compute dtype, and only "
+            "float8_e4m3fn (matmul/conv operands are scaled per tensor to e4m3 forward and to "
+            "e5m2 for cotangents; values between those ops are bfloat16)")
     return dtype
 
 
@@ -241,6 +261,9 @@ class Policy:
 
     Args:
       compute_dtype: dtype of matmuls/convs (the ``lower`` table), ``bfloat16`` by default.
+        ``jnp.float8_e4m3fn`` runs them on float8 operands scaled per tensor from their current
+        absolute maximum (cotangents in ``float8_e5m2``), with bfloat16 everywhere else the
+        bfloat16 policy would use it (see ``jamp.fp8``).
       accumulate_dtype: if set (e.g. ``jnp.float32``), lower-table ops return this dtype instead of
         the compute dtype. Costs memory and makes backward matmuls mix dtypes; use for logits only.
       output_dtype: if set, floating (non-float64) outputs of the function are cast to it.
@@ -282,8 +305,8 @@ class Policy:
                  rules: Iterable[Any] = ()):
         compute = _dtype_or_none(compute_dtype, "compute_dtype")
         if compute is None or compute not in _FLOATING_COMPUTE:
-            raise ValueError("Policy.compute_dtype must be bfloat16, float16 or float32, "
-                             f"got {compute_dtype!r}")
+            raise ValueError("Policy.compute_dtype must be bfloat16, float16, float32 or "
+                             f"float8_e4m3fn, got {compute_dtype!r}")
         if not isinstance(cast_inputs, bool):
             raise TypeError(f"Policy.cast_inputs must be a bool, got {cast_inputs!r}")
         set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass
@@ -357,6 +380,12 @@ class Policy:
         current.update(changes)
         compute = current.pop("compute_dtype")
         return Policy(compute, **current)
+
+    @property
+    def value_dtype(self) -> np.dtype:
+        """The dtype of values between lower-table ops: the compute dtype, or bfloat16 under
+        float8."""
+        return value_dtype(self.compute_dtype)
 
     def category(self, primitive_name: str) -> Optional[str]:
         """``'lower'``, ``'fp32'``, ``'promote'`` or None for a primitive name."""
@@ -510,6 +539,11 @@ class RegionState:
     matched: frozenset = frozenset()
     decided_by: str = "policy"  # what set enabled/dtype last: "policy", "region" or "rule '<glob>'"
     keep_compute_dtype: bool = False
+
+    @property
+    def value_dtype(self) -> np.dtype:
+        """What the compute dtype means outside the lower table (bfloat16 for float8)."""
+        return value_dtype(self.dtype)
 
     def enter_scope(self, name: str, rules: tuple) -> "RegionState":
         path = self.path + (name,)

@@ -33,7 +33,8 @@ class Report:
       constant_casts: constants and literals jamp cast at rewrite time instead.
       flops: dtype a matmul/convolution computes in (its floating operands' dtype, so an integer
         mask times bfloat16 activations counts as bfloat16) -> FLOPs.
-      low_precision_flop_share: share of those FLOPs with 16-bit operands.
+      low_precision_flop_share: share of those FLOPs with 16- or 8-bit operands.
+      float8_flop_share: share of those FLOPs on float8 operands (``Policy(jnp.float8_e4m3fn)``).
       float32_reasons: (primitive, reason) -> equations that produced float32/float64, where the
         reason is ``"fp32 table"``, ``"region"``, ``"rule '<glob>'"``, ``"float64"``,
         ``"accumulate_dtype"``, ``"explicit preferred_element_type"``, ``"compute dtype"`` or
@@ -58,6 +59,12 @@ class Report:
         low = sum(n for dtype, n in self.flops.items() if np.dtype(dtype).itemsize < 4)
         return low / total if total else 0.0
 
+    @property
+    def float8_flop_share(self) -> float:
+        total = sum(self.flops.values())
+        low = sum(n for dtype, n in self.flops.items() if np.dtype(dtype).itemsize == 1)
+        return low / total if total else 0.0
+
     def __str__(self) -> str:
         dtypes = sorted({d for counts in self.ops.values() for d in counts})
         width = max([len(p) for p in self.ops] + [9])
@@ -71,6 +78,8 @@ class Report:
                      "rewrite time)")
         lines.append(f"matmul/conv FLOPs in 16-bit dtypes: {self.low_precision_flop_share:.1%} "
                      f"of {total:,}" + "".join(f"; {d}: {n:,}" for d, n in sorted(self.flops.items())))
+        if self.float8_flop_share:
+            lines.append(f"  of which float8: {self.float8_flop_share:.1%}")
         if self.calls:
             lines.append("bodies rewritten: " + ", ".join(f"{n} x{c}" for n, c in
                                                           sorted(self.calls.items())))
@@ -100,7 +109,10 @@ def _flops(step: Step, outs: list[Any]) -> int:
 
 def _compute_dtype(step: Step) -> np.dtype:
     """The dtype a matmul/conv computes in: that of its floating operands (an integer mask or
-    index operand is converted to it), else its preferred element type, else its operands'."""
+    index operand is converted to it), else its preferred element type, else its operands'.
+    A float8 op (``Step.flop_dtype``) counts in its float8 format."""
+    if step.flop_dtype is not None:
+        return step.flop_dtype
     operands = [compat.aval_of(a).dtype for a in step.bound_args[:2]]
     floating = [d for d in operands if is_float(d)]
     if floating:

@@ -73,7 +73,7 @@ def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
     """
     jaxpr, consts = compat.open_and_consts(closed)
     if policy.cast_inputs:
-        args = [compat.convert(x, policy.compute_dtype)
+        args = [compat.convert(x, policy.value_dtype)
                 if _is_castable(compat.aval_of(x).dtype) else x for x in args]
     rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype),
                         recorder=recorder)

@@ -231,7 +231,7 @@ def test_from_string_accepts_jmp_spellings(spec, expected):
     ("comptue=bf16", ValueError, "unknown key 'comptue'"),
     ("comptue=bf16", ValueError, "did you mean 'compute'?"),
     ("params=bf16", ValueError, "params='bf16': jamp never casts parameters"),
-    ("compute=f64", ValueError, "compute_dtype must be bfloat16, float16 or float32"),
+    ("compute=f64", ValueError, "compute_dtype must be bfloat16, float16, float32 or float8_e4m3fn"),
     ("c=bf16,compute=f16", ValueError, "'compute' given twice"),
     ("cast_inputs=maybe", ValueError, "cast_inputs='maybe' must be true or false"),
     ("compute_float16", ValueError, "'compute_float16' is not a dtype"),  # jmp's own test case

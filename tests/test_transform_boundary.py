@@ -90,7 +90,7 @@ def test_the_compute_dtype_given_twice_is_an_error():
     (jnp.ones(3), TypeError, r"got ArrayImpl"),
     (3, TypeError, r"got int 3"),
     (jnp.int32, ValueError, r"compute_dtype must be a floating dtype"),
-    (jnp.float64, ValueError, r"compute_dtype must be bfloat16, float16 or float32"),
+    (jnp.float64, ValueError, r"compute_dtype must be bfloat16, float16, float32 or float8_e4m3fn"),
 ])
 def test_anything_else_is_rejected_saying_what_is_accepted(policy, error, message):
     with pytest.raises(error, match=message) as info:

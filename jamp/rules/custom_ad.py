@@ -65,7 +65,7 @@ def _primal(step: Step) -> tuple[Any, list[Any], RegionState, RegionState]:
     if _returns_compute_dtype(step):
         largest = max(step.aval(i).size for i in step.floating())
         narrow = [d == F32 and a.size >= largest for d, a in zip(dtypes, closed.out_avals)]
-        dtypes = [step.state.dtype if n else d for n, d in zip(narrow, dtypes)]
+        dtypes = [step.state.value_dtype if n else d for n, d in zip(narrow, dtypes)]
         narrowed = any(narrow)
     return closed, dtypes, state, dataclasses.replace(state, keep_compute_dtype=narrowed)
 
