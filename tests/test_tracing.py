@@ -371,6 +371,16 @@ def test_leaked_tracer_is_a_check_error():
     assert "`stash[0]` (closed over by" in str(err.value)
 
 
+def test_leak_from_code_run_under_an_unimported_module_name_is_found():
+    """Code exec'd under a ``__name__`` no import registered (a notebook cell, a docs page) is
+    the user's: its globals are searched like any other function's."""
+    namespace = {"__name__": "docs:page.md", "jnp": jnp}
+    exec("stash = []\ndef leaks(x):\n    stash.append(x * 2)\n    return x\n", namespace)
+    with pytest.raises(tracing.TracingCheckError, match="leaked out of the trace") as err:
+        tracing.trace(namespace["leaks"], (X,))
+    assert "stash" in str(err.value)
+
+
 def test_check_inputs_must_be_a_list_of_input_tuples():
     with pytest.raises(TypeError, match="check_inputs must be a list"):
         tracing.check_trace(lambda x: x, (X,), check_inputs=X)

@@ -38,6 +38,8 @@ def _module_is_library(module_name: Optional[str]) -> bool:
     if root in _OWN_PACKAGES or root in sys.builtin_module_names:
         return True
     module = sys.modules.get(module_name) or sys.modules.get(root)
+    if module is None:
+        return False  # code exec'd under a name no import registered (a notebook cell, a page)
     path = getattr(module, "__file__", None)
     if path is None:
         return module_name != "__main__"
