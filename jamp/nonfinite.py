@@ -105,7 +105,7 @@ class ValueRange:
         finite = wide[np.isfinite(wide)] if is_float(array.dtype) else wide.ravel()
         nan = int(np.isnan(wide).sum()) if is_float(array.dtype) else 0
         inf = int(np.isinf(wide).sum()) if is_float(array.dtype) else 0
-        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (np.nan, np.nan)
+        lo, hi = (float(np.min(finite)), float(np.max(finite))) if finite.size else (np.nan, np.nan)
         return cls(np.dtype(array.dtype).name, tuple(array.shape), lo, hi, nan, inf)
 
     def __str__(self) -> str:

@@ -446,8 +446,8 @@ def _cond(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], A
 
 def _zero() -> Any:
     # Concrete under disable_jit (Python loops index with it); an int32 scalar under jit.
-    # jax.config's options are dynamic attributes (no stub)
-    return 0 if jax.config.jax_disable_jit else jnp.int32(0)  # type: ignore[attr-defined]
+    # jax.config's options are typed as attributes from jax 0.12 on, dynamic before
+    return 0 if jax.config.jax_disable_jit else jnp.int32(0)  # type: ignore[attr-defined, unused-ignore]
 
 
 # --- observers ----------------------------------------------------------------------------------
