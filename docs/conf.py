@@ -46,8 +46,9 @@ html_title = f"jamp {release}"
 nitpicky = True  # every cross-reference must resolve, except the ones listed here
 nitpick_ignore_regex = [
     # Types from numpy, jax and the standard library in type hints: the build runs offline, so
-    # there is no intersphinx inventory to resolve them against.
-    ("py:class", r"(numpy|jax|jaxlib|inspect)\..*"),
+    # there is no intersphinx inventory to resolve them against. (collections.abc: what ruff's
+    # pyupgrade rules write for typing.Callable, Sequence and Iterable.)
+    ("py:class", r"(numpy|jax|jaxlib|inspect|collections\.abc)\..*"),
     ("py:class", r"Signature"),
     # Report.unmatched_rules holds these; the class is not public (not in jamp.__all__).
     ("py:class", r"jamp\.policy\.UnmatchedRule"),

@@ -29,6 +29,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
@@ -40,8 +41,9 @@ import optax
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import jamp  # noqa: E402
-from digits import (COMPUTE_DTYPES, LOSS_SCALE_PERIOD, MODES, _progress, format_table,  # noqa: E402
-                    plot_losses, temp_bytes)
+from digits import (COMPUTE_DTYPES, LOSS_SCALE_PERIOD, MODES, _progress,  # noqa: E402
+                    describe_loss_scale, format_table, make_loss_scale, matmul_dtypes,
+                    memory_note, plot_losses, temp_bytes)
 
 VOCAB = 10           # digits 0..9
 SEP = VOCAB          # separator token
@@ -180,8 +182,7 @@ def train(mode: str, *, steps: int, seed: int, batch_size: int = BATCH_SIZE,
 
     train_step, tx = make_train_step(model, mode, learning_rate, steps)
     params = model.init(jax.random.key(seed), train_seqs[0, :, :-1])["params"]
-    loss_scale = (jamp.DynamicLossScale(2.0 ** 15, period=LOSS_SCALE_PERIOD) if mode == "float16"
-                  else jamp.NoOpLossScale())
+    loss_scale = make_loss_scale(mode)
     state = TrainState(params, tx.init(params), loss_scale)
 
     start = time.perf_counter()
@@ -213,6 +214,7 @@ def train(mode: str, *, steps: int, seed: int, batch_size: int = BATCH_SIZE,
         "median_step_ms": 1e3 * statistics.median(step_seconds[1:] or step_seconds),
         "compile_seconds": compile_seconds,
         "temp_bytes": temp_bytes(compiled),
+        "matmul_dtypes": matmul_dtypes(compiled),
         "steps": steps,
         "param_dtypes": sorted({str(p.dtype) for p in jax.tree.leaves(state.params)}),
     }
@@ -224,6 +226,7 @@ def train(mode: str, *, steps: int, seed: int, batch_size: int = BATCH_SIZE,
             "skipped_steps": finite_flags.count(False),
             "skipped_at": [i for i, f in enumerate(finite_flags) if not f],
             "optax_notfinite": int(state.opt_state.total_notfinite),
+            "period": LOSS_SCALE_PERIOD,
         }
     return result
 
@@ -255,6 +258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         raise SystemExit(f"--modes: expected float32 and a subset of {tuple(COMPUTE_DTYPES)}, got {modes}")
     print(f"tiny GPT: sort {LENGTH} digits; {steps} steps of {args.batch_size} sequences, adam "
           f"peak lr {args.lr}, seed {args.seed}; jax {jax.__version__} on {jax.default_backend()}")
+    if "float16" in modes:
+        print(textwrap.fill(describe_loss_scale(LOSS_SCALE_PERIOD, steps), 100))
     start = time.perf_counter()
     runs = {mode: train(mode, steps=steps, seed=args.seed, batch_size=args.batch_size,
                         learning_rate=args.lr, progress=not args.no_progress) for mode in modes}
@@ -264,6 +269,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
                "steps": steps, "seed": args.seed, "train_seconds": time.perf_counter() - start}
     print()
     print(format_table(runs, accuracy_label="token acc %"))
+    note = memory_note(runs)
+    if note:
+        print(textwrap.fill(note, 100))
     print("sequences sorted entirely right: " + ", ".join(
         f"{m} {r['sequence_accuracy']:.1f}%" for m, r in runs.items()))
     print(f"held-out token accuracy within {gap:.2f} points of float32 "

@@ -31,6 +31,8 @@ JaxprTypeError = _core.JaxprTypeError
 # jax < 0.12 has a separate ClosedJaxpr; from 0.12 a Jaxpr carries its consts itself.
 _ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
 _JAXPR_TYPES = tuple(t for t in (_core.Jaxpr, _ClosedJaxpr) if t is not None)
+# jax < 0.12: ClosedJaxpr(jaxpr, consts); from 0.12 Jaxpr(jaxpr, consts) attaches them.
+_close_jaxpr: Any = _ClosedJaxpr or _core.Jaxpr
 
 
 # Pure call wrappers (a body and nothing else). jax 0.12 folds ``closed_call``/``call`` into one
@@ -61,7 +63,7 @@ def check_closed_jaxpr(closed: Any) -> None:
 
 
 def aval_of(x: Any) -> ShapedArray:
-    return jax.typeof(x) if hasattr(jax, "typeof") else _core.get_aval(x)
+    return jax.typeof(x)
 
 
 def scope_names(eqn: Any) -> tuple[str, ...]:
@@ -138,8 +140,7 @@ def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
     flat_fn = lambda *args: jax.tree.leaves(fn(*args))  # outputs may be a pytree (a vjp's)
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(flat_fn, debug_info=debug),
                                                   list(in_avals))
-    # jax < 0.12: ClosedJaxpr(jaxpr, consts); from 0.12 Jaxpr(jaxpr, consts) attaches them.
-    return (_ClosedJaxpr or _core.Jaxpr)(jaxpr, consts)
+    return _close_jaxpr(jaxpr, consts)
 
 
 def is_tracer(x: Any) -> bool:
@@ -193,7 +194,7 @@ def scan_counts(params: dict[str, Any], n_args: int) -> tuple[int, int]:
 def shard_map(fn: Any, *, mesh: Any, in_specs: Any, out_specs: Any, axis_names: Any,
               check_vma: bool) -> Any:
     """The public ``jax.shard_map`` (``jax.experimental.shard_map`` before it moved)."""
-    public = getattr(jax, "shard_map", None)
+    public: Any = getattr(jax, "shard_map", None)
     kwargs = {} if not axis_names else {"axis_names": set(axis_names)}
     if public is None:  # pragma: no cover - older jax
         from jax.experimental.shard_map import shard_map as public
@@ -287,7 +288,7 @@ def trace_user_function(flat_fn: Any, in_avals: Sequence[ShapedArray], debug: An
     ``jax.make_jaxpr`` does, with ``debug`` (from ``debug_info``) naming the user's function."""
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(flat_fn, debug_info=debug),
                                                   list(in_avals))
-    return (_ClosedJaxpr or _core.Jaxpr)(jaxpr, consts)
+    return _close_jaxpr(jaxpr, consts)
 
 
 def trace_context() -> Any:

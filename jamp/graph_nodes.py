@@ -57,7 +57,7 @@ def _pure(fn: Callable, treedef: Any, node_at: tuple[int, ...]) -> Callable:
         out = fn(*args, **kwargs)
         new_state = nnx.split(nodes)[1]
         final, final_def = jax.tree.flatten(new_state)
-        if final_def != given_def:
+        if final_def != given_def:  # type: ignore[operator]  # jaxlib has no PyTreeDef stub
             return out, new_state
         return out, [None if new is old else new for new, old in zip(final, given)]
     return run

@@ -245,11 +245,13 @@ class Step:
             out = self.eqn.primitive.bind(*args, **params)
         return list(out) if self.eqn.primitive.multiple_results else [out]
 
-    def rewrite_sub(self, closed: Any, avals: Sequence[Any], hints: Sequence[Hint] = ()) -> Any:
+    def rewrite_sub(self, closed: Any, avals: Sequence[Any],
+                    hints: Sequence[Optional[Hint]] = ()) -> Any:
         """Rewrite a sub-jaxpr under this equation's region, for the operand avals given."""
         return self.rewriter.rewrite_closed(closed, avals, self.state, hints)
 
-    def run_sub(self, closed: Any, args: Sequence[Any], hints: Sequence[Hint] = ()) -> list[Any]:
+    def run_sub(self, closed: Any, args: Sequence[Any],
+                hints: Sequence[Optional[Hint]] = ()) -> list[Any]:
         """Evaluate a sub-jaxpr inline under this equation's region (for pure call wrappers)."""
         jaxpr, consts = compat.open_and_consts(closed)
         return self.rewriter.child(self.state).run(jaxpr, consts, args, hints)
@@ -308,7 +310,7 @@ class Rewriter:
         return state
 
     def rewrite_closed(self, closed: Any, avals: Sequence[Any], state: RegionState,
-                       hints: Sequence[Hint] = ()) -> Any:
+                       hints: Sequence[Optional[Hint]] = ()) -> Any:
         key = None
         if self.recorder is None and not any(h is not None and h.source is not None for h in hints):
             key = (closed, tuple(avals), state, tuple(h.tags if h else None for h in hints))
@@ -372,7 +374,8 @@ class Rewriter:
                 # The user's code or JAX raised it (a custom rule, a shape check): it keeps its
                 # type, so the caller's `except NotImplementedError:` still fires.
                 note = "(raised while jamp rewrote "
-                if not any(n.startswith(note) for n in getattr(err, "__notes__", ())):
+                if hasattr(err, "add_note") and not any(  # add_note: Python 3.11+
+                        n.startswith(note) for n in getattr(err, "__notes__", ())):
                     err.add_note(f"{note}{where})")  # the innermost equation's note only
                 raise
             raise RewriteError(f"jamp could not rewrite {where}: {type(err).__name__}: {err}"

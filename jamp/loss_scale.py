@@ -119,7 +119,7 @@ def _register(cls: type) -> type:
 
 def _unchecked(cls: type, **values: Any) -> Any:
     """An instance with these field values, without validation (values jamp computed itself)."""
-    obj = object.__new__(cls)
+    obj: Any = object.__new__(cls)
     for name, value in values.items():
         object.__setattr__(obj, name, value)
     return obj
@@ -249,7 +249,7 @@ class DynamicLossScale(_LossScale):
         return _unchecked(DynamicLossScale, **values)
 
 
-LossScale = Union[NoOpLossScale, StaticLossScale, DynamicLossScale]
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -261,7 +261,7 @@ def all_finite(tree: Any) -> jax.Array:
 
 def select_tree(pred: Any, a: Any, b: Any) -> Any:
     """``a`` where the scalar ``pred`` is true, else ``b``, leaf by leaf (same structures)."""
-    if jax.tree.structure(a) != jax.tree.structure(b):
+    if jax.tree.structure(a) != jax.tree.structure(b):  # type: ignore[operator]  # no jaxlib stub
         raise ValueError("select_tree needs trees of one structure, got "
                          f"{jax.tree.structure(a)} and {jax.tree.structure(b)}")
     pred = jnp.asarray(pred)

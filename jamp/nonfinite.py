@@ -105,7 +105,7 @@ class ValueRange:
         finite = wide[np.isfinite(wide)] if is_float(array.dtype) else wide.ravel()
         nan = int(np.isnan(wide).sum()) if is_float(array.dtype) else 0
         inf = int(np.isinf(wide).sum()) if is_float(array.dtype) else 0
-        lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (np.nan, np.nan)
+        lo, hi = (float(np.min(finite)), float(np.max(finite))) if finite.size else (np.nan, np.nan)
         return cls(np.dtype(array.dtype).name, tuple(array.shape), lo, hi, nan, inf)
 
     def __str__(self) -> str:
@@ -305,7 +305,9 @@ def _ancestors(site: Site, sites: dict[int, Site], limit: int = 24) -> list[Site
     """Leaf equations of the same jaxpr that feed ``site``, nearest first."""
     by_eqn = {id(s.eqn): s for s in sites.values() if s.jaxpr is site.jaxpr}
     producer = {id(v): e for e in site.jaxpr.eqns for v in e.outvars}
-    seen, queue, out = set(), [site.eqn], []
+    seen: set[int] = set()
+    queue = [site.eqn]
+    out: list[Site] = []
     while queue and len(out) < limit:
         eqn = queue.pop(0)
         for v in eqn.invars:

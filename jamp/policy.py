@@ -20,7 +20,8 @@ import fnmatch
 import os
 import sys
 import warnings
-from typing import Any, Callable, Iterable, Optional
+from types import FrameType
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,9 @@ class _DefaultTable:
 
     def __repr__(self) -> str:
         return self.name
+
+    def __iter__(self) -> Iterator[str]:  # an Iterable[str], like the table it stands for
+        return iter(_DEFAULT_TABLES[self.name.lower()][1]())
 
 
 def _dtype_or_none(value: Any, field: str) -> Optional[np.dtype]:
@@ -477,7 +481,7 @@ class ScopeLog:
 
 
 _warned: set[tuple[str, str, tuple[str, ...]]] = set()
-_OWN_PACKAGES = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax,))
+_OWN_PACKAGES = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (jax,))
 
 
 def warn_unmatched(unmatched: Iterable[UnmatchedRule], where: str, paths: Iterable[str]) -> None:
@@ -514,7 +518,8 @@ def _is_internal(filename: str) -> bool:
 
 def _user_stacklevel() -> int:
     """The stacklevel of the first caller frame outside jamp and JAX (the user's line)."""
-    frame, level = sys._getframe(1), 1
+    frame: Optional[FrameType] = sys._getframe(1)
+    level = 1
     while frame is not None and (_is_internal(frame.f_code.co_filename)
                                  or frame.f_code.co_filename.startswith("<")):
         frame, level = frame.f_back, level + 1

@@ -33,7 +33,7 @@ from .policy import Policy, RegionState
 
 # XLA may otherwise keep a chain of 16-bit ops in float32 inside a fusion (CPUs do): the check
 # must see every op round to its dtype, as the program says and as op-by-op execution does.
-EXACT_ROUNDING = {"xla_allow_excess_precision": False}
+EXACT_ROUNDING: dict[str, str | bool] = {"xla_allow_excess_precision": False}
 SIXTEEN_BIT = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
@@ -446,7 +446,8 @@ def _cond(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], A
 
 def _zero() -> Any:
     # Concrete under disable_jit (Python loops index with it); an int32 scalar under jit.
-    return 0 if jax.config.jax_disable_jit else jnp.int32(0)
+    # jax.config's options are typed as attributes from jax 0.12 on, dynamic before
+    return 0 if jax.config.jax_disable_jit else jnp.int32(0)  # type: ignore[attr-defined, unused-ignore]
 
 
 # --- observers ----------------------------------------------------------------------------------
@@ -522,4 +523,5 @@ def forward_site(site: Site, sites: dict[int, Site]) -> Optional[Site]:
         candidates = [s for s in sites.values() if not s.backward and s.index < site.index
                       and s.source == site.source]
     not_casts = [s for s in candidates if s.primitive != "convert_element_type"]
-    return (not_casts or candidates or [None])[-1]
+    found = not_casts or candidates
+    return found[-1] if found else None

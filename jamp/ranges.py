@@ -165,7 +165,8 @@ def _entry(policy: Policy, site: Site, sites: dict[int, Site], peak: float, nonz
                    f"`{forward.primitive}` at {forward.caller or forward.source}"
                    if forward is not None else f"an equation at {site.source}")
     share = lambda n: n / nonzero if nonzero else 0.0
-    return RangeEntry(site.primitive, site.out_dtype.name, site.scope, site.source, site.caller,
+    dtype_name = getattr(site.out_dtype, "name", str(site.out_dtype))
+    return RangeEntry(site.primitive, dtype_name, site.scope, site.source, site.caller,
                       backward_of, decision(policy, site), peak,
                       peak / float(jnp.finfo(site.out_dtype).max), share(flushed),
                       share(subnormal), nonzero, site.index)

@@ -146,7 +146,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 if self.cast_inputs is None:
                     with self._open_region():
                         return fn(*args, **kwargs)
-                return self._cast_inputs_call(fn, args, kwargs)
+                return self._cast_inputs_call(fn, self.cast_inputs, args, kwargs)
             if not self.enabled:  # autocast is already off outside transforms
                 return fn(*args, **kwargs)
             if self._transformed is None:
@@ -156,7 +156,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
 
         return wrapper
 
-    def _cast_inputs_call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def _cast_inputs_call(self, fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
         """Call ``fn`` as a jit the rewriter recognises by its name (see rules/calls.py): at trace
         time the inputs still have their traced dtypes, so the rewriter does the cast.
 
@@ -174,7 +174,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
             call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
             with self._open_region():
                 return fn(*call_args, **call_kwargs)
-        region.__name__ = f"jamp_cast_inputs_{self.cast_inputs.name}"
+        region.__name__ = f"jamp_cast_inputs_{dtype.name}"
         return jax.jit(region)(*(flat[i] for i in traced_at))
 
     def _open_region(self) -> contextlib.ExitStack:

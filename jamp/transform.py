@@ -26,7 +26,7 @@ from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
 from .regions import tracing_under
 
-PolicyLike = Union[Policy, Any, None]  # a Policy, a floating dtype (meaning Policy(dtype)) or None
+PolicyLike = Policy | Any | None  # a Policy, a floating dtype (meaning Policy(dtype)) or None
 
 
 def _is_dtype_like(value: Any) -> bool:

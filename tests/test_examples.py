@@ -7,6 +7,7 @@ import math
 import os
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -50,10 +51,14 @@ def _check_loss_scale(run, period):
     assert ls["skipped_steps"] < run["steps"] // 10
 
 
-def test_digits_quick_run_agrees_across_precisions(tmp_path):
+def test_digits_quick_run_agrees_across_precisions(tmp_path, capsys):
     digits = _example("digits")
     plot = tmp_path / "losses.png"
     results = digits.main(["--quick", "--no-progress", "--plot", str(plot)])
+    printed = " ".join(capsys.readouterr().out.split())
+    # the settings it used, and why its period is not the default
+    assert "DynamicLossScale(loss_scale=32768, period=25," in printed
+    assert "the default is 2000" in printed
     runs = results["runs"]
     assert list(runs) == ["float32", "bfloat16", "float16"]
     accuracies = {mode: run["accuracy"] for mode, run in runs.items()}
@@ -71,6 +76,9 @@ def test_digits_quick_run_agrees_across_precisions(tmp_path):
         assert run["median_step_ms"] > 0
         assert run["temp_bytes"] is None or run["temp_bytes"] > 0
     _check_loss_scale(runs["float16"], digits.LOSS_SCALE_PERIOD)
+    assert runs["float16"]["loss_scale"]["period"] == digits.LOSS_SCALE_PERIOD
+    if jax.default_backend() == "cpu":  # emulated 16-bit arithmetic: the printed note says why
+        assert "computes 16-bit matmuls and convolutions in float32" in printed
     assert "loss_scale" not in runs["float32"] and "loss_scale" not in runs["bfloat16"]
     assert results["plot"] == str(plot)
     assert plot.read_bytes()[:8] == PNG_MAGIC
@@ -135,3 +143,74 @@ def test_tiny_gpt_remat_blocks_recompute_in_bfloat16():
     assert in_remat, "no matmuls inside a rematerialized block"
     assert {str(e.outvars[0].aval.dtype) for e in in_remat} == {"bfloat16"}
     assert {str(aval.dtype) for aval in grad_jaxpr.out_avals} == {"float32"}  # float32 grads
+
+
+def _fake_run(mode, losses, accuracy=99.0, **extra):
+    return {"mode": mode, "losses": list(losses), "accuracy": accuracy, **extra}
+
+
+def test_digits_plot_keeps_coinciding_curves_apart_and_shows_the_loss_scale():
+    import matplotlib.pyplot as plt
+    digits = _example("digits")
+    losses = np.geomspace(2.0, 0.01, 40)
+    history = [2.0 ** 15] * 20 + [2.0 ** 16] * 5 + [2.0 ** 15] * 16
+    runs = {"float32": _fake_run("float32", losses),
+            "bfloat16": _fake_run("bfloat16", losses),   # identical curves: the issue's case
+            "float16": _fake_run("float16", losses * 1.1, loss_scale={
+                "history": history, "skipped_at": [24], "period": 20})}
+    fig = digits.loss_figure(runs)
+    try:
+        loss_ax, diff_ax, scale_ax = fig.axes[:3]
+        styles = {(line.get_linestyle(), line.get_marker(), line.get_color())
+                  for line in loss_ax.get_lines() if line.get_label().split()[0] in runs}
+        assert len(styles) == 3, styles  # one look per mode, even where the curves coincide
+        # the relative panel shows float16's 10% above float32 and bfloat16 on the zero line
+        rel = {line.get_label(): line.get_ydata() for line in diff_ax.get_lines()}
+        np.testing.assert_allclose(rel["float16"], 10.0, rtol=1e-6)
+        np.testing.assert_allclose(rel["bfloat16"], 0.0, atol=1e-9)
+        scale_line = next(l for l in scale_ax.get_lines() if "loss scale" in l.get_label())
+        assert list(scale_line.get_ydata()) == history
+        assert "20 finite steps" in scale_ax.get_title() and "default 2000" in scale_ax.get_title()
+    finally:
+        plt.close(fig)
+    two = digits.loss_figure({k: runs[k] for k in ("float32", "bfloat16")})
+    try:
+        assert len(two.axes) == 2  # no loss-scale panel without a loss-scaled run
+    finally:
+        plt.close(two)
+
+
+def test_digits_memory_note_explains_emulated_16_bit_arithmetic():
+    digits = _example("digits")
+    runs = {"float32": _fake_run("float32", [1.0], temp_bytes=5 * 2 ** 20,
+                                 matmul_dtypes={"f32": 11, "convert": 2}),
+            "bfloat16": _fake_run("bfloat16", [1.0], temp_bytes=6 * 2 ** 20,
+                                  matmul_dtypes={"f32": 11, "convert": 89})}
+    note = digits.memory_note(runs)
+    assert note is not None
+    assert "bfloat16: 6.00 MiB" in note and "11 dot/convolution ops all float32" in note
+    assert "89 converts" in note and "float32: 5.00 MiB" in note
+    # Where the backend computes in 16 bits there is nothing to explain.
+    runs["bfloat16"]["matmul_dtypes"] = {"bf16": 10, "f32": 1, "convert": 40}
+    assert digits.memory_note(runs) is None
+
+
+def test_digits_matmul_dtypes_reads_the_compiled_program():
+    import jax
+    import jax.numpy as jnp
+    digits = _example("digits")
+    a = jnp.ones((8, 8), jnp.float32)
+    compiled = jax.jit(lambda x, y: (x @ y).astype(jnp.bfloat16)).lower(a, a).compile()
+    counts = digits.matmul_dtypes(compiled)
+    assert counts["f32"] == 1 and counts["convert"] >= 1, counts
+
+
+def test_digits_says_which_loss_scale_settings_it_uses_and_why():
+    digits = _example("digits")
+    text = digits.describe_loss_scale(25, 252)
+    assert "period=25" in text and "loss_scale=32768" in text
+    assert "the default is 2000" in text and "252 steps" in text
+    assert "Keep 2000 for real training" in text
+    assert "default is" not in digits.describe_loss_scale(2000, 252)  # nothing to excuse
+    assert digits.make_loss_scale("float16", 7).period == 7
+    assert digits.parse_args([]).loss_scale_period == digits.LOSS_SCALE_PERIOD == 25

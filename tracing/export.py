@@ -163,14 +163,15 @@ def load(blob: bytes | bytearray) -> LoadedFunction:
             break
         except ValueError as err:
             missing = _UNREGISTERED.search(str(err))
-            cls = _imported_class(missing.group(1)) if missing else None
-            if cls is None or missing.group(1) in seen:
-                hint = (f" Import the module that defines {missing.group(1)} (and register it "
+            name = missing.group(1) if missing else None
+            cls = _imported_class(name) if name else None
+            if cls is None or name is None or name in seen:
+                hint = (f" Import the module that defines {name} (and register it "
                         "for jax.export if tracing did not) before loading."
-                        if missing else "")
-                message = str(err) if missing else str(err).removeprefix("tracing.load: ")
+                        if name else "")
+                message = str(err) if name else str(err).removeprefix("tracing.load: ")
                 raise ValueError(f"tracing.load: {message}{hint}") from err
-            seen.add(missing.group(1))
+            seen.add(name)
             _register(cls)
     return LoadedFunction(exported)
 

@@ -143,6 +143,8 @@ def _safe_children(obj: Any, where: str) -> list[tuple[Any, str]]:
 class _Root(str):
     """An expression that starts a new path (a global, a closure variable), with its context."""
 
+    context: str
+
     def __new__(cls, expr: str, context: str) -> "_Root":
         root = super().__new__(cls, expr)
         root.context = context

@@ -1,2 +1,3 @@
-"""Rules for higher-order and context-dependent primitives; importing this package registers them into ``RULES``."""
+"""Rules for higher-order and context-dependent primitives; importing this package registers
+them into ``RULES``."""
 from . import calls, control_flow, custom_ad, float8, indexing, parallel, powers  # noqa: F401

@@ -6,10 +6,10 @@ inside the callee apply on top of it (its equations' name stacks are relative to
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from .. import _compat as compat
-from ..interpreter import F64, Step, is_float, register
+from ..interpreter import F64, Hint, Step, is_float, register
 from ..regions import cast_inputs_dtype
 
 
@@ -20,7 +20,8 @@ def jit_rule(step: Step) -> Sequence[Any]:
     A ``@jamp.autocast(cast_inputs=dtype)`` function arrives as a jit named after the dtype: inside
     an enabled region its floating (non-float64) inputs are cast first (torch's custom_fwd).
     """
-    args, hints = step.args, step.hints()
+    args = step.args
+    hints: list[Optional[Hint]] = list(step.hints())
     dtype = cast_inputs_dtype(step.params.get("name", ""))
     if dtype is not None and step.state.enabled:
         targets = {i: dtype for i in step.floating() if step.aval(i).dtype != F64}

@@ -76,7 +76,8 @@ def while_rule(step: Step) -> Sequence[Any]:
     with compat.equation_context(step.eqn):
         if compat.open_and_consts(params["cond_jaxpr"])[0].outvars[0].aval.shape:
             return _batched_while(step, cond_fun, body_fun, init)
-        return list(lax.while_loop(cond_fun, body_fun, init))
+        carry = lax.while_loop(cond_fun, body_fun, init)
+        return list(carry)
 
 
 def _batched_while(step: Step, cond_fun: Any, body_fun: Any, init: Sequence[Any]) -> list[Any]:

@@ -118,9 +118,10 @@ def _instantiate(ct: Any) -> Any:
     """A cotangent as an array (``symbolic_zeros`` hands the backward pass symbolic zeros)."""
     if not isinstance(ct, SymbolicZero):
         return ct
-    if ct.aval.dtype == jax.dtypes.float0:
-        return np.zeros(ct.aval.shape, jax.dtypes.float0)
-    return jnp.zeros(ct.aval.shape, ct.aval.dtype)
+    aval: Any = ct.aval  # a ShapedArray (typed as the AbstractValue base)
+    if aval.dtype == jax.dtypes.float0:
+        return np.zeros(aval.shape, jax.dtypes.float0)
+    return jnp.zeros(aval.shape, aval.dtype)
 
 
 @register("custom_vjp_call", "custom_vjp_call_jaxpr")
@@ -189,8 +190,8 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         residuals, consts = values[:len(values) - n_consts], values[len(values) - n_consts:]
         cts = rewriter.run(backward.closed, consts,
                            [*residuals, *(_instantiate(c) for c in cotangents)])
-        cts = iter(_cast_to(cts, [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
-        return tuple(next(cts) if p else None for p in backward.perturbed)
+        cast = iter(_cast_to(cts, [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
+        return tuple(next(cast) if p else None for p in backward.perturbed)
 
     primal.defvjp(fwd, bwd, symbolic_zeros=True)
     with compat.equation_context(step.eqn):
