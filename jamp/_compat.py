@@ -303,3 +303,13 @@ def under_staging() -> bool:
     ``scan`` body...), possibly below ``grad``/``vmap`` traces; false for eager ``grad``/``vmap``."""
     stack = _core.unsafe_get_trace_stack(_core.trace_ctx.trace)
     return any(isinstance(trace, _pe.DynamicJaxprTrace) for trace in stack)
+
+
+# --- Effect tokens at the call boundary (issue 11 item 12): ``lax.create_token()`` values are
+# valid ``jax.jit`` arguments and outputs, but neither arrays nor floating values. ---
+
+def is_token(x: Any) -> bool:
+    """A token (``jax.lax.create_token()``) or a tracer of one (same types in jax 0.10 and 0.12)."""
+    if isinstance(x, _core.Token):
+        return True
+    return isinstance(x, _core.Tracer) and isinstance(getattr(x, "aval", None), _core.AbstractToken)

@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from . import _compat as compat
+
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
@@ -186,9 +188,9 @@ def short_repr(value: Any, limit: int = 60) -> str:
 
 
 def is_traced_leaf(leaf: Any, numbers_are_static: bool) -> bool:
-    """Arrays are traced; Python numbers too unless ``numbers_are_static``; bools, strings and
-    other objects are static."""
-    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+    """Arrays and effect tokens are traced (as ``jax.jit`` traces them); Python numbers too
+    unless ``numbers_are_static``; bools, strings and other objects are static."""
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or compat.is_token(leaf):
         return True
     return (not numbers_are_static and type(leaf) is not bool
             and isinstance(leaf, (int, float, complex)))

@@ -73,19 +73,19 @@ def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
     """
     jaxpr, consts = compat.open_and_consts(closed)
     if policy.cast_inputs:
-        args = [compat.convert(x, policy.compute_dtype)
-                if _is_castable(compat.aval_of(x).dtype) else x for x in args]
+        args = [compat.convert(x, policy.compute_dtype) if _is_castable(x) else x for x in args]
     rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype),
                         recorder=recorder)
     outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
     if policy.output_dtype is not None:
-        outs = [compat.convert(x, policy.output_dtype)
-                if _is_castable(compat.aval_of(x).dtype) else x for x in outs]
+        outs = [compat.convert(x, policy.output_dtype) if _is_castable(x) else x for x in outs]
     return outs
 
 
-def _is_castable(dtype: Any) -> bool:
-    return is_float(dtype) and np.dtype(dtype) != F64
+def _is_castable(value: Any) -> bool:
+    """A floating value narrower than float64 (not an effect token, which has no dtype)."""
+    dtype = getattr(compat.aval_of(value), "dtype", None)
+    return dtype is not None and is_float(dtype) and np.dtype(dtype) != F64
 
 
 def autocast_jaxpr(closed_jaxpr: Any, policy: PolicyLike = None) -> Any:
@@ -216,8 +216,10 @@ def _has_custom_rules(closed: Any) -> bool:
 
 
 def _is_array_output(leaf: Any) -> bool:
-    """Output leaves ``jax.jit`` would return as arrays; everything else passes through."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+    """Output leaves ``jax.jit`` would return as JAX values (arrays, effect tokens); everything
+    else passes through."""
+    return (isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+            or compat.is_token(leaf))
 
 
 def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
@@ -314,7 +316,8 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
         if eager:
             # jax.disable_jit() runs the program op by op, and an input returned unchanged comes
             # back as the caller's object (numpy float64); return what jax.jit returns.
-            outs = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in outs]
+            outs = [x if isinstance(x, jax.Array) or compat.is_token(x) else jnp.asarray(x)
+                    for x in outs]
         return traced.outputs(outs)
 
     return transformed
