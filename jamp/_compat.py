@@ -313,3 +313,24 @@ def is_token(x: Any) -> bool:
     if isinstance(x, _core.Token):
         return True
     return isinstance(x, _core.Tracer) and isinstance(getattr(x, "aval", None), _core.AbstractToken)
+
+
+# --- Backward-pass logs of custom_vjp (jax >= 0.12: ``defvjp_with_logs``, ``VJP.with_logs``). ---
+# jamp re-creates every custom_vjp call as its own custom_vjp; where JAX has logs, that one is
+# defined with logs and passes the user's on, so ``f_vjp.with_logs(ct)`` still sees them.
+BACKWARD_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+
+def pullback_with_logs(vjp_fn: Any, cotangents: Any) -> tuple[Any, Any]:
+    """``(input cotangents, logs)`` of a ``jax.vjp`` pullback; logs are ``{}`` without support."""
+    if BACKWARD_LOGS:
+        return vjp_fn.with_logs(cotangents)
+    return vjp_fn(cotangents), {}
+
+
+def defvjp_with_logs(custom: Any, fwd: Any, bwd: Any, *, symbolic_zeros: bool) -> None:
+    """``custom.defvjp`` for a ``bwd`` returning ``(cotangents, logs or None)``."""
+    if BACKWARD_LOGS:
+        custom.defvjp_with_logs(fwd, bwd, symbolic_zeros=symbolic_zeros)
+    else:
+        custom.defvjp(fwd, lambda *a: bwd(*a)[0], symbolic_zeros=symbolic_zeros)

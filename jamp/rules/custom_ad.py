@@ -109,6 +109,8 @@ class _Backward:
 
     perturbed: tuple[bool, ...]
     closed: Any  # an open jaxpr: hashed and compared by identity
+    logs_tree: Any  # the user's backward-pass logs (``defvjp_with_logs``), the last outputs
+    log_dtypes: tuple[Any, ...]  # ... cast back to the dtypes the user's bwd traced them in
 
 
 jax.tree_util.register_static(_Backward)
@@ -174,25 +176,34 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 
         def backward(*flat: Any) -> Any:
             vjp_fn = jax.tree.unflatten(pullback["tree"], flat[:n_res])
-            return vjp_fn(list(flat[n_res:]))
+            cts, logs = compat.pullback_with_logs(vjp_fn, list(flat[n_res:]))
+            # The user's backward-pass logs (defvjp_with_logs) follow the cotangents.
+            log_leaves, pullback["logs"] = jax.tree.flatten(logs)
+            return [*jax.tree.leaves(cts), *log_leaves]
 
         bwd_closed = compat.trace_to_closed(
             backward, [*fwd_closed.out_avals[n_out:], *ct_avals])
+        n_logs = pullback["logs"].num_leaves
+        log_dtypes = [a.dtype for a in bwd_closed.out_avals[len(bwd_closed.out_avals) - n_logs:]]
         bwd_jaxpr, bwd_consts = compat.open_and_consts(bwd_closed)
         # Values the user's bwd closes over are known now, in the forward pass: pass them on.
         bwd_consts = [rewriter.outer_value(c) for c in bwd_consts]
-        return primal_outs, (_Backward(perturbed, bwd_jaxpr), [*residuals, *bwd_consts])
+        saved = _Backward(perturbed, bwd_jaxpr, pullback["logs"], tuple(log_dtypes))
+        return primal_outs, (saved, [*residuals, *bwd_consts])
 
     def bwd(saved: tuple[Any, list[Any]], cotangents: Sequence[Any]) -> tuple[Any, ...]:
         backward, values = saved
         n_consts = len(backward.closed.constvars)
         residuals, consts = values[:len(values) - n_consts], values[len(values) - n_consts:]
-        cts = rewriter.run(backward.closed, consts,
-                           [*residuals, *(_instantiate(c) for c in cotangents)])
-        cts = iter(_cast_to(cts, [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
-        return tuple(next(cts) if p else None for p in backward.perturbed)
+        outs = rewriter.run(backward.closed, consts,
+                            [*residuals, *(_instantiate(c) for c in cotangents)])
+        n_cts = len(outs) - len(backward.log_dtypes)
+        cts = iter(_cast_to(outs[:n_cts], [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
+        logs = jax.tree.unflatten(backward.logs_tree,
+                                  _cast_to(outs[n_cts:], backward.log_dtypes))
+        return tuple(next(cts) if p else None for p in backward.perturbed), logs or None
 
-    primal.defvjp(fwd, bwd, symbolic_zeros=True)
+    compat.defvjp_with_logs(primal, fwd, bwd, symbolic_zeros=True)
     with compat.equation_context(step.eqn):
         return primal(*step.args)
 
