@@ -334,3 +334,10 @@ def defvjp_with_logs(custom: Any, fwd: Any, bwd: Any, *, symbolic_zeros: bool) -
         custom.defvjp_with_logs(fwd, bwd, symbolic_zeros=symbolic_zeros)
     else:
         custom.defvjp(fwd, lambda *a: bwd(*a)[0], symbolic_zeros=symbolic_zeros)
+
+
+# --- A stable trace context from the first call (issue 11 item 12, eager-grad recompiles). ---
+# Importing ``jax.extend.core`` (``tangent_aval`` uses it) defines config states on jax 0.12, which
+# lengthens ``trace_context()``: imported lazily, the first call of a transformed function under
+# ``grad`` would be keyed differently from the second one, which then traced and compiled again.
+import jax.extend.core as _jax_extend_core  # noqa: E402,F401

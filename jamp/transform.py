@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import weakref
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import jax
@@ -66,16 +68,19 @@ def resolve_policy(policy: PolicyLike, dtype: Any = None, *,
 
 
 def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
-                     recorder: Any = None) -> list[Any]:
+                     recorder: Any = None, rewritten: Optional[MutableMapping] = None
+                     ) -> list[Any]:
     """Evaluate ``closed`` on ``args`` under the current JAX trace, rewritten by ``policy``.
 
     ``recorder`` (see ``report.Recorder``) is told about every equation and inserted cast.
+    ``rewritten`` is the cache of rewritten sub-jaxprs (default: one for this call only; see
+    ``SubJaxprCache``).
     """
     jaxpr, consts = compat.open_and_consts(closed)
     if policy.cast_inputs:
         args = [compat.convert(x, policy.compute_dtype) if _is_castable(x) else x for x in args]
     rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype),
-                        recorder=recorder)
+                        rewritten=rewritten, recorder=recorder)
     outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
     if policy.output_dtype is not None:
         outs = [compat.convert(x, policy.output_dtype) if _is_castable(x) else x for x in outs]
@@ -172,6 +177,63 @@ def autocast_transform(fn: Callable, policy: PolicyLike = None, *, dtype: Any = 
     return transformed
 
 
+class SubJaxprCache(MutableMapping):
+    """The ``Rewriter``'s cache of rewritten sub-jaxprs, for one call of a traced program, backed
+    by a store kept across its calls.
+
+    Under eager ``grad``/``vmap`` a program with custom_jvp/custom_vjp calls is rewritten again
+    on every call (see ``_transform_arrays``). JAX caches compiled ``jit``/``scan``/... equations
+    on their jaxpr objects, so an inner ``jax.jit`` whose rewritten body were a new object on
+    every call would compile on every call. Keys are ``(sub-jaxpr, avals, region state, tags)``
+    (``Rewriter.rewrite_closed``); the store holds the sub-jaxprs weakly, so rewrites of jaxprs
+    traced afresh in one call (a custom rule's JVP) go with them. A rewrite whose constants hold
+    tracers (values of this call's trace) is kept for this call only.
+    """
+
+    def __init__(self, store: Optional["weakref.WeakKeyDictionary[Any, dict]"] = None):
+        self.store = weakref.WeakKeyDictionary() if store is None else store
+        self.local: dict[Any, Any] = {}
+
+    def for_call(self) -> "SubJaxprCache":
+        """A fresh per-call view on the same store."""
+        return SubJaxprCache(self.store)
+
+    def _shared(self, key: Any) -> Optional[dict]:
+        try:
+            return self.store.get(key[0])
+        except TypeError:  # a jaxpr that cannot be weakly referenced
+            return None
+
+    def __getitem__(self, key: Any) -> Any:
+        if key in self.local:
+            return self.local[key]
+        shared = self._shared(key)
+        if shared is None or key[1:] not in shared:
+            raise KeyError(key)
+        return shared[key[1:]]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.local[key] = value
+        if any(compat.is_tracer(c) for c in compat.open_and_consts(value)[1]):
+            return
+        try:
+            self.store.setdefault(key[0], {})[key[1:]] = value
+        except TypeError:
+            pass
+
+    def __delitem__(self, key: Any) -> None:
+        self.local.pop(key, None)
+        shared = self._shared(key)
+        if shared is not None:
+            shared.pop(key[1:], None)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.local)
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
 @dataclasses.dataclass
 class _Traced:
     """One traced call: its jaxpr over the traced leaves and how to rebuild the output pytree."""
@@ -185,6 +247,9 @@ class _Traced:
     # Whether a custom_jvp/custom_vjp call is anywhere in the program: its rules may close over
     # values of the user's trace, which only the direct rewrite can map (Rewriter.outer_value).
     custom_rules: bool = False
+    # Rewritten sub-jaxprs, kept across the calls that rewrite this program again (eager
+    # grad/vmap of a program with custom rules): their inner jits then hit JAX's compile cache.
+    sub_jaxprs: SubJaxprCache = dataclasses.field(default_factory=SubJaxprCache)
 
     def outputs(self, array_outs: Sequence[Any]) -> Any:
         leaves: list[Any] = [None] * (len(self.array_outs_at) + len(self.static_outs))
@@ -309,7 +374,8 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
             # Under eager grad/vmap, custom rules run while the rewrite is bound, as in plain
             # JAX; inside a compiled program they would run later, like grad(jit(f)), where a
             # rule closing over the function's own values fails.
-            return traced.outputs(rewrite_and_eval(traced.closed, policy, flat))
+            return traced.outputs(rewrite_and_eval(traced.closed, policy, flat,
+                                                   rewritten=traced.sub_jaxprs.for_call()))
         # Eagerly, and under eager grad/vmap: one compiled program, whose jit caches (also those
         # of its JVP and batching) make later calls skip tracing, rewriting and compiling.
         outs = traced.compiled(policy)(*flat)

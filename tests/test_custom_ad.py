@@ -303,3 +303,42 @@ def test_custom_rules_closing_over_values_of_the_traced_function(fn, wrap):
     want = jax.grad(fn, argnums=1)(a, x)
     assert got.dtype == F32
     np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not hasattr(jax.custom_vjp, "defvjp_with_logs"),
+                    reason="backward-pass logs (defvjp_with_logs) are new in jax 0.12")
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy(BF16)], ids=["f32", "bf16"])
+def test_custom_vjp_backward_pass_logs_come_through(policy):
+    """JAX's test_defvjp_with_logs under jamp: the logs of a custom_vjp's bwd reach
+    ``f_vjp.with_logs``, eagerly, through jax.jit and in a scan, in the dtypes bwd made them."""
+    @jax.custom_vjp
+    def f(x, y):
+        return jnp.sin(x) * y
+
+    def f_fwd(x, y):
+        return f(x, y), (jnp.cos(x), jnp.sin(x), y)
+
+    def f_bwd(res, g):
+        cos_x, sin_x, y = res
+        return (cos_x * g * y, sin_x * g), {"f": {"ct_out": g, "y": y, "yy": jnp.dot(y, y.T)}}
+
+    f.defvjp_with_logs(f_fwd, f_bwd)
+    g = jamp.autocast_transform(f, policy)
+    x, y = _rand(3, 3), _rand(3, 3, key=1)
+    (want_cts, want_logs) = jax.vjp(f, x, y)[1].with_logs(jnp.ones((3, 3)))
+    for call in (g, jax.jit(g)):
+        cts, logs = jax.vjp(call, x, y)[1].with_logs(jnp.ones((3, 3)))
+        assert jax.tree.structure(logs) == jax.tree.structure(want_logs)
+        for got, want in zip(jax.tree.leaves((cts, logs)), jax.tree.leaves((want_cts, want_logs))):
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        x_ct, _ = jax.vjp(call, x, y)[1](jnp.ones((3, 3)))  # a plain call drops the logs
+        np.testing.assert_allclose(x_ct, want_cts[0], rtol=2e-2, atol=2e-2)
+
+    def f_scan(xs):
+        return lax.scan(lambda c, x: (c + f(x, 2.0), None), 0.0, xs)[0]
+
+    xs = jnp.arange(1.0, 4.0)
+    cts, logs = jax.vjp(jamp.autocast_transform(f_scan, policy), xs)[1].with_logs(1.0)
+    np.testing.assert_allclose(cts[0], 2.0 * jnp.cos(xs), rtol=1e-5)
+    assert logs["f"]["ct_out"].shape == (3,)
