@@ -341,3 +341,19 @@ def defvjp_with_logs(custom: Any, fwd: Any, bwd: Any, *, symbolic_zeros: bool) -
 # lengthens ``trace_context()``: imported lazily, the first call of a transformed function under
 # ``grad`` would be keyed differently from the second one, which then traced and compiled again.
 import jax.extend.core as _jax_extend_core  # noqa: E402,F401
+
+
+# --- ``custom_vjp(optimize_remat=True)``: its fwd binds ``remat_opt`` (fwd jaxpr + a thunk
+# tracing the primal function, used when DCE finds the residuals unused). Both versions. ---
+from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
+
+_remat_opt_p = getattr(_custom_derivatives, "remat_opt_p", None)
+OPTIMIZED_REMAT_PRIMITIVES: tuple[str, ...] = (
+    (_remat_opt_p.name,) if _remat_opt_p is not None else ())
+
+
+def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
+    """A closed jaxpr from an open one with constvars and their values (any JAX version)."""
+    if _ClosedJaxpr is not None:
+        return _ClosedJaxpr(jaxpr, list(consts))
+    return jaxpr.with_consts(list(consts))

@@ -342,3 +342,45 @@ def test_custom_vjp_backward_pass_logs_come_through(policy):
     cts, logs = jax.vjp(jamp.autocast_transform(f_scan, policy), xs)[1].with_logs(1.0)
     np.testing.assert_allclose(cts[0], 2.0 * jnp.cos(xs), rtol=1e-5)
     assert logs["f"]["ct_out"].shape == (3,)
+
+
+def _remat_optimized_layer():
+    """A custom_vjp with ``optimize_remat=True`` whose fwd's primal output is twice the primal
+    function's, so a test can tell which of the two JAX ran."""
+    @jax.custom_vjp
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = jnp.tanh(x @ w)
+        return 2 * y, (x, w, y)
+
+    def bwd(res, g):
+        x, w, y = res
+        gy = g * (1 - y * y)
+        return gy @ w.T, x.T @ gy
+
+    layer.defvjp(fwd, bwd, optimize_remat=True)
+    return layer
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy(BF16)], ids=["f32", "bf16"])
+def test_custom_vjp_with_optimize_remat_is_rewritten(policy, recwarn):
+    """``jax.grad`` of such a function binds ``remat_opt``: its fwd runs under the policy, and so
+    does the primal function JAX substitutes where the residuals are unused."""
+    layer = _remat_optimized_layer()
+    loss = lambda w, x: jnp.sum(layer(x, w) ** 2)
+    w, x = _rand(8, 8), _rand(4, 8, key=1)
+    grad = jamp.autocast_transform(jax.grad(loss), policy)
+    closed = jax.make_jaxpr(grad)(w, x)
+    assert eqns_named(closed, "remat_opt")
+    assert set(operand_dtypes(closed, "dot_general")) == {(policy.compute_dtype.name,) * 2}
+    for call in (grad, jax.jit(grad)):
+        np.testing.assert_allclose(call(w, x).astype(F32), jax.grad(loss)(w, x),
+                                   rtol=5e-2, atol=5e-2)
+    # Only the primal output used: under jit, JAX drops fwd and runs the primal function.
+    primal = lambda w, x: jax.vjp(lambda w: layer(x, w), w)[0]
+    out = jax.jit(jamp.autocast_transform(primal, policy))(w, x)
+    assert out.dtype == policy.compute_dtype
+    np.testing.assert_allclose(out.astype(F32), jnp.tanh(x @ w), rtol=2e-2, atol=2e-2)
+    assert not [r for r in recwarn if r.category.__module__.startswith("jamp")]

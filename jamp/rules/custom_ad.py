@@ -1,4 +1,5 @@
-"""``custom_jvp_call`` / ``custom_vjp_call``: user-defined derivatives under the policy.
+"""``custom_jvp_call`` / ``custom_vjp_call`` (and ``remat_opt``, the forward rule of a
+``custom_vjp`` with ``optimize_remat=True``): user-defined derivatives under the policy.
 
 The primal body is rewritten under the region active at the call. The derivative rules are
 obtained from JAX itself, by differentiating the *original* call at its traced dtypes
@@ -212,3 +213,29 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 def linear_solve_rule(step: Step) -> Sequence[Any]:
     """``jnp.linalg.solve`` and friends: linear algebra stays in its traced (float32) dtypes."""
     return keep_traced_rule(step)
+
+
+@register(*compat.OPTIMIZED_REMAT_PRIMITIVES)
+def optimized_remat_rule(step: Step) -> Sequence[Any]:
+    """The forward rule of a ``custom_vjp(..., optimize_remat=True)`` (in the jaxpr of a
+    ``jax.grad`` of it): ``fwd`` is rewritten under the call's region, and so is the primal
+    function that JAX runs instead where the residuals turn out unused; its outputs take the
+    rewritten ``fwd``'s dtypes, since either may replace the other."""
+    n_consts, n_res = step.params["num_consts"], step.params["num_res"]
+    avals, hints = step.avals(), step.hints()
+    fwd = step.rewrite_sub(compat.as_closed(step.params["fwd_jaxpr"]), avals, hints)
+    fwd_jaxpr, fwd_consts = compat.hoist_consts(fwd)
+    out_dtypes = [a.dtype for a in fwd.out_avals[n_res:]]
+    # Rewritten now, while values the function closes over can still be mapped (see
+    # Rewriter.outer_value); JAX's own thunk is memoized, so this is its one trace.
+    fun_jaxpr, fun_consts = compat.open_and_consts(compat.close_jaxpr(
+        *step.params["fun_jaxpr_thunk"]()))
+    rewriter = step.rewriter.child(step.state)
+    fun = compat.trace_to_closed(
+        lambda *args: _cast_to(rewriter.run(fun_jaxpr, fun_consts, args, hints[n_consts:]),
+                               out_dtypes),
+        avals[n_consts:])
+    rewritten_fun = compat.open_and_consts(fun)
+    return step.bind([*fwd_consts, *step.args], num_consts=n_consts + len(fwd_consts),
+                     fwd_jaxpr=compat.as_closed(fwd_jaxpr),
+                     fun_jaxpr_thunk=lambda: rewritten_fun)
