@@ -357,3 +357,15 @@ def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
     if _ClosedJaxpr is not None:
         return _ClosedJaxpr(jaxpr, list(consts))
     return jaxpr.with_consts(list(consts))
+
+
+# --- Which trace a tracer belongs to (custom rules closing over the user's traced values). ---
+
+def current_trace() -> Any:
+    """The trace JAX is running now (while tracing the user's function: that jaxpr's trace)."""
+    return _core.trace_ctx.trace
+
+
+def trace_of(x: Any) -> Any:
+    """The trace ``x`` is a tracer of, else None."""
+    return getattr(x, "_trace", None) if isinstance(x, _core.Tracer) else None

@@ -26,6 +26,7 @@ from . import graph_nodes
 from .call_args import CallSignature, short_repr, split_leaves, static_key
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
+from .rules import custom_ad
 from .regions import tracing_under
 
 PolicyLike = Union[Policy, Any, None]  # a Policy, a floating dtype (meaning Policy(dtype)) or None
@@ -244,11 +245,12 @@ class _Traced:
     cacheable: bool = True
     name: str = "autocast"
     program: Optional[Callable] = None        # jax.jit of the rewrite, made on first use
-    # Whether a custom_jvp/custom_vjp call is anywhere in the program: its rules may close over
-    # values of the user's trace, which only the direct rewrite can map (Rewriter.outer_value).
-    custom_rules: bool = False
+    # Whether a custom_jvp/custom_vjp rule in the program closes over values of the user's
+    # trace, which only the direct rewrite can map (Rewriter.outer_value): found out when the
+    # compiled program's rule raised RuleClosureError under eager grad.
+    rules_close_over_values: bool = False
     # Rewritten sub-jaxprs, kept across the calls that rewrite this program again (eager
-    # grad/vmap of a program with custom rules): their inner jits then hit JAX's compile cache.
+    # grad/vmap of such a program): their inner jits then hit JAX's compile cache.
     sub_jaxprs: SubJaxprCache = dataclasses.field(default_factory=SubJaxprCache)
 
     def outputs(self, array_outs: Sequence[Any]) -> Any:
@@ -270,14 +272,6 @@ class _Traced:
             program.__name__ = program.__qualname__ = self.name
             self.program = jax.jit(program)
         return self.program
-
-
-def _has_custom_rules(closed: Any) -> bool:
-    """Whether a custom_jvp/custom_vjp call appears in ``closed`` or any of its sub-jaxprs."""
-    jaxpr, _ = compat.open_and_consts(closed)
-    return any(eqn.primitive.name.startswith(("custom_jvp_call", "custom_vjp_call"))
-               or any(_has_custom_rules(sub) for sub in compat.sub_jaxprs(eqn.params))
-               for eqn in jaxpr.eqns)
 
 
 def _is_array_output(leaf: Any) -> bool:
@@ -310,6 +304,7 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
         outs_store: dict[str, Any] = {}
 
         def flat_fn(*traced_leaves: Any) -> list[Any]:
+            custom_ad.remember_user_trace(compat.current_trace())
             leaves: list[Any] = [None] * len(flat)
             for i, leaf in zip(traced_at, traced_leaves):
                 leaves[i] = leaf
@@ -333,8 +328,7 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
         # A function closing over an outer trace's values captures tracers: never cache those.
         cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
         return _Traced(closed, outs_store["tree"], outs_store["arrays_at"], outs_store["static"],
-                       cacheable=cacheable, name=getattr(source, "__name__", "autocast"),
-                       custom_rules=_has_custom_rules(closed))
+                       cacheable=cacheable, name=getattr(source, "__name__", "autocast"))
 
     return key, traced_flat, tracer
 
@@ -368,17 +362,23 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
                 cache[key] = traced
         eager = not compat.under_transformation()
         if (not traced.cacheable or compat.under_staging()
-                or (traced.custom_rules and not eager)):
+                or (traced.rules_close_over_values and not eager)):
             # Inside a program being built (jit, make_jaxpr, a scan body) the rewrite is bound
             # into it directly; a closure over an outer trace's values can only be re-bound.
-            # Under eager grad/vmap, custom rules run while the rewrite is bound, as in plain
-            # JAX; inside a compiled program they would run later, like grad(jit(f)), where a
-            # rule closing over the function's own values fails.
-            return traced.outputs(rewrite_and_eval(traced.closed, policy, flat,
-                                                   rewritten=traced.sub_jaxprs.for_call()))
+            return _bound_directly(traced, policy, flat)
         # Eagerly, and under eager grad/vmap: one compiled program, whose jit caches (also those
         # of its JVP and batching) make later calls skip tracing, rewriting and compiling.
-        outs = traced.compiled(policy)(*flat)
+        try:
+            outs = traced.compiled(policy)(*flat)
+        except custom_ad.RuleClosureError:
+            if eager:
+                raise
+            # A custom rule closing over a value the function computed runs, under eager
+            # grad, while JAX differentiates the compiled program, after the rewrite: like
+            # grad(jit(f)), where it fails. Bound directly, the rule runs during the rewrite
+            # (as in plain eager JAX), which maps the value.
+            traced.rules_close_over_values = True
+            return _bound_directly(traced, policy, flat)
         if eager:
             # jax.disable_jit() runs the program op by op, and an input returned unchanged comes
             # back as the caller's object (numpy float64); return what jax.jit returns.
@@ -387,3 +387,9 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
         return traced.outputs(outs)
 
     return transformed
+
+
+def _bound_directly(traced: _Traced, policy: Policy, flat: Sequence[Any]) -> Any:
+    """The rewrite bound under the caller's traces, equation by equation."""
+    return traced.outputs(rewrite_and_eval(traced.closed, policy, flat,
+                                           rewritten=traced.sub_jaxprs.for_call()))

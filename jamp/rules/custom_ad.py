@@ -27,6 +27,7 @@ jamp rewrites (``jax.grad`` of the transformed function, also under ``jax.jit``)
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -35,9 +36,37 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _compat as compat
-from ..interpreter import F32, Step, in_compute_dtype, keep_traced_rule, register
+from ..interpreter import F32, RewriteError, Step, in_compute_dtype, keep_traced_rule, register
 from ..policy import RegionState
 from .control_flow import _cast_to
+
+
+class RuleClosureError(RewriteError):
+    """A custom derivative rule closing over a value the transformed function computed ran after
+    jamp's rewrite of that function had finished, so the value could not be mapped."""
+
+
+# The traces of the users' functions (``transform.trace_call``): a tracer of one of them that
+# ``Rewriter.outer_value`` cannot map is a value of a finished trace.
+_USER_TRACES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def remember_user_trace(trace: Any) -> None:
+    _USER_TRACES.add(trace)
+
+
+def _rule_consts(rewriter: Any, consts: Sequence[Any], eqn: Any) -> list[Any]:
+    """A rule's closed-over values, mapped to the values they have in the rewrite (see the module
+    docstring); raises ``RuleClosureError`` where the rewrite has ended."""
+    mapped = [rewriter.outer_value(c) for c in consts]
+    if any(compat.trace_of(c) in _USER_TRACES for c in mapped):
+        raise RuleClosureError(
+            f"a custom derivative rule (of `{eqn.primitive.name}` at {compat.source_line(eqn)}) "
+            "closes over a value the transformed function computed, and JAX ran it after jamp "
+            "rewrote the function. jamp supports such rules where JAX runs them while it "
+            "rewrites: jax.grad of the transformed function (also under jax.jit); as in plain "
+            "JAX, jax.grad(jax.jit(f)) of such a function is not supported")
+    return mapped
 
 
 def _original(step: Step) -> Callable[..., list[Any]]:
@@ -95,7 +124,8 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
             lambda *flat: [x for part in jax.jvp(original, flat[:n_in], flat[n_in:]) for x in part],
             [*traced, *tangent_avals])
         jaxpr, consts = compat.open_and_consts(rule)
-        outs = rewriter.run(jaxpr, consts, [*primals, *tangents])
+        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, step.eqn),
+                            [*primals, *tangents])
         n_out = len(out_dtypes)
         return _cast_to(outs[:n_out], out_dtypes), _cast_to(outs[n_out:], out_dtypes)
 
@@ -167,7 +197,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 
         fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
         jaxpr, consts = compat.open_and_consts(fwd_closed)
-        outs = rewriter.run(jaxpr, consts, args)
+        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, step.eqn), args)
         primal_outs = _cast_to(outs[:n_out], out_dtypes)
         # A residual that is an output (fwd returning ``y, (y,)``) is kept as the returned output.
         position = {v: j for j, v in enumerate(jaxpr.outvars[:n_out]) if isinstance(v, compat.Var)}
@@ -188,7 +218,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         log_dtypes = [a.dtype for a in bwd_closed.out_avals[len(bwd_closed.out_avals) - n_logs:]]
         bwd_jaxpr, bwd_consts = compat.open_and_consts(bwd_closed)
         # Values the user's bwd closes over are known now, in the forward pass: pass them on.
-        bwd_consts = [rewriter.outer_value(c) for c in bwd_consts]
+        bwd_consts = _rule_consts(rewriter, bwd_consts, step.eqn)
         saved = _Backward(perturbed, bwd_jaxpr, pullback["logs"], tuple(log_dtypes))
         return primal_outs, (saved, [*residuals, *bwd_consts])
 
