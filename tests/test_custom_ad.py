@@ -384,3 +384,18 @@ def test_custom_vjp_with_optimize_remat_is_rewritten(policy, recwarn):
     assert out.dtype == policy.compute_dtype
     np.testing.assert_allclose(out.astype(F32), jnp.tanh(x @ w), rtol=2e-2, atol=2e-2)
     assert not [r for r in recwarn if r.category.__module__.startswith("jamp")]
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+def test_rewritten_custom_rules_hold_no_tracer_of_the_call(kind):
+    """JAX's test_leak_checker_avoids_false_positive_custom_jvp under jamp: the rules jamp binds
+    into a jit's program must not keep the rewrite's operands (tracers of that jit) alive."""
+    with jax.checking_leaks():
+        if kind == "custom_jvp":
+            f = jax.custom_jvp(lambda y: y)
+            f.defjvp(lambda p, t: (p[0], t[0]))
+        else:
+            f = jax.custom_vjp(lambda y: y)
+            f.defvjp(lambda y: (y, None), lambda _, g: (g,))
+        out = jax.jit(jamp.autocast_transform(lambda y: f(y)))(3.0)
+    assert out == 3.0

@@ -112,6 +112,7 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
     traced = [v.aval for v in step.eqn.invars]
     tangent_avals = [compat.tangent_aval(a) for a in traced]
     rewriter = step.rewriter.child(rule_state)
+    eqn = step.eqn  # the rules below must not hold `step` (its operands are tracers)
     n_in = len(traced)
 
     @jax.custom_jvp
@@ -124,8 +125,7 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
             lambda *flat: [x for part in jax.jvp(original, flat[:n_in], flat[n_in:]) for x in part],
             [*traced, *tangent_avals])
         jaxpr, consts = compat.open_and_consts(rule)
-        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, step.eqn),
-                            [*primals, *tangents])
+        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *tangents])
         n_out = len(out_dtypes)
         return _cast_to(outs[:n_out], out_dtypes), _cast_to(outs[n_out:], out_dtypes)
 
@@ -173,6 +173,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
     in_dtypes = [a.dtype for a in step.avals()]
     ct_avals = [compat.tangent_aval(v.aval) for v in step.eqn.outvars]
     rewriter = step.rewriter.child(primal_state)
+    eqn = step.eqn  # the rules below must not hold `step` (its operands are tracers)
     n_out = len(out_dtypes)
 
     @jax.custom_vjp
@@ -197,7 +198,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 
         fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
         jaxpr, consts = compat.open_and_consts(fwd_closed)
-        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, step.eqn), args)
+        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, eqn), args)
         primal_outs = _cast_to(outs[:n_out], out_dtypes)
         # A residual that is an output (fwd returning ``y, (y,)``) is kept as the returned output.
         position = {v: j for j, v in enumerate(jaxpr.outvars[:n_out]) if isinstance(v, compat.Var)}
@@ -218,7 +219,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         log_dtypes = [a.dtype for a in bwd_closed.out_avals[len(bwd_closed.out_avals) - n_logs:]]
         bwd_jaxpr, bwd_consts = compat.open_and_consts(bwd_closed)
         # Values the user's bwd closes over are known now, in the forward pass: pass them on.
-        bwd_consts = _rule_consts(rewriter, bwd_consts, step.eqn)
+        bwd_consts = _rule_consts(rewriter, bwd_consts, eqn)
         saved = _Backward(perturbed, bwd_jaxpr, pullback["logs"], tuple(log_dtypes))
         return primal_outs, (saved, [*residuals, *bwd_consts])
 
