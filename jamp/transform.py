@@ -182,8 +182,8 @@ class SubJaxprCache(MutableMapping):
     """The ``Rewriter``'s cache of rewritten sub-jaxprs, for one call of a traced program, backed
     by a store kept across its calls.
 
-    Under eager ``grad``/``vmap`` a program with custom_jvp/custom_vjp calls is rewritten again
-    on every call (see ``_transform_arrays``). JAX caches compiled ``jit``/``scan``/... equations
+    Under eager ``grad``/``vmap`` a program whose custom_jvp/custom_vjp rule closes over a value
+    it computed is rewritten again on every call (see ``_transform_arrays``). JAX caches compiled ``jit``/``scan``/... equations
     on their jaxpr objects, so an inner ``jax.jit`` whose rewritten body were a new object on
     every call would compile on every call. Keys are ``(sub-jaxpr, avals, region state, tags)``
     (``Rewriter.rewrite_closed``); the store holds the sub-jaxprs weakly, so rewrites of jaxprs
