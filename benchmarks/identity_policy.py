@@ -56,7 +56,8 @@ BUCKETS = (
     ("strict dtype promotion", "jamp", r"TypePromotionError"),
     ("while with a batched predicate", "jamp", r"cond_fun must return a boolean scalar"),
     ("a custom_vjp's float32 cotangent for a bfloat16 primal comes back bfloat16", "by design",
-     r"CotangentDtype"),  # README: custom_vjp cotangents are cast to the primal input dtypes
+     r"CotangentDtype|excess_precision_hell"),  # README: custom_vjp cotangents are cast to
+    # the primal input dtypes (JAX lets a bwd return float32 for a bfloat16 input)
     ("the test expects another error for a misuse", "rewrite",
      r"not raised|does not match|DID NOT RAISE"),
     ("the test reads the jaxpr's text", "rewrite", r"\{ lambda ;|pretty_print|jaxpr_text"),

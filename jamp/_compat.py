@@ -304,3 +304,69 @@ def under_staging() -> bool:
     ``scan`` body...), possibly below ``grad``/``vmap`` traces; false for eager ``grad``/``vmap``."""
     stack = _core.unsafe_get_trace_stack(_core.trace_ctx.trace)
     return any(isinstance(trace, _pe.DynamicJaxprTrace) for trace in stack)
+
+
+# --- Effect tokens at the call boundary (issue 11 item 12): ``lax.create_token()`` values are
+# valid ``jax.jit`` arguments and outputs, but neither arrays nor floating values. ---
+
+def is_token(x: Any) -> bool:
+    """A token (``jax.lax.create_token()``) or a tracer of one (same types in jax 0.10 and 0.12)."""
+    if isinstance(x, _core.Token):
+        return True
+    return isinstance(x, _core.Tracer) and isinstance(getattr(x, "aval", None), _core.AbstractToken)
+
+
+# --- Backward-pass logs of custom_vjp (jax >= 0.12: ``defvjp_with_logs``, ``VJP.with_logs``). ---
+# jamp re-creates every custom_vjp call as its own custom_vjp; where JAX has logs, that one is
+# defined with logs and passes the user's on, so ``f_vjp.with_logs(ct)`` still sees them.
+BACKWARD_LOGS = hasattr(jax.custom_vjp, "defvjp_with_logs")
+
+
+def pullback_with_logs(vjp_fn: Any, cotangents: Any) -> tuple[Any, Any]:
+    """``(input cotangents, logs)`` of a ``jax.vjp`` pullback; logs are ``{}`` without support."""
+    if BACKWARD_LOGS:
+        return vjp_fn.with_logs(cotangents)
+    return vjp_fn(cotangents), {}
+
+
+def defvjp_with_logs(custom: Any, fwd: Any, bwd: Any, *, symbolic_zeros: bool) -> None:
+    """``custom.defvjp`` for a ``bwd`` returning ``(cotangents, logs or None)``."""
+    if BACKWARD_LOGS:
+        custom.defvjp_with_logs(fwd, bwd, symbolic_zeros=symbolic_zeros)
+    else:
+        custom.defvjp(fwd, lambda *a: bwd(*a)[0], symbolic_zeros=symbolic_zeros)
+
+
+# --- A stable trace context from the first call (issue 11 item 12, eager-grad recompiles). ---
+# Importing ``jax.extend.core`` (``tangent_aval`` uses it) defines config states on jax 0.12, which
+# lengthens ``trace_context()``: imported lazily, the first call of a transformed function under
+# ``grad`` would be keyed differently from the second one, which then traced and compiled again.
+import jax.extend.core as _jax_extend_core  # noqa: E402,F401
+
+
+# --- ``custom_vjp(optimize_remat=True)``: its fwd binds ``remat_opt`` (fwd jaxpr + a thunk
+# tracing the primal function, used when DCE finds the residuals unused). Both versions. ---
+from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
+
+_remat_opt_p = getattr(_custom_derivatives, "remat_opt_p", None)
+OPTIMIZED_REMAT_PRIMITIVES: tuple[str, ...] = (
+    (_remat_opt_p.name,) if _remat_opt_p is not None else ())
+
+
+def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
+    """A closed jaxpr from an open one with constvars and their values (any JAX version)."""
+    if _ClosedJaxpr is not None:
+        return _ClosedJaxpr(jaxpr, list(consts))
+    return jaxpr.with_consts(list(consts))
+
+
+# --- Which trace a tracer belongs to (custom rules closing over the user's traced values). ---
+
+def current_trace() -> Any:
+    """The trace JAX is running now (while tracing the user's function: that jaxpr's trace)."""
+    return _core.trace_ctx.trace
+
+
+def trace_of(x: Any) -> Any:
+    """The trace ``x`` is a tracer of, else None."""
+    return getattr(x, "_trace", None) if isinstance(x, _core.Tracer) else None

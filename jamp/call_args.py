@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import jax
 import numpy as np
 
+from . import _compat as compat
+
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
@@ -185,24 +187,28 @@ def short_repr(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def is_traced_leaf(leaf: Any, numbers_are_static: bool) -> bool:
-    """Arrays are traced; Python numbers too unless ``numbers_are_static``; bools, strings and
+def is_traced_leaf(leaf: Any, numbers_are_static: bool, tokens_are_static: bool = False) -> bool:
+    """Arrays and effect tokens are traced (as ``jax.jit`` traces them; tokens stay static with
+    ``tokens_are_static``); Python numbers too unless ``numbers_are_static``; bools, strings and
     other objects are static."""
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return True
+    if compat.is_token(leaf):
+        return not tokens_are_static
     return (not numbers_are_static and type(leaf) is not bool
             and isinstance(leaf, (int, float, complex)))
 
 
 def split_leaves(flat: Sequence[Any], in_tree: Any, signature: Optional[CallSignature],
-                 numbers_are_static: bool) -> tuple[list[int], tuple[tuple[int, Any], ...]]:
+                 numbers_are_static: bool, tokens_are_static: bool = False
+                 ) -> tuple[list[int], tuple[tuple[int, Any], ...]]:
     """Indices of the traced leaves, and the static leaves as ``(index, value)`` pairs.
 
     ``signature`` names an unhashable static leaf in the user's terms (``None``: a pytree path).
     """
     traced, static = [], []
     for i, leaf in enumerate(flat):
-        if is_traced_leaf(leaf, numbers_are_static):
+        if is_traced_leaf(leaf, numbers_are_static, tokens_are_static):
             traced.append(i)
         else:
             static.append((i, leaf))

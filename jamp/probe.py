@@ -165,7 +165,9 @@ def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
         raise TypeError(f"{caller} expects a callable, got {type(fn).__name__}")
     argnums = normalize_argnums(grad)
     flat, in_tree = jax.tree.flatten((args, kwargs))
-    traced_at, static = split_leaves(flat, in_tree, None, numbers_are_static=False)
+    # A token argument stays a static leaf: the checked program runs with array inputs only.
+    traced_at, static = split_leaves(flat, in_tree, None, numbers_are_static=False,
+                                     tokens_are_static=True)
     leaves = [flat[i] for i in traced_at]
     avals = tuple(compat.aval_of(x) for x in leaves)
     _check_inputs_finite(flat, in_tree, traced_at, caller)

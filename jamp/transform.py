@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import weakref
+from collections.abc import Iterator, MutableMapping
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import jax
@@ -24,6 +26,7 @@ from . import graph_nodes
 from .call_args import CallSignature, short_repr, split_leaves, static_key
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
+from .rules import custom_ad
 from .regions import tracing_under
 
 PolicyLike = Policy | Any | None  # a Policy, a floating dtype (meaning Policy(dtype)) or None
@@ -66,26 +69,29 @@ def resolve_policy(policy: PolicyLike, dtype: Any = None, *,
 
 
 def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
-                     recorder: Any = None) -> list[Any]:
+                     recorder: Any = None, rewritten: Optional[MutableMapping] = None
+                     ) -> list[Any]:
     """Evaluate ``closed`` on ``args`` under the current JAX trace, rewritten by ``policy``.
 
     ``recorder`` (see ``report.Recorder``) is told about every equation and inserted cast.
+    ``rewritten`` is the cache of rewritten sub-jaxprs (default: one for this call only; see
+    ``SubJaxprCache``).
     """
     jaxpr, consts = compat.open_and_consts(closed)
     if policy.cast_inputs:
-        args = [compat.convert(x, policy.value_dtype)
-                if _is_castable(compat.aval_of(x).dtype) else x for x in args]
+        args = [compat.convert(x, policy.value_dtype) if _is_castable(x) else x for x in args]
     rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype),
-                        recorder=recorder)
+                        rewritten=rewritten, recorder=recorder)
     outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
     if policy.output_dtype is not None:
-        outs = [compat.convert(x, policy.output_dtype)
-                if _is_castable(compat.aval_of(x).dtype) else x for x in outs]
+        outs = [compat.convert(x, policy.output_dtype) if _is_castable(x) else x for x in outs]
     return outs
 
 
-def _is_castable(dtype: Any) -> bool:
-    return is_float(dtype) and np.dtype(dtype) != F64
+def _is_castable(value: Any) -> bool:
+    """A floating value narrower than float64 (not an effect token, which has no dtype)."""
+    dtype = getattr(compat.aval_of(value), "dtype", None)
+    return dtype is not None and is_float(dtype) and np.dtype(dtype) != F64
 
 
 def autocast_jaxpr(closed_jaxpr: Any, policy: PolicyLike = None) -> Any:
@@ -172,6 +178,63 @@ def autocast_transform(fn: Callable, policy: PolicyLike = None, *, dtype: Any = 
     return transformed
 
 
+class SubJaxprCache(MutableMapping):
+    """The ``Rewriter``'s cache of rewritten sub-jaxprs, for one call of a traced program, backed
+    by a store kept across its calls.
+
+    Under eager ``grad``/``vmap`` a program whose custom_jvp/custom_vjp rule closes over a value
+    it computed is rewritten again on every call (see ``_transform_arrays``). JAX caches compiled ``jit``/``scan``/... equations
+    on their jaxpr objects, so an inner ``jax.jit`` whose rewritten body were a new object on
+    every call would compile on every call. Keys are ``(sub-jaxpr, avals, region state, tags)``
+    (``Rewriter.rewrite_closed``); the store holds the sub-jaxprs weakly, so rewrites of jaxprs
+    traced afresh in one call (a custom rule's JVP) go with them. A rewrite whose constants hold
+    tracers (values of this call's trace) is kept for this call only.
+    """
+
+    def __init__(self, store: Optional["weakref.WeakKeyDictionary[Any, dict]"] = None):
+        self.store = weakref.WeakKeyDictionary() if store is None else store
+        self.local: dict[Any, Any] = {}
+
+    def for_call(self) -> "SubJaxprCache":
+        """A fresh per-call view on the same store."""
+        return SubJaxprCache(self.store)
+
+    def _shared(self, key: Any) -> Optional[dict]:
+        try:
+            return self.store.get(key[0])
+        except TypeError:  # a jaxpr that cannot be weakly referenced
+            return None
+
+    def __getitem__(self, key: Any) -> Any:
+        if key in self.local:
+            return self.local[key]
+        shared = self._shared(key)
+        if shared is None or key[1:] not in shared:
+            raise KeyError(key)
+        return shared[key[1:]]
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.local[key] = value
+        if any(compat.is_tracer(c) for c in compat.open_and_consts(value)[1]):
+            return
+        try:
+            self.store.setdefault(key[0], {})[key[1:]] = value
+        except TypeError:
+            pass
+
+    def __delitem__(self, key: Any) -> None:
+        self.local.pop(key, None)
+        shared = self._shared(key)
+        if shared is not None:
+            shared.pop(key[1:], None)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.local)
+
+    def __len__(self) -> int:
+        return len(self.local)
+
+
 @dataclasses.dataclass
 class _Traced:
     """One traced call: its jaxpr over the traced leaves and how to rebuild the output pytree."""
@@ -182,9 +245,13 @@ class _Traced:
     cacheable: bool = True
     name: str = "autocast"
     program: Optional[Callable] = None        # jax.jit of the rewrite, made on first use
-    # Whether a custom_jvp/custom_vjp call is anywhere in the program: its rules may close over
-    # values of the user's trace, which only the direct rewrite can map (Rewriter.outer_value).
-    custom_rules: bool = False
+    # Whether a custom_jvp/custom_vjp rule in the program closes over values of the user's
+    # trace, which only the direct rewrite can map (Rewriter.outer_value): found out when the
+    # compiled program's rule raised RuleClosureError under eager grad.
+    rules_close_over_values: bool = False
+    # Rewritten sub-jaxprs, kept across the calls that rewrite this program again (eager
+    # grad/vmap of such a program): their inner jits then hit JAX's compile cache.
+    sub_jaxprs: SubJaxprCache = dataclasses.field(default_factory=SubJaxprCache)
 
     def outputs(self, array_outs: Sequence[Any]) -> Any:
         leaves: list[Any] = [None] * (len(self.array_outs_at) + len(self.static_outs))
@@ -207,17 +274,11 @@ class _Traced:
         return self.program
 
 
-def _has_custom_rules(closed: Any) -> bool:
-    """Whether a custom_jvp/custom_vjp call appears in ``closed`` or any of its sub-jaxprs."""
-    jaxpr, _ = compat.open_and_consts(closed)
-    return any(eqn.primitive.name.startswith(("custom_jvp_call", "custom_vjp_call"))
-               or any(_has_custom_rules(sub) for sub in compat.sub_jaxprs(eqn.params))
-               for eqn in jaxpr.eqns)
-
-
 def _is_array_output(leaf: Any) -> bool:
-    """Output leaves ``jax.jit`` would return as arrays; everything else passes through."""
-    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+    """Output leaves ``jax.jit`` would return as JAX values (arrays, effect tokens); everything
+    else passes through."""
+    return (isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
+            or compat.is_token(leaf))
 
 
 def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
@@ -243,6 +304,7 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
         outs_store: dict[str, Any] = {}
 
         def flat_fn(*traced_leaves: Any) -> list[Any]:
+            custom_ad.remember_user_trace(compat.current_trace())
             leaves: list[Any] = [None] * len(flat)
             for i, leaf in zip(traced_at, traced_leaves):
                 leaves[i] = leaf
@@ -266,8 +328,7 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
         # A function closing over an outer trace's values captures tracers: never cache those.
         cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
         return _Traced(closed, outs_store["tree"], outs_store["arrays_at"], outs_store["static"],
-                       cacheable=cacheable, name=getattr(source, "__name__", "autocast"),
-                       custom_rules=_has_custom_rules(closed))
+                       cacheable=cacheable, name=getattr(source, "__name__", "autocast"))
 
     return key, traced_flat, tracer
 
@@ -301,20 +362,34 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
                 cache[key] = traced
         eager = not compat.under_transformation()
         if (not traced.cacheable or compat.under_staging()
-                or (traced.custom_rules and not eager)):
+                or (traced.rules_close_over_values and not eager)):
             # Inside a program being built (jit, make_jaxpr, a scan body) the rewrite is bound
             # into it directly; a closure over an outer trace's values can only be re-bound.
-            # Under eager grad/vmap, custom rules run while the rewrite is bound, as in plain
-            # JAX; inside a compiled program they would run later, like grad(jit(f)), where a
-            # rule closing over the function's own values fails.
-            return traced.outputs(rewrite_and_eval(traced.closed, policy, flat))
+            return _bound_directly(traced, policy, flat)
         # Eagerly, and under eager grad/vmap: one compiled program, whose jit caches (also those
         # of its JVP and batching) make later calls skip tracing, rewriting and compiling.
-        outs = traced.compiled(policy)(*flat)
+        try:
+            outs = traced.compiled(policy)(*flat)
+        except custom_ad.RuleClosureError:
+            if eager:
+                raise
+            # A custom rule closing over a value the function computed runs, under eager
+            # grad, while JAX differentiates the compiled program, after the rewrite: like
+            # grad(jit(f)), where it fails. Bound directly, the rule runs during the rewrite
+            # (as in plain eager JAX), which maps the value.
+            traced.rules_close_over_values = True
+            return _bound_directly(traced, policy, flat)
         if eager:
             # jax.disable_jit() runs the program op by op, and an input returned unchanged comes
             # back as the caller's object (numpy float64); return what jax.jit returns.
-            outs = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in outs]
+            outs = [x if isinstance(x, jax.Array) or compat.is_token(x) else jnp.asarray(x)
+                    for x in outs]
         return traced.outputs(outs)
 
     return transformed
+
+
+def _bound_directly(traced: _Traced, policy: Policy, flat: Sequence[Any]) -> Any:
+    """The rewrite bound under the caller's traces, equation by equation."""
+    return traced.outputs(rewrite_and_eval(traced.closed, policy, flat,
+                                           rewritten=traced.sub_jaxprs.for_call()))

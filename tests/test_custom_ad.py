@@ -303,3 +303,99 @@ def test_custom_rules_closing_over_values_of_the_traced_function(fn, wrap):
     want = jax.grad(fn, argnums=1)(a, x)
     assert got.dtype == F32
     np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not hasattr(jax.custom_vjp, "defvjp_with_logs"),
+                    reason="backward-pass logs (defvjp_with_logs) are new in jax 0.12")
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy(BF16)], ids=["f32", "bf16"])
+def test_custom_vjp_backward_pass_logs_come_through(policy):
+    """JAX's test_defvjp_with_logs under jamp: the logs of a custom_vjp's bwd reach
+    ``f_vjp.with_logs``, eagerly, through jax.jit and in a scan, in the dtypes bwd made them."""
+    @jax.custom_vjp
+    def f(x, y):
+        return jnp.sin(x) * y
+
+    def f_fwd(x, y):
+        return f(x, y), (jnp.cos(x), jnp.sin(x), y)
+
+    def f_bwd(res, g):
+        cos_x, sin_x, y = res
+        return (cos_x * g * y, sin_x * g), {"f": {"ct_out": g, "y": y, "yy": jnp.dot(y, y.T)}}
+
+    f.defvjp_with_logs(f_fwd, f_bwd)
+    g = jamp.autocast_transform(f, policy)
+    x, y = _rand(3, 3), _rand(3, 3, key=1)
+    (want_cts, want_logs) = jax.vjp(f, x, y)[1].with_logs(jnp.ones((3, 3)))
+    for call in (g, jax.jit(g)):
+        cts, logs = jax.vjp(call, x, y)[1].with_logs(jnp.ones((3, 3)))
+        assert jax.tree.structure(logs) == jax.tree.structure(want_logs)
+        for got, want in zip(jax.tree.leaves((cts, logs)), jax.tree.leaves((want_cts, want_logs))):
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+        x_ct, _ = jax.vjp(call, x, y)[1](jnp.ones((3, 3)))  # a plain call drops the logs
+        np.testing.assert_allclose(x_ct, want_cts[0], rtol=2e-2, atol=2e-2)
+
+    def f_scan(xs):
+        return lax.scan(lambda c, x: (c + f(x, 2.0), None), 0.0, xs)[0]
+
+    xs = jnp.arange(1.0, 4.0)
+    cts, logs = jax.vjp(jamp.autocast_transform(f_scan, policy), xs)[1].with_logs(1.0)
+    np.testing.assert_allclose(cts[0], 2.0 * jnp.cos(xs), rtol=1e-5)
+    assert logs["f"]["ct_out"].shape == (3,)
+
+
+def _remat_optimized_layer():
+    """A custom_vjp with ``optimize_remat=True`` whose fwd's primal output is twice the primal
+    function's, so a test can tell which of the two JAX ran."""
+    @jax.custom_vjp
+    def layer(x, w):
+        return jnp.tanh(x @ w)
+
+    def fwd(x, w):
+        y = jnp.tanh(x @ w)
+        return 2 * y, (x, w, y)
+
+    def bwd(res, g):
+        x, w, y = res
+        gy = g * (1 - y * y)
+        return gy @ w.T, x.T @ gy
+
+    layer.defvjp(fwd, bwd, optimize_remat=True)
+    return layer
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy(BF16)], ids=["f32", "bf16"])
+def test_custom_vjp_with_optimize_remat_is_rewritten(policy, recwarn):
+    """``jax.grad`` of such a function binds ``remat_opt``: its fwd runs under the policy, and so
+    does the primal function JAX substitutes where the residuals are unused."""
+    layer = _remat_optimized_layer()
+    loss = lambda w, x: jnp.sum(layer(x, w) ** 2)
+    w, x = _rand(8, 8), _rand(4, 8, key=1)
+    grad = jamp.autocast_transform(jax.grad(loss), policy)
+    closed = jax.make_jaxpr(grad)(w, x)
+    assert eqns_named(closed, "remat_opt")
+    assert set(operand_dtypes(closed, "dot_general")) == {(policy.compute_dtype.name,) * 2}
+    for call in (grad, jax.jit(grad)):
+        np.testing.assert_allclose(call(w, x).astype(F32), jax.grad(loss)(w, x),
+                                   rtol=5e-2, atol=5e-2)
+    # Only the primal output used: under jit, JAX drops fwd and runs the primal function.
+    primal = lambda w, x: jax.vjp(lambda w: layer(x, w), w)[0]
+    out = jax.jit(jamp.autocast_transform(primal, policy))(w, x)
+    assert out.dtype == policy.compute_dtype
+    np.testing.assert_allclose(out.astype(F32), jnp.tanh(x @ w), rtol=2e-2, atol=2e-2)
+    assert not [r for r in recwarn if r.category.__module__.startswith("jamp")]
+
+
+@pytest.mark.parametrize("kind", ["custom_jvp", "custom_vjp"])
+def test_rewritten_custom_rules_hold_no_tracer_of_the_call(kind):
+    """JAX's test_leak_checker_avoids_false_positive_custom_jvp under jamp: the rules jamp binds
+    into a jit's program must not keep the rewrite's operands (tracers of that jit) alive."""
+    with jax.checking_leaks():
+        if kind == "custom_jvp":
+            f = jax.custom_jvp(lambda y: y)
+            f.defjvp(lambda p, t: (p[0], t[0]))
+        else:
+            f = jax.custom_vjp(lambda y: y)
+            f.defvjp(lambda y: (y, None), lambda _, g: (g,))
+        out = jax.jit(jamp.autocast_transform(lambda y: f(y)))(3.0)
+    assert out == 3.0

@@ -275,6 +275,15 @@ def test_static_arguments_and_kwargs_pass_through():
     assert jamp.find_nonfinite(f, jnp.ones(2), train=True, shift=jnp.float32(-5)).primitive == "log"
 
 
+def test_an_effect_token_argument_passes_through():
+    def f(x, token):
+        jax.lax.after_all(token)
+        return jnp.log(x)
+    token = jax.lax.create_token()
+    assert jamp.find_nonfinite(f, jnp.ones(2), token) is None
+    assert jamp.find_nonfinite(f, jnp.zeros(2) - 1, token).primitive == "log"
+
+
 def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="find_nonfinite expects a callable"):
         jamp.find_nonfinite(3, jnp.ones(2))

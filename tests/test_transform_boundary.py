@@ -3,6 +3,7 @@ import dataclasses
 import inspect
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -170,6 +171,32 @@ def test_eager_outputs_equal_jit_outputs_in_type_and_dtype():
     for key in eager:
         assert type(eager[key]) is type(jitted[key]), key
         assert eager[key].dtype == jitted[key].dtype, key
+
+
+def _thread_token(x, token):
+    """A function taking and returning an effect token, as ``jax.jit`` allows."""
+    return x @ x.T, jax.lax.after_all(token, token)
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy(BF16, cast_inputs=True,
+                                                                  output_dtype=F32)])
+def test_effect_tokens_are_arguments_and_outputs_as_under_jit(policy):
+    g = jamp.autocast_transform(_thread_token, policy)
+    token = jax.lax.create_token()
+    calls = {"jit": jax.jit(g), "eager": g}
+    for name, call in calls.items():
+        for _ in range(2):  # the traced call and a cached one
+            out, out_token = call(X, token)
+            assert isinstance(out_token, jax_core.Token) and out_token is not token, name
+            assert out.dtype == F32, name
+    with jax.disable_jit():
+        assert isinstance(g(X, token)[1], jax_core.Token)
+    # A token made inside the function comes back as a token (not a leaked tracer).
+    made = jamp.autocast_transform(lambda x: (x, jax.lax.create_token()), policy)
+    assert isinstance(made(X)[1], jax_core.Token)
+    assert isinstance(jax.jit(made)(X)[1], jax_core.Token)
+    grads = jax.grad(lambda x: jnp.sum(g(x, token)[0]))(X)
+    assert grads.dtype == F32
 
 
 def test_transform_a_function_snippet_runs():

@@ -1,6 +1,11 @@
 """The rewrite cache keys on what jax.jit keys on, and eager calls run a compiled program once
 compiled (counted with jax.monitoring's backend-compile events, no timings)."""
 import contextlib
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +117,107 @@ def test_eager_grad_with_a_jit_inside_does_not_recompile_every_call():
             np.testing.assert_array_equal(grad(W, X), expected)
     assert steady[0] == 0
     assert expected.dtype == F32
+
+
+@jax.custom_vjp
+def _sine(x):
+    return jnp.sin(x)
+
+
+_sine.defvjp(lambda x: (jnp.sin(x), jnp.cos(x)), lambda cos, g: (cos * g,))
+_INNER = jax.jit(lambda w, x: jnp.tanh(x @ w))
+_WITH_CUSTOM_RULES = {  # programs with custom_jvp/custom_vjp calls and a jax.jit inside
+    "relu_custom_jvp": (lambda w, x: jnp.sum(jax.nn.relu(_INNER(w, x)))),
+    "custom_vjp": (lambda w, x: jnp.sum(_sine(_INNER(w, x)))),
+    "remat": (lambda w, x: jnp.sum(jax.checkpoint(lambda w: jax.nn.relu(_INNER(w, x)))(w))),
+    "scan": (lambda w, x: jnp.sum(lax.scan(lambda c, r: (c + jax.nn.relu(_INNER(w, r)), None),
+                                           jnp.zeros(4), x)[0])),
+    "cond": (lambda w, x: jnp.sum(lax.cond(x[0, 0] > 0, lambda: jax.nn.relu(x @ w),
+                                           lambda: _sine(x @ w)))),
+    "while": (lambda w, x: jnp.sum(lax.fori_loop(0, 2, lambda i, c: jax.nn.relu(c @ w), x))),
+    "rule_closing_over_a_value": (lambda w, x: _closing_rule(x, _INNER(w, x))),
+}
+
+
+def _closing_rule(x, y):
+    scale = jnp.sum(jnp.cos(x))  # computed by the function (not differentiated), closed over
+
+    @jax.custom_vjp
+    def scaled(y):
+        return y * scale
+
+    scaled.defvjp(lambda y: (y * scale, None), lambda _, g: (g * scale,))
+    return jnp.sum(scaled(y))
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy(BF16, cast_inputs=True)],
+                         ids=["identity", "cast_inputs"])
+@pytest.mark.parametrize("name", sorted(_WITH_CUSTOM_RULES))
+@pytest.mark.parametrize("outer", ["grad", "vmap"])
+def test_eager_grad_and_vmap_with_custom_rules_reuse_compiled_work(outer, name, policy):
+    """Custom rules make eager grad/vmap rewrite the program on every call; the rewritten inner
+    jit must still be the same program each time, so JAX compiles it once."""
+    fn = _WITH_CUSTOM_RULES[name]
+    g = jamp.autocast_transform(fn, policy)
+    call = (jax.grad(g) if outer == "grad"
+            else jax.vmap(g, in_axes=(None, 0)))
+    x = X if outer == "grad" else jnp.stack([X, -X])
+    expected = call(W, x)
+    with count_compiles() as steady:
+        for _ in range(3):
+            np.testing.assert_array_equal(call(W, x), expected)
+    assert steady[0] == 0
+    plain = jax.grad(fn) if outer == "grad" else jax.vmap(fn, in_axes=(None, 0))
+    np.testing.assert_allclose(expected.astype(F32), plain(W, x), rtol=5e-2, atol=5e-2)
+
+
+def test_eager_grad_of_rules_closing_over_values_falls_back_to_the_direct_rewrite():
+    """Such a rule cannot run inside the compiled program (its value is gone by the time JAX
+    differentiates it); the call is bound directly instead, once found out."""
+    traces = []
+
+    def f(w, x):
+        traces.append(1)
+        return _closing_rule(x, jnp.tanh(x @ w))
+
+    g = jax.grad(jamp.autocast_transform(f, jamp.Policy(F32)))
+    want = jax.grad(f)(W, X)
+    for _ in range(3):
+        np.testing.assert_allclose(g(W, X), want, rtol=1e-6)
+    assert len(traces) == 2  # the plain grad, and jamp's one trace
+
+
+def test_grad_of_jit_of_a_rule_closing_over_a_value_says_why_it_fails():
+    """As in plain JAX (grad of jit of such a function fails), with a message saying so."""
+    g = jax.grad(jax.jit(jamp.autocast_transform(lambda w, x: _closing_rule(x, x @ w))))
+    with pytest.raises(jamp.interpreter.RewriteError, match=r"jax.grad\(jax.jit\(f\)\)"):
+        g(W, X)
+
+
+def test_eager_grad_compiles_nothing_from_the_second_call_in_a_fresh_process():
+    """The trace context must not change after the first call (a lazily imported JAX module
+    defining config states would key the second call anew)."""
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp
+        import jamp
+        compiles = []
+        jax.monitoring.register_event_duration_secs_listener(
+            lambda event, secs, **kw: compiles.append(event)
+            if event == "/jax/core/compile/backend_compile_duration" else None)
+        inner = jax.jit(lambda w, x: jnp.tanh(x @ w))
+        g = jax.grad(jamp.autocast_transform(lambda w, x: jnp.sum(jax.nn.relu(inner(w, x)))))
+        w, x = jnp.ones((4, 4)), jnp.ones((3, 4))
+        g(w, x)
+        first = len(compiles)
+        g(w, x); g(w, x)
+        print(len(compiles) - first)
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(pathlib.Path(jamp.__file__).parents[1]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split()[-1] == "0", out.stdout + out.stderr
 
 
 def test_eager_vmap_does_not_recompile_every_call():

@@ -1,4 +1,5 @@
-"""``custom_jvp_call`` / ``custom_vjp_call``: user-defined derivatives under the policy.
+"""``custom_jvp_call`` / ``custom_vjp_call`` (and ``remat_opt``, the forward rule of a
+``custom_vjp`` with ``optimize_remat=True``): user-defined derivatives under the policy.
 
 The primal body is rewritten under the region active at the call. The derivative rules are
 obtained from JAX itself, by differentiating the *original* call at its traced dtypes
@@ -26,6 +27,7 @@ jamp rewrites (``jax.grad`` of the transformed function, also under ``jax.jit``)
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -34,9 +36,37 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _compat as compat
-from ..interpreter import F32, Step, in_compute_dtype, keep_traced_rule, register
+from ..interpreter import F32, RewriteError, Step, in_compute_dtype, keep_traced_rule, register
 from ..policy import RegionState
 from .control_flow import _cast_to
+
+
+class RuleClosureError(RewriteError):
+    """A custom derivative rule closing over a value the transformed function computed ran after
+    jamp's rewrite of that function had finished, so the value could not be mapped."""
+
+
+# The traces of the users' functions (``transform.trace_call``): a tracer of one of them that
+# ``Rewriter.outer_value`` cannot map is a value of a finished trace.
+_USER_TRACES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def remember_user_trace(trace: Any) -> None:
+    _USER_TRACES.add(trace)
+
+
+def _rule_consts(rewriter: Any, consts: Sequence[Any], eqn: Any) -> list[Any]:
+    """A rule's closed-over values, mapped to the values they have in the rewrite (see the module
+    docstring); raises ``RuleClosureError`` where the rewrite has ended."""
+    mapped = [rewriter.outer_value(c) for c in consts]
+    if any(compat.trace_of(c) in _USER_TRACES for c in mapped):
+        raise RuleClosureError(
+            f"a custom derivative rule (of `{eqn.primitive.name}` at {compat.source_line(eqn)}) "
+            "closes over a value the transformed function computed, and JAX ran it after jamp "
+            "rewrote the function. jamp supports such rules where JAX runs them while it "
+            "rewrites: jax.grad of the transformed function (also under jax.jit); as in plain "
+            "JAX, jax.grad(jax.jit(f)) of such a function is not supported")
+    return mapped
 
 
 def _original(step: Step) -> Callable[..., list[Any]]:
@@ -82,6 +112,7 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
     traced = [v.aval for v in step.eqn.invars]
     tangent_avals = [compat.tangent_aval(a) for a in traced]
     rewriter = step.rewriter.child(rule_state)
+    eqn = step.eqn  # the rules below must not hold `step` (its operands are tracers)
     n_in = len(traced)
 
     @jax.custom_jvp
@@ -94,7 +125,7 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
             lambda *flat: [x for part in jax.jvp(original, flat[:n_in], flat[n_in:]) for x in part],
             [*traced, *tangent_avals])
         jaxpr, consts = compat.open_and_consts(rule)
-        outs = rewriter.run(jaxpr, consts, [*primals, *tangents])
+        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *tangents])
         n_out = len(out_dtypes)
         return _cast_to(outs[:n_out], out_dtypes), _cast_to(outs[n_out:], out_dtypes)
 
@@ -109,6 +140,8 @@ class _Backward:
 
     perturbed: tuple[bool, ...]
     closed: Any  # an open jaxpr: hashed and compared by identity
+    logs_tree: Any  # the user's backward-pass logs (``defvjp_with_logs``), the last outputs
+    log_dtypes: tuple[Any, ...]  # ... cast back to the dtypes the user's bwd traced them in
 
 
 jax.tree_util.register_static(_Backward)
@@ -141,6 +174,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
     in_dtypes = [a.dtype for a in step.avals()]
     ct_avals = [compat.tangent_aval(v.aval) for v in step.eqn.outvars]
     rewriter = step.rewriter.child(primal_state)
+    eqn = step.eqn  # the rules below must not hold `step` (its operands are tracers)
     n_out = len(out_dtypes)
 
     @jax.custom_vjp
@@ -165,7 +199,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 
         fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
         jaxpr, consts = compat.open_and_consts(fwd_closed)
-        outs = rewriter.run(jaxpr, consts, args)
+        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, eqn), args)
         primal_outs = _cast_to(outs[:n_out], out_dtypes)
         # A residual that is an output (fwd returning ``y, (y,)``) is kept as the returned output.
         position = {v: j for j, v in enumerate(jaxpr.outvars[:n_out]) if isinstance(v, compat.Var)}
@@ -175,25 +209,34 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 
         def backward(*flat: Any) -> Any:
             vjp_fn = jax.tree.unflatten(pullback["tree"], flat[:n_res])
-            return vjp_fn(list(flat[n_res:]))
+            cts, logs = compat.pullback_with_logs(vjp_fn, list(flat[n_res:]))
+            # The user's backward-pass logs (defvjp_with_logs) follow the cotangents.
+            log_leaves, pullback["logs"] = jax.tree.flatten(logs)
+            return [*jax.tree.leaves(cts), *log_leaves]
 
         bwd_closed = compat.trace_to_closed(
             backward, [*fwd_closed.out_avals[n_out:], *ct_avals])
+        n_logs = pullback["logs"].num_leaves
+        log_dtypes = [a.dtype for a in bwd_closed.out_avals[len(bwd_closed.out_avals) - n_logs:]]
         bwd_jaxpr, bwd_consts = compat.open_and_consts(bwd_closed)
         # Values the user's bwd closes over are known now, in the forward pass: pass them on.
-        bwd_consts = [rewriter.outer_value(c) for c in bwd_consts]
-        return primal_outs, (_Backward(perturbed, bwd_jaxpr), [*residuals, *bwd_consts])
+        bwd_consts = _rule_consts(rewriter, bwd_consts, eqn)
+        saved = _Backward(perturbed, bwd_jaxpr, pullback["logs"], tuple(log_dtypes))
+        return primal_outs, (saved, [*residuals, *bwd_consts])
 
     def bwd(saved: tuple[Any, list[Any]], cotangents: Sequence[Any]) -> tuple[Any, ...]:
         backward, values = saved
         n_consts = len(backward.closed.constvars)
         residuals, consts = values[:len(values) - n_consts], values[len(values) - n_consts:]
-        cts = rewriter.run(backward.closed, consts,
-                           [*residuals, *(_instantiate(c) for c in cotangents)])
-        cast = iter(_cast_to(cts, [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
-        return tuple(next(cast) if p else None for p in backward.perturbed)
+        outs = rewriter.run(backward.closed, consts,
+                            [*residuals, *(_instantiate(c) for c in cotangents)])
+        n_cts = len(outs) - len(backward.log_dtypes)
+        cts = iter(_cast_to(outs[:n_cts], [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
+        logs = jax.tree.unflatten(backward.logs_tree,
+                                  _cast_to(outs[n_cts:], backward.log_dtypes))
+        return tuple(next(cts) if p else None for p in backward.perturbed), logs or None
 
-    primal.defvjp(fwd, bwd, symbolic_zeros=True)
+    compat.defvjp_with_logs(primal, fwd, bwd, symbolic_zeros=True)
     with compat.equation_context(step.eqn):
         return primal(*step.args)
 
@@ -202,3 +245,29 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 def linear_solve_rule(step: Step) -> Sequence[Any]:
     """``jnp.linalg.solve`` and friends: linear algebra stays in its traced (float32) dtypes."""
     return keep_traced_rule(step)
+
+
+@register(*compat.OPTIMIZED_REMAT_PRIMITIVES)
+def optimized_remat_rule(step: Step) -> Sequence[Any]:
+    """The forward rule of a ``custom_vjp(..., optimize_remat=True)`` (in the jaxpr of a
+    ``jax.grad`` of it): ``fwd`` is rewritten under the call's region, and so is the primal
+    function that JAX runs instead where the residuals turn out unused; its outputs take the
+    rewritten ``fwd``'s dtypes, since either may replace the other."""
+    n_consts, n_res = step.params["num_consts"], step.params["num_res"]
+    avals, hints = step.avals(), step.hints()
+    fwd = step.rewrite_sub(compat.as_closed(step.params["fwd_jaxpr"]), avals, hints)
+    fwd_jaxpr, fwd_consts = compat.hoist_consts(fwd)
+    out_dtypes = [a.dtype for a in fwd.out_avals[n_res:]]
+    # Rewritten now, while values the function closes over can still be mapped (see
+    # Rewriter.outer_value); JAX's own thunk is memoized, so this is its one trace.
+    fun_jaxpr, fun_consts = compat.open_and_consts(compat.close_jaxpr(
+        *step.params["fun_jaxpr_thunk"]()))
+    rewriter = step.rewriter.child(step.state)
+    fun = compat.trace_to_closed(
+        lambda *args: _cast_to(rewriter.run(fun_jaxpr, fun_consts, args, hints[n_consts:]),
+                               out_dtypes),
+        avals[n_consts:])
+    rewritten_fun = compat.open_and_consts(fun)
+    return step.bind([*fwd_consts, *step.args], num_consts=n_consts + len(fwd_consts),
+                     fwd_jaxpr=compat.as_closed(fwd_jaxpr),
+                     fun_jaxpr_thunk=lambda: rewritten_fun)
