@@ -301,7 +301,8 @@ def eqx_custom_vjp() -> ZooCase:
 
 def diffrax_neural_ode() -> ZooCase:
     """A neural ODE: an Equinox MLP vector field solved by ``diffrax.diffeqsolve`` (Tsit5, 8 fixed
-    steps), differentiated through diffrax's default ``RecursiveCheckpointAdjoint``."""
+    steps), differentiated through diffrax's default ``RecursiveCheckpointAdjoint``.
+    ``max_steps=16`` (default 4096) keeps the checkpointed loop it builds small to compile."""
     import diffrax
     import equinox as eqx
 
@@ -312,7 +313,7 @@ def diffrax_neural_ode() -> ZooCase:
         def solve(y0):
             term = diffrax.ODETerm(lambda t, y, args: field(y))
             sol = diffrax.diffeqsolve(term, diffrax.Tsit5(), t0=0.0, t1=1.0, dt0=0.125, y0=y0,
-                                      saveat=diffrax.SaveAt(t1=True))
+                                      saveat=diffrax.SaveAt(t1=True), max_steps=16)
             return sol.ys
         return jax.vmap(solve)(y0)
     params, static = _eqx_split(field)
