@@ -9,6 +9,7 @@ into traced leaves. Errors name the user's function and parameter, never jamp's 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import operator
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
@@ -199,16 +200,34 @@ def is_traced_leaf(leaf: Any, numbers_are_static: bool, tokens_are_static: bool 
             and isinstance(leaf, (int, float, complex)))
 
 
+@functools.lru_cache(maxsize=256)
+def whole_argument_leaves(in_tree: Any) -> frozenset[int]:
+    """Indices of the leaves of ``(args, kwargs)`` that are whole arguments (the ``0.1`` of
+    ``f(x, 0.1)`` or ``f(x, lr=0.1)``), not parts of a pytree argument."""
+    whole, start = [], 0
+    for part in jax.tree_util.treedef_children(in_tree):  # args, then kwargs
+        for arg in jax.tree_util.treedef_children(part):
+            if arg.num_leaves == 1 and jax.tree_util.treedef_is_leaf(arg):
+                whole.append(start)
+            start += arg.num_leaves
+    return frozenset(whole)
+
+
 def split_leaves(flat: Sequence[Any], in_tree: Any, signature: Optional[CallSignature],
                  numbers_are_static: bool, tokens_are_static: bool = False
                  ) -> tuple[list[int], tuple[tuple[int, Any], ...]]:
     """Indices of the traced leaves, and the static leaves as ``(index, value)`` pairs.
 
+    A Python number inside a pytree argument (an Equinox module's ``Dropout.p``, a config
+    field) is static, as ``equinox.filter_jit`` treats non-array leaves: library code branches
+    on such values (``if self.p == 0``). Only a number passed as a whole argument follows
+    ``numbers_are_static`` (traced eagerly, as ``jax.jit`` traces a learning rate).
     ``signature`` names an unhashable static leaf in the user's terms (``None``: a pytree path).
     """
+    whole = whole_argument_leaves(in_tree)
     traced, static = [], []
     for i, leaf in enumerate(flat):
-        if is_traced_leaf(leaf, numbers_are_static, tokens_are_static):
+        if is_traced_leaf(leaf, numbers_are_static or i not in whole, tokens_are_static):
             traced.append(i)
         else:
             static.append((i, leaf))

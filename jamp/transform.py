@@ -130,12 +130,15 @@ def autocast_transform(fn: Callable, policy: PolicyLike = None, *, dtype: Any = 
         the end, numbers and names are inferred from each other through ``fn``'s signature, the
         values must be hashable and each new value traces ``fn`` again.
 
-    Array leaves of the arguments are traced. So are Python numbers in eager calls (as
-    ``jax.jit`` does, so a changing learning rate does not recompile); under an enclosing
-    transformation (``jax.jit``, ``jax.grad``, ``jax.vmap``...) a Python number is already a
-    constant of that program and is passed to ``fn`` unchanged, so
-    ``jax.jit(autocast_transform(g), static_argnums=1)(x, 3)`` sees ``3``. Bools, strings and
-    other hashable leaves (``train=False``, ``mutable=["batch_stats"]``) are always static.
+    Array leaves of the arguments are traced. So are Python numbers passed as whole arguments
+    in eager calls (as ``jax.jit`` does, so a changing learning rate does not recompile); under
+    an enclosing transformation (``jax.jit``, ``jax.grad``, ``jax.vmap``...) a Python number is
+    already a constant of that program and is passed to ``fn`` unchanged, so
+    ``jax.jit(autocast_transform(g), static_argnums=1)(x, 3)`` sees ``3``. A Python number
+    inside a pytree argument (an Equinox module's ``Dropout(p=0.0)``, a config field) is static,
+    as ``equinox.filter_jit`` treats it, so library code can branch on it; a new value traces
+    ``fn`` again. Bools, strings and other hashable leaves (``train=False``,
+    ``mutable=["batch_stats"]``) are always static.
     Output leaves that are not arrays or numbers (strings, functions, ``None``) are returned as
     they came, as ``equinox.filter_jit`` does. Flax NNX modules among the arguments are split
     and merged as ``nnx.jit`` does, and their final state (e.g. BatchNorm statistics) is

@@ -139,6 +139,31 @@ def test_cast_inputs_attention_gradients_are_float32_close_and_type_check():
     assert out.dtype == tangent.dtype == BF16
 
 
+def test_cast_inputs_vmapped_and_masked_softmax_under_enable_checks():
+    """cast_inputs traces jax.nn.softmax as JAX's custom-JVP ``_softmax``, whose debug info
+    fails JAX's own ``jax_enable_checks`` self-check when vmapped (Equinox's
+    MultiheadAttention) or masked (``where=``); the zoo's Flax lm1b/sst2 and Equinox attention
+    raised an AssertionError from inside JAX under ``jax.grad`` with the checks on."""
+    heads = jnp.stack([Q, Q * 0.5])
+    projection = jax.random.normal(jax.random.PRNGKey(5), (2, T, T))
+    programs = {
+        "vmapped": lambda q, k: jax.vmap(lambda h: jax.nn.softmax(h @ k.T, axis=-1))(q),
+        "masked": lambda q, k: jax.nn.softmax(q @ k.T, axis=-1, where=jnp.tril(
+            jnp.ones((T, T), bool))),
+    }
+    for name, program in programs.items():
+        f = jamp.autocast_transform(program, CAST_INPUTS)
+        loss = lambda q, k: jnp.sum(f(q, k).astype(F32) * projection)
+        reference = jax.grad(lambda q, k: jnp.sum(program(q, k) * projection))(heads, K)
+        with jax.enable_checks(True):
+            out, grads = f(heads, K), jax.grad(loss)(heads, K)
+            jitted = jax.jit(jax.grad(loss))(heads, K)
+        assert out.dtype == BF16, name
+        for g in (grads, jitted):
+            assert g.dtype == F32, name
+            np.testing.assert_allclose(g, reference, rtol=0.1, atol=0.05, err_msg=name)
+
+
 def test_default_policy_keeps_the_softmax_output_in_float32():
     softmax = lambda q, k: jax.nn.softmax(q @ k.T, axis=-1)
     assert jamp.autocast_transform(softmax)(Q, K).dtype == F32          # torch semantics

@@ -1,4 +1,5 @@
 """autocast_transform's static_argnums / static_argnames (jax.jit's meaning) and Python numbers."""
+import dataclasses
 import functools
 
 import jax
@@ -191,3 +192,46 @@ def test_nnx_module_with_a_static_argument():
     out = jamp.autocast_transform(apply, static_argnums=2)(model, X, 2)
     assert out.dtype == BF16
     np.testing.assert_allclose(out.astype(F32), model(model(X)), rtol=3e-2, atol=3e-2)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "rate"], meta_fields=[])
+@dataclasses.dataclass
+class _Dropout:
+    """Equinox-style: a layer whose Python float field is a pytree leaf, which its code branches
+    on as eqx.nn.Dropout does (``if self.rate == 0``)."""
+    w: jax.Array
+    rate: float
+
+    def __call__(self, x):
+        if isinstance(self.rate, float) and self.rate == 0:
+            return x @ self.w
+        raise RuntimeError("a traced rate needs a key")
+
+
+def test_python_numbers_inside_pytree_arguments_are_static():
+    traces = []
+
+    def apply(layer, x, lr):
+        traces.append((layer.rate, lr))
+        return layer(x) * lr
+
+    f = jamp.autocast_transform(apply)
+    layer = _Dropout(W, 0.0)
+    # Eagerly (it failed: the rate was traced), and, as Equinox users call it, under jit and
+    # grad with the float outside the traced arguments (eqx.filter_jit, eqx.partition).
+    for out in (f(layer, X, 0.5), jax.jit(lambda w, x: f(_Dropout(w, 0.0), x, 0.5))(W, X)):
+        assert out.dtype == BF16
+        np.testing.assert_allclose(out.astype(F32), X @ W * 0.5, rtol=1e-2)
+    grad = jax.grad(lambda w: f(_Dropout(w, 0.0), X, 0.5).astype(F32).sum())(W)
+    assert grad.dtype == F32
+    assert type(jamp.explain(apply, layer, X, 0.5).low_precision_flop_share) is float
+    # The number nested in the pytree reached the function as itself; the whole-argument
+    # learning rate was traced eagerly (no new trace per value), as jax.jit does.
+    eager = [t for t in traces if not isinstance(t[1], float)]
+    assert eager and all(rate == 0.0 and type(rate) is float for rate, _ in eager)
+    before = len(traces)
+    f(layer, X, 0.25)
+    assert len(traces) == before
+    with pytest.raises(RuntimeError, match="traced rate"):  # a new value traces again
+        f(_Dropout(W, 0.1), X, 0.5)
+    assert len(traces) == before + 1 and traces[-1][0] == 0.1

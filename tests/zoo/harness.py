@@ -47,6 +47,9 @@ class ZooCase:
     jit: Callable[[Callable], Callable] = jax.jit
     grad: Callable[[Callable], Callable] = jax.grad
     params_of: Callable[[Any], Any] = lambda params: params
+    # Smallest accepted gradient cosine to float32 per compute dtype name (default 0.99); a
+    # model that lowers it says next to the value why its float32 gradient cannot do better.
+    grad_cosine: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,13 +395,15 @@ def check_grads_dtype(run: ZooRun) -> None:
 
 
 def check_grads_cosine(run: ZooRun) -> None:
-    """Cosine similarity of all parameters' gradients (one vector) to float32's >= 0.99."""
+    """Cosine similarity of all parameters' gradients (one vector) to float32's >= 0.99 (or the
+    model's justified ``grad_cosine`` for the compute dtype)."""
     ref = [x for _, x in array_leaves(run.reference_grads)]
+    bound = run.case.grad_cosine.get(np.dtype(run.policy.compute_dtype).name, 0.99)
     bad = []
     for order, grads in _grad_stages(run).items():
         c = cosine([x for _, x in array_leaves(grads)], ref)
-        if not c >= 0.99:
-            bad.append(f"{order}: cosine to float32 gradients {c:.4f} < 0.99")
+        if not c >= bound:
+            bad.append(f"{order}: cosine to float32 gradients {c:.4f} < {bound}")
     assert not bad, "\n".join(bad)
 
 
