@@ -8,10 +8,12 @@ custom-JVP call only under the ``jax_softmax_custom_jvp`` flag. (The rules regis
 and ``pjit``, the primitive's name before 0.10.) ``partial_eval.trace_to_jaxpr_dynamic`` and
 ``linear_util.DebugInfo``, used to trace rewritten sub-jaxprs, are the same in 0.10 and 0.12.
 """
+
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,9 +41,12 @@ _close_jaxpr: Any = _ClosedJaxpr or _core.Jaxpr
 # ``eval_jaxpr`` primitive (what ``checkpoint`` of a ``vmap`` of a ``scan`` binds under ``grad``);
 # jax 0.10 has no such primitive.
 _eval_jaxpr_p = getattr(_core, "eval_jaxpr_p", None)
-INLINE_CALL_PRIMITIVES: tuple[str, ...] = tuple(dict.fromkeys(
-    ("closed_call", "core_call", "call")
-    + ((_eval_jaxpr_p.name,) if _eval_jaxpr_p is not None else ())))
+INLINE_CALL_PRIMITIVES: tuple[str, ...] = tuple(
+    dict.fromkeys(
+        ("closed_call", "core_call", "call")
+        + ((_eval_jaxpr_p.name,) if _eval_jaxpr_p is not None else ())
+    )
+)
 
 
 def is_jaxpr_like(value: Any) -> bool:
@@ -82,14 +87,17 @@ def source_line(eqn: Any) -> str:
 def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
     """``(file, line, function)`` of the frames outside JAX an equation was traced from,
     innermost first."""
-    return [(f.file_name, f.start_line, f.function_name)
-            for f in _siu.user_frames(eqn.source_info.traceback)]
+    return [
+        (f.file_name, f.start_line, f.function_name)
+        for f in _siu.user_frames(eqn.source_info.traceback)
+    ]
 
 
 def transform_names(eqn: Any) -> frozenset[str]:
     """The transformations an equation was traced under (``"jvp"``, ``"transpose"``, ...)."""
-    return frozenset(s.name for s in eqn.source_info.name_stack.stack
-                     if isinstance(s, _siu.Transform))
+    return frozenset(
+        s.name for s in eqn.source_info.name_stack.stack if isinstance(s, _siu.Transform)
+    )
 
 
 def traceback_of(eqn: Any) -> Any:
@@ -111,7 +119,9 @@ def bind_params(eqn: Any) -> dict[str, Any]:
     if isinstance(params, tuple):  # jax < 0.9.2 returned (subfuns, params)
         subfuns, params = params
         if subfuns:
-            raise NotImplementedError(f"{eqn.primitive} binds with subfunctions on this JAX version")
+            raise NotImplementedError(
+                f"{eqn.primitive} binds with subfunctions on this JAX version"
+            )
     return dict(params)
 
 
@@ -138,8 +148,9 @@ def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
     """
     debug = _lu.DebugInfo("jamp", getattr(fn, "__name__", "<jamp>"), None, None)
     flat_fn = lambda *args: jax.tree.leaves(fn(*args))  # outputs may be a pytree (a vjp's)
-    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(flat_fn, debug_info=debug),
-                                                  list(in_avals))
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
+        _lu.wrap_init(flat_fn, debug_info=debug), list(in_avals)
+    )
     return _close_jaxpr(jaxpr, consts)
 
 
@@ -180,6 +191,7 @@ def hoist_consts(closed: Any) -> tuple[Any, list[Any]]:
 def tangent_aval(aval: ShapedArray) -> ShapedArray:
     """The aval of a tangent/cotangent for a primal aval (float0 for integers)."""
     import jax.extend.core as jex_core
+
     return aval.update(dtype=jex_core.primal_dtype_to_tangent_dtype(aval.dtype), weak_type=False)
 
 
@@ -191,15 +203,17 @@ def scan_counts(params: dict[str, Any], n_args: int) -> tuple[int, int]:
     return len(list(consts)), len(list(carry))
 
 
-def shard_map(fn: Any, *, mesh: Any, in_specs: Any, out_specs: Any, axis_names: Any,
-              check_vma: bool) -> Any:
+def shard_map(
+    fn: Any, *, mesh: Any, in_specs: Any, out_specs: Any, axis_names: Any, check_vma: bool
+) -> Any:
     """The public ``jax.shard_map`` (``jax.experimental.shard_map`` before it moved)."""
     public: Any = getattr(jax, "shard_map", None)
     kwargs = {} if not axis_names else {"axis_names": set(axis_names)}
     if public is None:  # pragma: no cover - older jax
         from jax.experimental.shard_map import shard_map as public
-    return public(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma,
-                  **kwargs)
+    return public(
+        fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma, **kwargs
+    )
 
 
 def dce_closed(closed: Any) -> tuple[Any, list[Any]]:
@@ -211,27 +225,34 @@ def dce_closed(closed: Any) -> tuple[Any, list[Any]]:
     as_inputs = _pe.convert_constvars_jaxpr(jaxpr)
     keep_inputs = [False] * len(consts) + [True] * len(jaxpr.invars)
     dced, used = _pe.dce_jaxpr(as_inputs, [True] * len(jaxpr.outvars), instantiate=keep_inputs)
-    return dced, [c for c, u in zip(consts, used[:len(consts)]) if u]
+    return dced, [c for c, u in zip(consts, used[: len(consts)]) if u]
 
 
 def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
     """Every jaxpr among an equation's parameters (also inside tuples, e.g. cond's branches)."""
     for value in params.values():
-        for item in (value if isinstance(value, (tuple, list)) else (value,)):
+        for item in value if isinstance(value, (tuple, list)) else (value,):
             if is_jaxpr_like(item):
                 yield item
 
 
 # --- primitive names and function labels (Policy validation, unmatched-rule warnings) ----------
 
+
 def _primitive_tables() -> list[Any]:
     """JAX's registries keyed by Primitive: every primitive that can be lowered or differentiated
     is a key of one of them (jit's and remat's too; their names change across versions)."""
     from jax._src.interpreters import ad as _ad
     from jax._src.interpreters import mlir as _mlir
-    return [_mlir._lowerings, *_mlir._platform_specific_lowerings.values(), _ad.primitive_jvps,
-            _ad.primitive_transposes, _pe.partial_eval_jaxpr_custom_rules,
-            _pe.custom_partial_eval_rules]
+
+    return [
+        _mlir._lowerings,
+        *_mlir._platform_specific_lowerings.values(),
+        _ad.primitive_jvps,
+        _ad.primitive_transposes,
+        _pe.partial_eval_jaxpr_custom_rules,
+        _pe.custom_partial_eval_rules,
+    ]
 
 
 _primitive_names_cache: tuple[int, frozenset[str]] = (-1, frozenset())
@@ -259,6 +280,7 @@ def function_label(closed: Any) -> str:
 
 
 # --- tracing (issue 13): helpers for the tracing package -------------------------------------
+
 
 def under_transformation() -> bool:
     """True while JAX is tracing (inside ``jax.jit``, ``grad``, ``vmap``, ...): the current
@@ -297,8 +319,9 @@ def trace_user_function(flat_fn: Any, in_avals: Sequence[ShapedArray], debug: An
     softmax_flag = getattr(_config, "softmax_custom_jvp", None)
     skip_debug_info_check = checks and softmax_flag is not None and softmax_flag.value
     with jax.enable_checks(False) if skip_debug_info_check else contextlib.nullcontext():
-        jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(_lu.wrap_init(flat_fn, debug_info=debug),
-                                                      list(in_avals))
+        jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
+            _lu.wrap_init(flat_fn, debug_info=debug), list(in_avals)
+        )
     if skip_debug_info_check:
         _core.check_jaxpr(jaxpr)
     return _close_jaxpr(jaxpr, consts)
@@ -321,6 +344,7 @@ def under_staging() -> bool:
 
 # --- Effect tokens at the call boundary (issue 11 item 12): ``lax.create_token()`` values are
 # valid ``jax.jit`` arguments and outputs, but neither arrays nor floating values. ---
+
 
 def is_token(x: Any) -> bool:
     """A token (``jax.lax.create_token()``) or a tracer of one (same types in jax 0.10 and 0.12)."""
@@ -356,14 +380,14 @@ def defvjp_with_logs(custom: Any, fwd: Any, bwd: Any, *, symbolic_zeros: bool) -
 # ``grad`` would be keyed differently from the second one, which then traced and compiled again.
 import jax.extend.core as _jax_extend_core  # noqa: E402,F401
 
-
 # --- ``custom_vjp(optimize_remat=True)``: its fwd binds ``remat_opt`` (fwd jaxpr + a thunk
 # tracing the primal function, used when DCE finds the residuals unused). Both versions. ---
 from jax._src import custom_derivatives as _custom_derivatives  # noqa: E402
 
 _remat_opt_p = getattr(_custom_derivatives, "remat_opt_p", None)
 OPTIMIZED_REMAT_PRIMITIVES: tuple[str, ...] = (
-    (_remat_opt_p.name,) if _remat_opt_p is not None else ())
+    (_remat_opt_p.name,) if _remat_opt_p is not None else ()
+)
 
 
 def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
@@ -374,6 +398,7 @@ def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
 
 
 # --- Which trace a tracer belongs to (custom rules closing over the user's traced values). ---
+
 
 def current_trace() -> Any:
     """The trace JAX is running now (while tracing the user's function: that jaxpr's trace)."""

@@ -6,13 +6,15 @@ value must be hashable because it is part of the cache key. Static arguments tra
 pytree machinery as single opaque leaves (``_Static``), so a static tuple or dict is never split
 into traced leaves. Errors name the user's function and parameter, never jamp's wrappers.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
 import operator
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -25,6 +27,7 @@ _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_O
 class _Static:
     """A static argument's value as one pytree leaf; equal only to a value of the same type
     (``1``, ``1.0`` and ``True`` trace differently, as with ``jax.jit``)."""
+
     __slots__ = ("value",)
 
     def __init__(self, value: Any):
@@ -34,8 +37,11 @@ class _Static:
         return hash((type(self.value), self.value))
 
     def __eq__(self, other: Any) -> bool:
-        return (type(other) is _Static and type(other.value) is type(self.value)
-                and bool(other.value == self.value))
+        return (
+            type(other) is _Static
+            and type(other.value) is type(self.value)
+            and bool(other.value == self.value)
+        )
 
     def __repr__(self) -> str:
         return f"static({self.value!r})"
@@ -45,7 +51,7 @@ def _function_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
-def _index_tuple(value: Union[int, Iterable[int]], what: str, where: str) -> tuple[int, ...]:
+def _index_tuple(value: int | Iterable[int], what: str, where: str) -> tuple[int, ...]:
     try:
         return (operator.index(value),)  # type: ignore[arg-type]
     except TypeError:
@@ -53,11 +59,12 @@ def _index_tuple(value: Union[int, Iterable[int]], what: str, where: str) -> tup
     try:
         return tuple(operator.index(v) for v in value)  # type: ignore[union-attr]
     except TypeError as err:
-        raise TypeError(f"{where}: {what} must be an int or a sequence of ints, got "
-                        f"{value!r}") from err
+        raise TypeError(
+            f"{where}: {what} must be an int or a sequence of ints, got {value!r}"
+        ) from err
 
 
-def _name_tuple(value: Union[str, Iterable[str]], what: str, where: str) -> tuple[str, ...]:
+def _name_tuple(value: str | Iterable[str], what: str, where: str) -> tuple[str, ...]:
     if isinstance(value, str):
         return (value,)
     try:
@@ -66,27 +73,33 @@ def _name_tuple(value: Union[str, Iterable[str]], what: str, where: str) -> tupl
         names = (value,)  # type: ignore[assignment]
     bad = [n for n in names if not isinstance(n, str)]
     if bad:
-        raise TypeError(f"{where}: {what} must be a parameter name or a sequence of names, got "
-                        f"{value!r}")
+        raise TypeError(
+            f"{where}: {what} must be a parameter name or a sequence of names, got {value!r}"
+        )
     return names
 
 
 @dataclasses.dataclass(frozen=True)
 class CallSignature:
     """How calls of one function are split into static and traced arguments."""
+
     fn: Callable
-    signature: Optional[inspect.Signature]
-    argnums: tuple[int, ...]     # non-negative unless fn takes *args (resolved per call then)
+    signature: inspect.Signature | None
+    argnums: tuple[int, ...]  # non-negative unless fn takes *args (resolved per call then)
     argnames: frozenset[str]
 
     @classmethod
-    def of(cls, fn: Callable, static_argnums: Union[int, Iterable[int]] = (),
-           static_argnames: Union[str, Iterable[str]] = ()) -> "CallSignature":
+    def of(
+        cls,
+        fn: Callable,
+        static_argnums: int | Iterable[int] = (),
+        static_argnames: str | Iterable[str] = (),
+    ) -> CallSignature:
         where = f"autocast_transform({_function_name(fn)})"
         argnums = _index_tuple(static_argnums, "static_argnums", where)
         argnames = _name_tuple(static_argnames, "static_argnames", where)
         try:
-            signature: Optional[inspect.Signature] = inspect.signature(fn)
+            signature: inspect.Signature | None = inspect.signature(fn)
         except (TypeError, ValueError):  # some builtins have none: no inference, as in jax.jit
             signature = None
         if signature is not None:
@@ -105,8 +118,9 @@ class CallSignature:
         positional = [p.name for p in params if p.kind in _POSITIONAL]
         if index < len(positional):
             return positional[index]
-        varargs = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL),
-                       "args")
+        varargs = next(
+            (p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), "args"
+        )
         return f"{varargs}[{index - len(positional)}]"
 
     def mark_static(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -114,10 +128,14 @@ class CallSignature:
         if not self.argnums and not self.argnames:
             return args, kwargs
         at = {i + len(args) if i < 0 else i for i in self.argnums}
-        args = tuple(self._marked(a, self.parameter_name(i), "static_argnums") if i in at else a
-                     for i, a in enumerate(args))
-        kwargs = {k: self._marked(v, k, "static_argnames") if k in self.argnames else v
-                  for k, v in kwargs.items()}
+        args = tuple(
+            self._marked(a, self.parameter_name(i), "static_argnums") if i in at else a
+            for i, a in enumerate(args)
+        )
+        kwargs = {
+            k: self._marked(v, k, "static_argnames") if k in self.argnames else v
+            for k, v in kwargs.items()
+        }
         return args, kwargs
 
     def _marked(self, value: Any, name: str, how: str) -> _Static:
@@ -129,7 +147,8 @@ class CallSignature:
                 f"{self.where}: static argument '{name}' ({how}) must be hashable, because its "
                 f"value is part of the cache key as with jax.jit's static arguments; got "
                 f"{type(value).__name__} {short_repr(value)}. Pass a tuple instead of a list, "
-                "or bind it with functools.partial") from err
+                "or bind it with functools.partial"
+            ) from err
         return marked
 
     def call_unmarked(self, *args: Any, **kwargs: Any) -> Any:
@@ -150,8 +169,9 @@ def _unmark(value: Any) -> Any:
     return value.value if type(value) is _Static else value
 
 
-def _infer(signature: inspect.Signature, argnums: tuple[int, ...], argnames: tuple[str, ...],
-           where: str) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def _infer(
+    signature: inspect.Signature, argnums: tuple[int, ...], argnames: tuple[str, ...], where: str
+) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """Validate against the signature and infer numbers from names or names from numbers."""
     params = list(signature.parameters.values())
     positional = [p for p in params if p.kind in _POSITIONAL]
@@ -162,20 +182,29 @@ def _infer(signature: inspect.Signature, argnums: tuple[int, ...], argnames: tup
     if not has_varargs:
         bad = [i for i in argnums if not -len(positional) <= i < len(positional)]
         if bad:
-            raise ValueError(f"{where}: static_argnums={argnums} but the function takes "
-                             f"{len(positional)} positional argument(s) ({listing})")
+            raise ValueError(
+                f"{where}: static_argnums={argnums} but the function takes "
+                f"{len(positional)} positional argument(s) ({listing})"
+            )
         argnums = tuple(i % len(positional) for i in argnums)
     for name in argnames:
         param = by_name.get(name)
         if param is None and not has_varkw:
-            raise ValueError(f"{where}: static_argnames names {name!r}, which is not a parameter "
-                             f"of the function ({listing})")
+            raise ValueError(
+                f"{where}: static_argnames names {name!r}, which is not a parameter "
+                f"of the function ({listing})"
+            )
         if param is not None and param.kind is inspect.Parameter.POSITIONAL_ONLY:
-            raise ValueError(f"{where}: static_argnames names {name!r}, a positional-only "
-                             "parameter; use static_argnums")
+            raise ValueError(
+                f"{where}: static_argnames names {name!r}, a positional-only "
+                "parameter; use static_argnums"
+            )
     # As jax.jit: numbers imply names and names imply numbers, unless both are given.
-    inferable = [(i, p.name) for i, p in enumerate(positional)
-                 if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+    inferable = [
+        (i, p.name)
+        for i, p in enumerate(positional)
+        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ]
     if argnums and not argnames:
         argnames = tuple(name for i, name in inferable if i in argnums)
     elif argnames and not argnums:
@@ -185,7 +214,7 @@ def _infer(signature: inspect.Signature, argnums: tuple[int, ...], argnames: tup
 
 def short_repr(value: Any, limit: int = 60) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def is_traced_leaf(leaf: Any, numbers_are_static: bool, tokens_are_static: bool = False) -> bool:
@@ -196,8 +225,11 @@ def is_traced_leaf(leaf: Any, numbers_are_static: bool, tokens_are_static: bool 
         return True
     if compat.is_token(leaf):
         return not tokens_are_static
-    return (not numbers_are_static and type(leaf) is not bool
-            and isinstance(leaf, (int, float, complex)))
+    return (
+        not numbers_are_static
+        and type(leaf) is not bool
+        and isinstance(leaf, (int, float, complex))
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -206,16 +238,21 @@ def whole_argument_leaves(in_tree: Any) -> frozenset[int]:
     ``f(x, 0.1)`` or ``f(x, lr=0.1)``), not parts of a pytree argument."""
     whole, start = [], 0
     for part in jax.tree_util.treedef_children(in_tree):  # args, then kwargs
-        for arg in jax.tree_util.treedef_children(part):
+        arguments: list[Any] = jax.tree_util.treedef_children(part)  # stubs lack num_leaves
+        for arg in arguments:
             if arg.num_leaves == 1 and jax.tree_util.treedef_is_leaf(arg):
                 whole.append(start)
             start += arg.num_leaves
     return frozenset(whole)
 
 
-def split_leaves(flat: Sequence[Any], in_tree: Any, signature: Optional[CallSignature],
-                 numbers_are_static: bool, tokens_are_static: bool = False
-                 ) -> tuple[list[int], tuple[tuple[int, Any], ...]]:
+def split_leaves(
+    flat: Sequence[Any],
+    in_tree: Any,
+    signature: CallSignature | None,
+    numbers_are_static: bool,
+    tokens_are_static: bool = False,
+) -> tuple[list[int], tuple[tuple[int, Any], ...]]:
     """Indices of the traced leaves, and the static leaves as ``(index, value)`` pairs.
 
     A Python number inside a pytree argument (an Equinox module's ``Dropout.p``, a config
@@ -243,19 +280,27 @@ def static_key(static: Sequence[tuple[int, Any]]) -> tuple[Any, ...]:
     return tuple((i, type(leaf), leaf) for i, leaf in static)
 
 
-def _raise_unhashable(flat: Sequence[Any], in_tree: Any, static: Sequence[tuple[int, Any]],
-                      signature: Optional[CallSignature]) -> None:
-    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree,
-                                                                                   flat))[0]]
+def _raise_unhashable(
+    flat: Sequence[Any],
+    in_tree: Any,
+    static: Sequence[tuple[int, Any]],
+    signature: CallSignature | None,
+) -> None:
+    paths = [
+        p for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
+    ]
     for i, leaf in static:
         try:
             hash(leaf)
         except TypeError as err:
-            name = (signature.describe(paths[i]) if signature is not None
-                    else jax.tree_util.keystr(paths[i]))
+            name = (
+                signature.describe(paths[i])
+                if signature is not None
+                else jax.tree_util.keystr(paths[i])
+            )
             where = signature.where if signature is not None else "autocast_transform"
             raise TypeError(
                 f"{where}: argument {name} is a {type(leaf).__name__}, neither an array nor a "
                 "hashable static value; pass an array or a hashable value (a tuple instead of "
-                "a list), or bind it with functools.partial before transforming") from err
-
+                "a list), or bind it with functools.partial before transforming"
+            ) from err

@@ -9,10 +9,12 @@ Only the state the function actually assigned is written back, in the dtype the 
 had: under ``Policy(cast_inputs=True)`` the program sees its parameters in the compute dtype, and
 writing that view back would round the caller's float32 weights to bfloat16.
 """
+
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -22,9 +24,17 @@ def _graph_node_types() -> tuple[type, ...]:
     if "flax" not in sys.modules:
         return ()  # no NNX object can exist unless flax was imported
     from flax import nnx
-    return tuple(t for t in (getattr(nnx, "Module", None), getattr(nnx, "Object", None),
-                             getattr(nnx, "Pytree", None), getattr(nnx, "Variable", None))
-                 if isinstance(t, type))
+
+    return tuple(
+        t
+        for t in (
+            getattr(nnx, "Module", None),
+            getattr(nnx, "Object", None),
+            getattr(nnx, "Pytree", None),
+            getattr(nnx, "Variable", None),
+        )
+        if isinstance(t, type)
+    )
 
 
 def has_graph_nodes(tree: Any) -> bool:
@@ -32,7 +42,8 @@ def has_graph_nodes(tree: Any) -> bool:
     types = _graph_node_types()
     return bool(types) and any(
         isinstance(leaf, types)
-        for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types)))
+        for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types))
+    )
 
 
 def _pure(fn: Callable, treedef: Any, node_at: tuple[int, ...]) -> Callable:
@@ -60,6 +71,7 @@ def _pure(fn: Callable, treedef: Any, node_at: tuple[int, ...]) -> Callable:
         if final_def != given_def:  # type: ignore[operator]  # jaxlib has no PyTreeDef stub
             return out, new_state
         return out, [None if new is old else new for new, old in zip(final, given)]
+
     return run
 
 
@@ -71,10 +83,16 @@ def _as_caller_had(new: Any, old: Any) -> Any:
     return jax.numpy.asarray(new).astype(dtype) if np.dtype(dtype).kind in "fc" else new
 
 
-def call_with_graph_nodes(fn: Callable, transform_arrays: Callable[[Callable], Callable],
-                          cache: dict[Any, Callable], args: tuple, kwargs: dict) -> Any:
+def call_with_graph_nodes(
+    fn: Callable,
+    transform_arrays: Callable[[Callable], Callable],
+    cache: dict[Any, Callable],
+    args: tuple,
+    kwargs: dict,
+) -> Any:
     """Run ``fn`` through ``transform_arrays`` with its NNX modules split out, then update them."""
     from flax import nnx
+
     types = _graph_node_types()
     leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=lambda x: isinstance(x, types))
     node_at = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, types))
@@ -87,8 +105,9 @@ def call_with_graph_nodes(fn: Callable, transform_arrays: Callable[[Callable], C
     out, changed = cache[key](graphdef, state, others)
     given, given_def = jax.tree.flatten(state)
     if isinstance(changed, list):  # only the assigned leaves, in the caller's dtypes
-        final = [old if new is None else _as_caller_had(new, old)
-                 for new, old in zip(changed, given)]
+        final = [
+            old if new is None else _as_caller_had(new, old) for new, old in zip(changed, given)
+        ]
         nnx.update(nodes, jax.tree.unflatten(given_def, final))
     else:
         nnx.update(nodes, changed)

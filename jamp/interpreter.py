@@ -6,13 +6,15 @@ a registered rule go through the policy's category (lower / fp32 / promote) or t
 A rule receives a :class:`Step` (the equation, its operands as they arrive, the region state) and
 returns the equation's outputs.
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import os
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +40,12 @@ class UnsupportedPrimitiveWarning(UserWarning):
 
 def register(*names: str) -> Callable[[Rule], Rule]:
     """Register a rule for primitives by name: ``@register("scan")``."""
+
     def wrap(rule: Rule) -> Rule:
         for name in names:
             RULES[name] = rule
         return rule
+
     return wrap
 
 
@@ -66,8 +70,11 @@ def saturating_cast(value: Any, dtype: np.dtype) -> Any:
     xp = np if on_host else jnp
     with contextlib.nullcontext() if on_host else jax.ensure_compile_time_eval():
         src = xp.asarray(value)
-        if is_float(dtype) and is_float(src.dtype) and \
-                jnp.finfo(src.dtype).max > jnp.finfo(dtype).max:
+        if (
+            is_float(dtype)
+            and is_float(src.dtype)
+            and jnp.finfo(src.dtype).max > jnp.finfo(dtype).max
+        ):
             limit = float(jnp.finfo(dtype).max)
             src = xp.where(xp.isfinite(src), xp.clip(src, -limit, limit), src)
         return src.astype(dtype)
@@ -95,7 +102,7 @@ class ConstSource:
 class Hint:
     """What a sub-jaxpr's input is known to be at its call site (see ``Env``)."""
 
-    source: Optional[ConstSource] = None
+    source: ConstSource | None = None
     tags: frozenset = frozenset()
 
 
@@ -111,10 +118,16 @@ ACCUMULATING = frozenset({"reduce_sum", "cumsum", "psum", "reduce_scatter"})
 ACCUMULATED_THROUGH = SHAPE_ONLY | {"convert_element_type", "copy", "copy_p"}
 
 # Primitives whose params encode their operand dtypes: they always run in the traced dtypes.
-KEEP_TRACED_DTYPES = frozenset({
-    "bitcast_convert_type", "reduce_precision", "reduce", "reduce_window", "select_and_scatter",
-    "rng_bit_generator",
-})
+KEEP_TRACED_DTYPES = frozenset(
+    {
+        "bitcast_convert_type",
+        "reduce_precision",
+        "reduce",
+        "reduce_window",
+        "select_and_scatter",
+        "rng_bit_generator",
+    }
+)
 
 
 class Env:
@@ -122,7 +135,7 @@ class Env:
 
     def __init__(self, jaxpr: Any = None) -> None:
         self.jaxpr = jaxpr
-        self._accumulated: Optional[set[Any]] = None
+        self._accumulated: set[Any] | None = None
         self.values: dict[Any, Any] = {}
         self.known: dict[Any, ConstSource] = {}
         self.casts: dict[tuple[Any, np.dtype], Any] = {}
@@ -134,7 +147,7 @@ class Env:
         self.lower_outputs: set[Any] = set()
         self.expanded: set[Any] = set()
         self.input_view: set[Any] = set()
-        self._cotangent: Optional[set[Any]] = None
+        self._cotangent: set[Any] | None = None
 
     @property
     def cotangent(self) -> set[Any]:
@@ -142,9 +155,12 @@ class Env:
         inputs that receive one): float8 scales them to the gradient format (jamp/fp8.py).
         Found on the first question, so other policies never pay for the walk."""
         if self._cotangent is None:
-            self._cotangent = {v for eqn in (self.jaxpr.eqns if self.jaxpr is not None else ())
-                               if "transpose" in compat.transform_names(eqn)
-                               for v in eqn.outvars}
+            self._cotangent = {
+                v
+                for eqn in (self.jaxpr.eqns if self.jaxpr is not None else ())
+                if "transpose" in compat.transform_names(eqn)
+                for v in eqn.outvars
+            }
         return self._cotangent
 
     def accumulated(self, var: Any) -> bool:
@@ -153,8 +169,9 @@ class Env:
             summed: set[Any] = set()
             for eqn in reversed(self.jaxpr.eqns if self.jaxpr is not None else ()):
                 name = eqn.primitive.name
-                if name in ACCUMULATING or (name in ACCUMULATED_THROUGH
-                                            and any(v in summed for v in eqn.outvars)):
+                if name in ACCUMULATING or (
+                    name in ACCUMULATED_THROUGH and any(v in summed for v in eqn.outvars)
+                ):
                     summed.update(v for v in eqn.invars if isinstance(v, compat.Var))
             self._accumulated = summed
         return var in self._accumulated
@@ -162,7 +179,7 @@ class Env:
     def read(self, atom: Any) -> Any:
         return atom.val if isinstance(atom, compat.Literal) else self.values[atom]
 
-    def source(self, atom: Any) -> Optional[ConstSource]:
+    def source(self, atom: Any) -> ConstSource | None:
         if isinstance(atom, compat.Literal):
             return ConstSource(atom.val)
         return self.known.get(atom)
@@ -171,13 +188,13 @@ class Env:
 class Step:
     """One equation being rewritten: what a rule sees."""
 
-    def __init__(self, rewriter: "Rewriter", env: Env, eqn: Any, state: RegionState):
+    def __init__(self, rewriter: Rewriter, env: Env, eqn: Any, state: RegionState):
         self.rewriter, self.env, self.eqn, self.state = rewriter, env, eqn, state
         self.args: list[Any] = [env.read(v) for v in eqn.invars]
         self.bound_args: Sequence[Any] = self.args
         # The format a scaled lower-table op computed in (float8), for jamp.explain's FLOPs:
         # its bound operands are the dequantized values XLA folds into the float8 GEMM.
-        self.flop_dtype: Optional[np.dtype] = None
+        self.flop_dtype: np.dtype | None = None
 
     @property
     def policy(self) -> Policy:
@@ -202,8 +219,11 @@ class Step:
 
     def floating(self) -> list[int]:
         """Indices of operands that were traced with a floating dtype (float64 included)."""
-        return [i for i, v in enumerate(self.eqn.invars)
-                if hasattr(v.aval, "dtype") and is_float(v.aval.dtype)]
+        return [
+            i
+            for i, v in enumerate(self.eqn.invars)
+            if hasattr(v.aval, "dtype") and is_float(v.aval.dtype)
+        ]
 
     def has_tag(self, i: int, tag: str) -> bool:
         """Whether operand ``i`` is in one of the Env's derived sets (``scalar_like``, ...)."""
@@ -212,8 +232,10 @@ class Step:
 
     def hints(self) -> list[Hint]:
         """For each operand, what a sub-jaxpr receiving it should know (constant, tags)."""
-        return [Hint(self.env.source(v), frozenset(t for t in TAGS if self.has_tag(i, t)))
-                for i, v in enumerate(self.eqn.invars)]
+        return [
+            Hint(self.env.source(v), frozenset(t for t in TAGS if self.has_tag(i, t)))
+            for i, v in enumerate(self.eqn.invars)
+        ]
 
     def cast(self, i: int, dtype: Any) -> Any:
         """Operand ``i`` in ``dtype``: converted once per program, constants cast at rewrite time."""
@@ -245,13 +267,15 @@ class Step:
             out = self.eqn.primitive.bind(*args, **params)
         return list(out) if self.eqn.primitive.multiple_results else [out]
 
-    def rewrite_sub(self, closed: Any, avals: Sequence[Any],
-                    hints: Sequence[Optional[Hint]] = ()) -> Any:
+    def rewrite_sub(
+        self, closed: Any, avals: Sequence[Any], hints: Sequence[Hint | None] = ()
+    ) -> Any:
         """Rewrite a sub-jaxpr under this equation's region, for the operand avals given."""
         return self.rewriter.rewrite_closed(closed, avals, self.state, hints)
 
-    def run_sub(self, closed: Any, args: Sequence[Any],
-                hints: Sequence[Optional[Hint]] = ()) -> list[Any]:
+    def run_sub(
+        self, closed: Any, args: Sequence[Any], hints: Sequence[Hint | None] = ()
+    ) -> list[Any]:
         """Evaluate a sub-jaxpr inline under this equation's region (for pure call wrappers)."""
         jaxpr, consts = compat.open_and_consts(closed)
         return self.rewriter.child(self.state).run(jaxpr, consts, args, hints)
@@ -260,9 +284,15 @@ class Step:
 class Rewriter:
     """Evaluates jaxprs under one policy, starting from one region state."""
 
-    def __init__(self, policy: Policy, state: RegionState,
-                 rewritten: Optional[dict[Any, Any]] = None, recorder: Any = None,
-                 scope_log: Optional[ScopeLog] = None, active: Optional[list["Env"]] = None):
+    def __init__(
+        self,
+        policy: Policy,
+        state: RegionState,
+        rewritten: MutableMapping[Any, Any] | None = None,
+        recorder: Any = None,
+        scope_log: ScopeLog | None = None,
+        active: list[Env] | None = None,
+    ):
         self.policy = policy
         self.base = state
         self.recorder = recorder  # report.Recorder for jamp.explain, else None
@@ -281,10 +311,11 @@ class Rewriter:
         # derives from it (its transposes in a ``jax.grad`` program) share; shared with children.
         self.site_decisions: dict[tuple, Any] = {}
 
-    def child(self, state: RegionState) -> "Rewriter":
+    def child(self, state: RegionState) -> Rewriter:
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
-        sub = Rewriter(self.policy, state, self._rewritten, self.recorder, self.scope_log,
-                       self._active)
+        sub = Rewriter(
+            self.policy, state, self._rewritten, self.recorder, self.scope_log, self._active
+        )
         sub.site_decisions = self.site_decisions
         return sub
 
@@ -309,8 +340,13 @@ class Rewriter:
             self._states[scopes] = state
         return state
 
-    def rewrite_closed(self, closed: Any, avals: Sequence[Any], state: RegionState,
-                       hints: Sequence[Optional[Hint]] = ()) -> Any:
+    def rewrite_closed(
+        self,
+        closed: Any,
+        avals: Sequence[Any],
+        state: RegionState,
+        hints: Sequence[Hint | None] = (),
+    ) -> Any:
         key = None
         if self.recorder is None and not any(h is not None and h.source is not None for h in hints):
             key = (closed, tuple(avals), state, tuple(h.tags if h else None for h in hints))
@@ -323,8 +359,13 @@ class Rewriter:
             self._rewritten[key] = out
         return out
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
-            hints: Sequence[Optional[Hint]] = ()) -> list[Any]:
+    def run(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        hints: Sequence[Hint | None] = (),
+    ) -> list[Any]:
         env = Env(jaxpr)
         for var, value in zip(jaxpr.constvars, consts):
             value = self.outer_value(value)
@@ -366,20 +407,24 @@ class Rewriter:
         except (RewriteError, compat.JaxprTypeError):
             raise
         except Exception as err:
-            dtypes = ", ".join(str(a.str_short()) if hasattr(a, "str_short") else str(a)
-                               for a in step.avals())
-            where = (f"primitive `{name}` (operands {dtypes}) traced at "
-                     f"{compat.source_line(step.eqn)}")
+            dtypes = ", ".join(
+                str(a.str_short()) if hasattr(a, "str_short") else str(a) for a in step.avals()
+            )
+            where = (
+                f"primitive `{name}` (operands {dtypes}) traced at {compat.source_line(step.eqn)}"
+            )
             if not _raised_in_jamp(err):
                 # The user's code or JAX raised it (a custom rule, a shape check): it keeps its
                 # type, so the caller's `except NotImplementedError:` still fires.
                 note = "(raised while jamp rewrote "
                 if hasattr(err, "add_note") and not any(  # add_note: Python 3.11+
-                        n.startswith(note) for n in getattr(err, "__notes__", ())):
+                    n.startswith(note) for n in getattr(err, "__notes__", ())
+                ):
                     err.add_note(f"{note}{where})")  # the innermost equation's note only
                 raise
-            raise RewriteError(f"jamp could not rewrite {where}: {type(err).__name__}: {err}"
-                               ) from err
+            raise RewriteError(
+                f"jamp could not rewrite {where}: {type(err).__name__}: {err}"
+            ) from err
 
 
 _JAMP_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -391,7 +436,8 @@ def _raised_in_jamp(err: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(
-        _JAMP_DIR + os.sep)
+        _JAMP_DIR + os.sep
+    )
 
 
 def _track_derived(step: Step, outs: Sequence[Any]) -> None:
@@ -420,7 +466,8 @@ def _track_derived(step: Step, outs: Sequence[Any]) -> None:
         env.known[out_var] = source
     elif name in SHAPE_ONLY:
         env.known[out_var] = ConstSource(
-            source.base, source.steps + ((step.eqn.primitive, compat.bind_params(step.eqn)),))
+            source.base, source.steps + ((step.eqn.primitive, compat.bind_params(step.eqn)),)
+        )
     elif name == "convert_element_type" and not source.steps:
         env.known[out_var] = ConstSource(saturating_cast(source.base, step.params["new_dtype"]))
 
@@ -439,6 +486,7 @@ def _adds_broadcast_dims(name: str, before: Any, after: Any) -> bool:
 
 # --- category rules --------------------------------------------------------------------------
 
+
 def lower_rule(step: Step) -> Sequence[Any]:
     """Matmul/conv: floating operands and output in the compute dtype.
 
@@ -450,8 +498,7 @@ def lower_rule(step: Step) -> Sequence[Any]:
     """
     floating = step.floating()
     avals = step.avals()
-    if (not step.state.enabled or not floating
-            or any(avals[i].dtype == F64 for i in floating)):
+    if not step.state.enabled or not floating or any(avals[i].dtype == F64 for i in floating):
         args = step.with_cast(equalize_targets(step))
         arrived = [compat.aval_of(args[i]).dtype for i in floating]
         traced = step.params.get("preferred_element_type")
@@ -470,7 +517,7 @@ def lower_rule(step: Step) -> Sequence[Any]:
 # Compute dtypes whose lower-table ops run on scaled operands (jamp/fp8.py registers float8):
 # dtype -> rule returning the outputs, or None where the op does not qualify (it then runs in the
 # state's value dtype).
-SCALED_FORMATS: dict[np.dtype, Callable[[Step], Optional[Sequence[Any]]]] = {}
+SCALED_FORMATS: dict[np.dtype, Callable[[Step], Sequence[Any] | None]] = {}
 
 
 def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
@@ -504,8 +551,10 @@ def fp32_rule(step: Step) -> Sequence[Any]:
     outs = step.bind(step.with_cast(targets))
     if state.keep_compute_dtype and in_compute_dtype(step):
         with compat.equation_context(step.eqn):
-            outs = [compat.convert(x, state.value_dtype) if compat.aval_of(x).dtype == F32 else x
-                    for x in outs]
+            outs = [
+                compat.convert(x, state.value_dtype) if compat.aval_of(x).dtype == F32 else x
+                for x in outs
+            ]
     return outs
 
 
@@ -540,9 +589,13 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
     # A full-size operand (a residual) or a computed one (a reduction) promotes; so does a bias
     # under vmap, where no batch dimension is visible.
     bias_like = step.has_tag(i, "input_view") and (
-        aval.size < step.eqn.outvars[0].aval.size or step.has_tag(i, "expanded"))
-    return (step.eqn.primitive.name in BIAS_EPILOGUE and bias_like
-            and any(step.has_tag(j, "lower_outputs") for j in members if j != i))
+        aval.size < step.eqn.outvars[0].aval.size or step.has_tag(i, "expanded")
+    )
+    return (
+        step.eqn.primitive.name in BIAS_EPILOGUE
+        and bias_like
+        and any(step.has_tag(j, "lower_outputs") for j in members if j != i)
+    )
 
 
 def equalize_targets(step: Step) -> dict[int, np.dtype]:
@@ -577,8 +630,11 @@ def equalize_rule(step: Step) -> Sequence[Any]:
 def keep_traced_rule(step: Step) -> Sequence[Any]:
     """Run in the traced dtypes: floating operands are cast back to what was traced."""
     avals = step.avals()
-    targets = {i: step.traced_aval(i).dtype for i in step.floating()
-               if avals[i].dtype != step.traced_aval(i).dtype}
+    targets = {
+        i: step.traced_aval(i).dtype
+        for i in step.floating()
+        if avals[i].dtype != step.traced_aval(i).dtype
+    }
     return step.bind(step.with_cast(targets))
 
 
@@ -596,8 +652,10 @@ def default_rule(step: Step) -> Sequence[Any]:
             warnings.warn(
                 f"jamp has no rule for the higher-order primitive `{name}` (traced at "
                 f"{compat.source_line(step.eqn)}): it runs unchanged in its traced dtypes. "
-                "Register one with jamp.interpreter.register.", UnsupportedPrimitiveWarning,
-                stacklevel=2)
+                "Register one with jamp.interpreter.register.",
+                UnsupportedPrimitiveWarning,
+                stacklevel=2,
+            )
         return keep_traced_rule(step)
     return equalize_rule(step)
 
@@ -607,10 +665,11 @@ def has_subprograms(params: dict[str, Any]) -> bool:
         if isinstance(value, (tuple, list)):
             return any(is_sub(v) for v in value)
         return compat.is_jaxpr_like(value)
+
     return any(is_sub(v) for v in params.values())
 
 
-CATEGORY_RULES: dict[Optional[str], Rule] = {
+CATEGORY_RULES: dict[str | None, Rule] = {
     "lower": lower_rule,
     "fp32": fp32_rule,
     "promote": equalize_rule,

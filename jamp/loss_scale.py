@@ -16,10 +16,12 @@ Example::
     loss, grads, loss_scale, finite = step_fn(loss_scale, params, batch)
     # skip the update on overflow with optax: optax.apply_if_finite(tx, max_consecutive_errors=...)
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,42 +42,49 @@ def _coerce(value: Any, dtype: Any) -> Any:
     return value
 
 
-def _concrete(cls: str, field: str, value: Any) -> Optional[np.ndarray]:
+def _concrete(cls: str, field: str, value: Any) -> np.ndarray | None:
     """The value as a numpy scalar for validation, or None when it is not known here (a tracer
     inside ``jit``, a ``jax.ShapeDtypeStruct``): validation then skips it."""
     if compat.is_tracer(value) or isinstance(value, jax.ShapeDtypeStruct):
         return None
     if not isinstance(value, (bool, int, float, np.ndarray, np.generic, jax.Array)):
-        raise TypeError(f"{cls}.{field} must be a real number, got {type(value).__name__} "
-                        f"{value!r}")
+        raise TypeError(
+            f"{cls}.{field} must be a real number, got {type(value).__name__} {value!r}"
+        )
     array = np.asarray(value)
     if array.shape != ():
         raise ValueError(f"{cls}.{field} must be a scalar, got shape {array.shape}")
-    if array.dtype == np.bool_ or not (np.issubdtype(array.dtype, np.integer)
-                                       or np.issubdtype(array.dtype, np.floating)):
+    if array.dtype == np.bool_ or not (
+        np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)
+    ):
         raise TypeError(f"{cls}.{field} must be a real number, got {value!r}")
     return array
 
 
-def _check_scale(cls: str, field: str, value: Any) -> Optional[float]:
+def _check_scale(cls: str, field: str, value: Any) -> float | None:
     """A loss scale: finite, > 0 and representable in float32 (the scale's dtype)."""
     array = _concrete(cls, field, value)
     if array is None:
         return None
     number = float(array)
     if not np.isfinite(number):
-        why = (f" ({array.dtype.name} cannot hold the value you meant: pass a Python float or "
-               "float32)" if np.isinf(number) and array.dtype.itemsize < 4 else "")
+        why = (
+            f" ({array.dtype.name} cannot hold the value you meant: pass a Python float or float32)"
+            if np.isinf(number) and array.dtype.itemsize < 4
+            else ""
+        )
         raise ValueError(f"{cls}.{field} must be finite, got {number}{why}")
     if number <= 0:
         raise ValueError(f"{cls}.{field} must be > 0, got {number}")
     if number > F32_MAX:
-        raise ValueError(f"{cls}.{field}={number} overflows float32 (max {F32_MAX:.4g}), the "
-                         "dtype loss scales are kept in")
+        raise ValueError(
+            f"{cls}.{field}={number} overflows float32 (max {F32_MAX:.4g}), the "
+            "dtype loss scales are kept in"
+        )
     return number
 
 
-def _check_count(cls: str, field: str, value: Any, minimum: int) -> Optional[int]:
+def _check_count(cls: str, field: str, value: Any, minimum: int) -> int | None:
     array = _concrete(cls, field, value)
     if array is None:
         return None
@@ -112,8 +121,11 @@ def _register(cls: type) -> type:
         return _unchecked(cls, **dict(zip(fields, leaves)))
 
     jax.tree_util.register_pytree_with_keys(
-        cls, lambda s: ([(jax.tree_util.GetAttrKey(f), getattr(s, f)) for f in fields], None),
-        unflatten, lambda s: ([getattr(s, f) for f in fields], None))
+        cls,
+        lambda s: ([(jax.tree_util.GetAttrKey(f), getattr(s, f)) for f in fields], None),
+        unflatten,
+        lambda s: ([getattr(s, f) for f in fields], None),
+    )
     return cls
 
 
@@ -139,7 +151,7 @@ class _LossScale:
         """Divide every floating leaf by the loss scale, in float32 (float64 stays float64)."""
         return jax.tree.map(lambda x: _unscale_leaf(x, self.loss_scale), tree)
 
-    def adjust(self, grads_finite: jax.Array) -> "_LossScale":
+    def adjust(self, grads_finite: jax.Array) -> _LossScale:
         """The loss scale for the next step (unchanged for static scales)."""
         _check_grads_finite(grads_finite)
         return self
@@ -148,8 +160,10 @@ class _LossScale:
 def _check_grads_finite(grads_finite: Any) -> jax.Array:
     aval = compat.aval_of(jnp.asarray(grads_finite))
     if aval.shape != () or aval.dtype != jnp.bool_:
-        raise ValueError("adjust(grads_finite) expects a scalar bool such as "
-                         f"jamp.all_finite(grads), got {aval.str_short()}")
+        raise ValueError(
+            "adjust(grads_finite) expects a scalar bool such as "
+            f"jamp.all_finite(grads), got {aval.str_short()}"
+        )
     return jnp.asarray(grads_finite)
 
 
@@ -204,7 +218,7 @@ class DynamicLossScale(_LossScale):
         scale = scale.adjust(jamp.all_finite(grads))
     """
 
-    loss_scale: Any = 2.0 ** 15
+    loss_scale: Any = 2.0**15
     counter: Any = 0
     period: Any = 2000
     factor: Any = 2
@@ -219,33 +233,45 @@ class DynamicLossScale(_LossScale):
         period = _check_count(name, "period", self.period, 1)
         counter = _check_count(name, "counter", self.counter, 0)
         if counter is not None and period is not None and counter >= period:
-            raise ValueError(f"{name}.counter must be < period ({period}), got {counter}: the "
-                             "scale grows when the counter reaches period - 1")
+            raise ValueError(
+                f"{name}.counter must be < period ({period}), got {counter}: the "
+                "scale grows when the counter reaches period - 1"
+            )
         factor = _concrete(name, "factor", self.factor)
         if factor is not None and not (np.isfinite(float(factor)) and float(factor) > 1):
             raise ValueError(
                 f"{name}.factor must be finite and > 1, got {float(factor)}: the scale is "
                 "multiplied by factor after `period` finite steps and divided by it on overflow "
-                "(flax's backoff_factor=0.5 is factor=2 here)")
+                "(flax's backoff_factor=0.5 is factor=2 here)"
+            )
         low = _check_scale(name, "min_loss_scale", self.min_loss_scale)
         high = _check_scale(name, "max_loss_scale", self.max_loss_scale)
         if scale is not None and low is not None and low > scale:
             raise ValueError(f"{name}.min_loss_scale={low} must be <= loss_scale={scale}")
         if scale is not None and high is not None and high < scale:
             raise ValueError(f"{name}.max_loss_scale={high} must be >= loss_scale={scale}")
-        for field, dtype in (("loss_scale", F32), ("counter", jnp.int32), ("period", jnp.int32),
-                             ("factor", F32), ("min_loss_scale", F32), ("max_loss_scale", F32)):
+        for field, dtype in (
+            ("loss_scale", F32),
+            ("counter", jnp.int32),
+            ("period", jnp.int32),
+            ("factor", F32),
+            ("min_loss_scale", F32),
+            ("max_loss_scale", F32),
+        ):
             object.__setattr__(self, field, _coerce(getattr(self, field), dtype))
 
-    def adjust(self, grads_finite: jax.Array) -> "DynamicLossScale":
+    def adjust(self, grads_finite: jax.Array) -> DynamicLossScale:
         grads_finite = _check_grads_finite(grads_finite)
         grow = self.counter == self.period - 1
-        grown = jnp.where(grow, jnp.minimum(self.loss_scale * self.factor, self.max_loss_scale),
-                          self.loss_scale)
+        grown = jnp.where(
+            grow, jnp.minimum(self.loss_scale * self.factor, self.max_loss_scale), self.loss_scale
+        )
         backed_off = jnp.maximum(self.min_loss_scale, self.loss_scale / self.factor)
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        values.update(loss_scale=jnp.where(grads_finite, grown, backed_off),
-                      counter=jnp.where(grads_finite, jnp.where(grow, 0, self.counter + 1), 0))
+        values.update(
+            loss_scale=jnp.where(grads_finite, grown, backed_off),
+            counter=jnp.where(grads_finite, jnp.where(grow, 0, self.counter + 1), 0),
+        )
         return _unchecked(DynamicLossScale, **values)
 
 
@@ -254,24 +280,32 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 def all_finite(tree: Any) -> jax.Array:
     """A scalar bool: every floating leaf of ``tree`` is free of inf and NaN."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-              if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    leaves = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def select_tree(pred: Any, a: Any, b: Any) -> Any:
     """``a`` where the scalar ``pred`` is true, else ``b``, leaf by leaf (same structures)."""
     if jax.tree.structure(a) != jax.tree.structure(b):  # type: ignore[operator]  # no jaxlib stub
-        raise ValueError("select_tree needs trees of one structure, got "
-                         f"{jax.tree.structure(a)} and {jax.tree.structure(b)}")
+        raise ValueError(
+            "select_tree needs trees of one structure, got "
+            f"{jax.tree.structure(a)} and {jax.tree.structure(b)}"
+        )
     pred = jnp.asarray(pred)
     if pred.shape != () or pred.dtype != jnp.bool_:
-        raise ValueError(f"select_tree's pred must be a scalar bool, got {pred.dtype}{list(pred.shape)}")
+        raise ValueError(
+            f"select_tree's pred must be a scalar bool, got {pred.dtype}{list(pred.shape)}"
+        )
     return jax.tree.map(lambda x, y: jax.lax.select(pred, x, y), a, b)
 
 
-def scaled_value_and_grad(fn: Callable, *, argnums: Union[int, Sequence[int]] = 0,
-                          has_aux: bool = False) -> Callable:
+def scaled_value_and_grad(
+    fn: Callable, *, argnums: int | Sequence[int] = 0, has_aux: bool = False
+) -> Callable:
     """``jax.value_and_grad`` with loss scaling, in one call.
 
     Returns ``step(loss_scale, *args, **kwargs) -> (value, grads, new_loss_scale, grads_finite)``:
@@ -301,19 +335,25 @@ def scaled_value_and_grad(fn: Callable, *, argnums: Union[int, Sequence[int]] = 
         out = fn(*args, **kwargs)
         if has_aux:
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise TypeError(f"scaled_value_and_grad(has_aux=True): {name} must return a "
-                                f"(loss, aux) pair, got {_describe(out)}")
+                raise TypeError(
+                    f"scaled_value_and_grad(has_aux=True): {name} must return a "
+                    f"(loss, aux) pair, got {_describe(out)}"
+                )
             loss, aux = out
         elif isinstance(out, (tuple, list)):
-            raise TypeError(f"scaled_value_and_grad: {name} returned {_describe(out)}; the loss "
-                            "must be a scalar. If it returns (loss, aux), pass has_aux=True.")
+            raise TypeError(
+                f"scaled_value_and_grad: {name} returned {_describe(out)}; the loss "
+                "must be a scalar. If it returns (loss, aux), pass has_aux=True."
+            )
         else:
             loss, aux = out, None
         aval = compat.aval_of(jnp.asarray(loss)) if _is_arraylike(loss) else None
         if aval is None or aval.shape != () or not jnp.issubdtype(aval.dtype, jnp.floating):
-            raise TypeError(f"scaled_value_and_grad: {name} must return a scalar floating loss"
-                            f"{' (the first of (loss, aux))' if has_aux else ''}, got "
-                            f"{_describe(loss)}")
+            raise TypeError(
+                f"scaled_value_and_grad: {name} must return a scalar floating loss"
+                f"{' (the first of (loss, aux))' if has_aux else ''}, got "
+                f"{_describe(loss)}"
+            )
         return loss_scale.scale(loss), (loss, aux)
 
     def step(loss_scale: LossScale, *args: Any, **kwargs: Any) -> Any:
@@ -357,19 +397,29 @@ def _check_loss_scale_argument(loss_scale: Any, args: tuple) -> None:
         raise TypeError(
             f"step(loss_scale, *args): the first argument must be {_LOSS_SCALES}, got "
             f"{_describe(loss_scale)}, and a loss scale as argument {swapped[0] + 2} (counting "
-            "from 1): are the arguments swapped? Call step(loss_scale, params, ...)")
-    fix = (f"; wrap it: jamp.StaticLossScale({loss_scale!r}) or "
-           f"jamp.DynamicLossScale(loss_scale={loss_scale!r})" if _is_arraylike(loss_scale) else "")
-    raise TypeError(f"step(loss_scale, *args): the first argument must be {_LOSS_SCALES}, got "
-                    f"{_describe(loss_scale)}{fix}")
+            "from 1): are the arguments swapped? Call step(loss_scale, params, ...)"
+        )
+    fix = (
+        f"; wrap it: jamp.StaticLossScale({loss_scale!r}) or "
+        f"jamp.DynamicLossScale(loss_scale={loss_scale!r})"
+        if _is_arraylike(loss_scale)
+        else ""
+    )
+    raise TypeError(
+        f"step(loss_scale, *args): the first argument must be {_LOSS_SCALES}, got "
+        f"{_describe(loss_scale)}{fix}"
+    )
 
 
 def _argnums_tuple(argnums: Any) -> tuple[int, ...]:
     items = (argnums,) if not isinstance(argnums, (tuple, list)) else tuple(argnums)
-    if not items or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool)
-                            for a in items):
-        raise TypeError("scaled_value_and_grad(argnums=...) must be an int or a non-empty "
-                        f"sequence of ints, got {argnums!r}")
+    if not items or not all(
+        isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in items
+    ):
+        raise TypeError(
+            "scaled_value_and_grad(argnums=...) must be an int or a non-empty "
+            f"sequence of ints, got {argnums!r}"
+        )
     return tuple(int(a) for a in items)
 
 
@@ -381,8 +431,10 @@ def _positions(requested: tuple[int, ...], argnums: Any, n_args: int) -> Any:
         raise ValueError(
             f"scaled_value_and_grad: argnums={argnums!r} is out of range: step(loss_scale, "
             f"*args) was called with {n_args} argument{'s' if n_args != 1 else ''} after the "
-            f"loss scale, so argnums must be in [{-n_args}, {n_args - 1}]" if n_args else
-            "scaled_value_and_grad: step(loss_scale, *args) was called with no arguments to "
-            "differentiate after the loss scale")
+            f"loss scale, so argnums must be in [{-n_args}, {n_args - 1}]"
+            if n_args
+            else "scaled_value_and_grad: step(loss_scale, *args) was called with no arguments to "
+            "differentiate after the loss scale"
+        )
     shifted = tuple(a % n_args + 1 for a in requested)
     return shifted if isinstance(argnums, (tuple, list)) else shifted[0]

@@ -12,11 +12,13 @@ How: one compiled pass of the instrumented program (``probe.py``) returns the in
 non-finite equation and its loop iterations; only then is the program walked op by op up to it,
 for the operand values. Remedies are verified with the same compiled pass.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +26,18 @@ import numpy as np
 from . import _compat as compat
 from .interpreter import KEEP_TRACED_DTYPES, SHAPE_ONLY, is_float
 from .policy import Policy
-from .probe import (FINITE_PRESERVING, SIXTEEN_BIT, Observer, Program, Site, bind, decision,
-                    floating_outputs, forward_site, trace_program)
+from .probe import (
+    FINITE_PRESERVING,
+    SIXTEEN_BIT,
+    Observer,
+    Program,
+    Site,
+    bind,
+    decision,
+    floating_outputs,
+    forward_site,
+    trace_program,
+)
 
 F32 = np.dtype(np.float32)
 
@@ -57,16 +69,19 @@ class _FirstNonFinite(Observer):
 
 
 def _nonfinite_literal(eqn: Any) -> bool:
-    return any(isinstance(v, compat.Literal) and is_float(np.result_type(v.val))
-               and not np.isfinite(np.asarray(v.val, np.float64)).all() for v in eqn.invars)
+    return any(
+        isinstance(v, compat.Literal)
+        and is_float(np.result_type(v.val))
+        and not np.isfinite(np.asarray(v.val, np.float64)).all()
+        for v in eqn.invars
+    )
 
 
 def _widening(eqn: Any) -> bool:
     """A float-to-float cast that cannot overflow (to float32/float64, or bfloat16 -> float16 is
     not one: float16 has the smaller range)."""
     source, target = np.dtype(eqn.invars[0].aval.dtype), np.dtype(eqn.params["new_dtype"])
-    return (is_float(source) and is_float(target)
-            and jnp.finfo(target).max >= jnp.finfo(source).max)
+    return is_float(source) and is_float(target) and jnp.finfo(target).max >= jnp.finfo(source).max
 
 
 class _Found(Exception):
@@ -81,8 +96,9 @@ class _StopAtNonFinite(Observer):
     kind = "eager"
 
     def measure(self, site, invals, outs, iters):
-        if not all(bool(np.isfinite(np.asarray(o, np.float32)).all())
-                   for o in floating_outputs(outs)):
+        if not all(
+            bool(np.isfinite(np.asarray(o, np.float32)).all()) for o in floating_outputs(outs)
+        ):
             raise _Found(site, invals, outs, tuple(int(i) for i in iters))
         return None
 
@@ -99,7 +115,7 @@ class ValueRange:
     inf: int
 
     @classmethod
-    def of(cls, value: Any) -> "ValueRange":
+    def of(cls, value: Any) -> ValueRange:
         array = np.asarray(value)
         wide = array.astype(np.float64) if is_float(array.dtype) else array
         finite = wide[np.isfinite(wide)] if is_float(array.dtype) else wide.ravel()
@@ -110,8 +126,11 @@ class ValueRange:
 
     def __str__(self) -> str:
         counts = "".join(f", {n} {what}" for n, what in ((self.nan, "NaN"), (self.inf, "inf")) if n)
-        values = (f"finite values in [{self.min:.6g}, {self.max:.6g}]" if self.min == self.min
-                  else "no finite values")
+        values = (
+            f"finite values in [{self.min:.6g}, {self.max:.6g}]"
+            if self.min == self.min
+            else "no finite values"
+        )
         return f"{self.dtype}{list(self.shape)} {values}{counts}"
 
 
@@ -127,7 +146,7 @@ class Remedy:
     kind: str
     code: str
     policy: Policy = dataclasses.field(repr=False)
-    loss_scale: Optional[float] = None
+    loss_scale: float | None = None
     equations_changed: int = 0
 
     def __str__(self) -> str:
@@ -160,36 +179,41 @@ class NonFinite:
     decision: str
     scope: str
     source: str
-    caller: Optional[str]
+    caller: str | None
     iterations: tuple
-    backward_of: Optional[str]
+    backward_of: str | None
     operands: tuple
     output: tuple
-    float32_finite: Optional[bool]
-    remedy: Optional[Remedy]
+    float32_finite: bool | None
+    remedy: Remedy | None
     tried: tuple
     index: int
 
     @property
     def equation(self) -> str:
-        return (f"backward of {self.backward_of}" if self.backward_of
-                else f"`{self.primitive}` at {self.source}")
+        return (
+            f"backward of {self.backward_of}"
+            if self.backward_of
+            else f"`{self.primitive}` at {self.source}"
+        )
 
     def __str__(self) -> str:
         where = "".join(f", {name} iteration {i}" for name, i in self.iterations)
-        lines = [f"first non-finite value: `{self.primitive}` -> {self.dtype} (equation "
-                 f"{self.index} in program order{where})"]
+        lines = [
+            f"first non-finite value: `{self.primitive}` -> {self.dtype} (equation "
+            f"{self.index} in program order{where})"
+        ]
         if self.backward_of:
             lines.append(f"  backward of {self.backward_of}")
         lines.append(f"  source:   {self.source}")
         if self.caller:
             lines.append(f"  called from {self.caller}")
-        lines += [f"  scope:    {self.scope or '(top level)'}",
-                  f"  decision: {self.decision}"]
+        lines += [f"  scope:    {self.scope or '(top level)'}", f"  decision: {self.decision}"]
         lines += [f"  operand {i}: {r}" for i, r in enumerate(self.operands)]
         lines += [f"  output {i}:  {r}" for i, r in enumerate(self.output)]
-        f32 = {True: "finite", False: "also non-finite",
-               None: "could not be computed"}[self.float32_finite]
+        f32 = {True: "finite", False: "also non-finite", None: "could not be computed"}[
+            self.float32_finite
+        ]
         lines.append(f"  the same equation in float32 on these operands: {f32}")
         if self.remedy is not None:
             lines.append(f"  remedy (verified, the call is then finite): {self.remedy}")
@@ -199,8 +223,14 @@ class NonFinite:
         return "\n".join(lines)
 
 
-def find_nonfinite(fn: Callable, *args: Any, policy: Optional[Policy] = None, grad: Any = False,
-                   max_remedies: int = 6, **kwargs: Any) -> Optional[NonFinite]:
+def find_nonfinite(
+    fn: Callable,
+    *args: Any,
+    policy: Policy | None = None,
+    grad: Any = False,
+    max_remedies: int = 6,
+    **kwargs: Any,
+) -> NonFinite | None:
     """Run ``autocast_transform(fn, policy)(*args, **kwargs)`` and find its first inf/NaN.
 
     Equations are checked in program order, inside jit, scan, while, cond, remat and
@@ -216,6 +246,7 @@ def find_nonfinite(fn: Callable, *args: Any, policy: Optional[Policy] = None, gr
         assert found is None, str(found)
     """
     from .transform import resolve_policy
+
     policy = resolve_policy(policy)
     program, leaves = trace_program(fn, policy, grad, args, kwargs, "find_nonfinite")
     first, where = _first(program, leaves)
@@ -239,15 +270,27 @@ def find_nonfinite(fn: Callable, *args: Any, policy: Optional[Policy] = None, gr
     backward_of = None
     if site.backward:
         forward = forward_site(site, sites)
-        backward_of = (f"`{forward.primitive}` at {forward.source}" if forward is not None
-                       else f"an equation at {site.source}")
+        backward_of = (
+            f"`{forward.primitive}` at {forward.source}"
+            if forward is not None
+            else f"an equation at {site.source}"
+        )
     return NonFinite(
-        primitive=site.primitive, dtype=getattr(site.out_dtype, "name", str(site.out_dtype)),
-        decision=_decision_text(program.policy, site, sites), scope=site.scope,
-        source=site.source, caller=site.caller, iterations=tuple(zip(site.loops, found.iters)),
-        backward_of=backward_of, operands=tuple(ValueRange.of(v) for v in found.invals),
-        output=tuple(ValueRange.of(v) for v in found.outs), float32_finite=f32, remedy=remedy,
-        tried=tuple(tried), index=site.index)
+        primitive=site.primitive,
+        dtype=getattr(site.out_dtype, "name", str(site.out_dtype)),
+        decision=_decision_text(program.policy, site, sites),
+        scope=site.scope,
+        source=site.source,
+        caller=site.caller,
+        iterations=tuple(zip(site.loops, found.iters)),
+        backward_of=backward_of,
+        operands=tuple(ValueRange.of(v) for v in found.invals),
+        output=tuple(ValueRange.of(v) for v in found.outs),
+        float32_finite=f32,
+        remedy=remedy,
+        tried=tuple(tried),
+        index=site.index,
+    )
 
 
 def _first(program: Program, leaves: Sequence[Any], scale: float = 1.0) -> tuple[int, list[int]]:
@@ -255,7 +298,7 @@ def _first(program: Program, leaves: Sequence[Any], scale: float = 1.0) -> tuple
     return int(first), [int(i) for i in np.asarray(where)]
 
 
-def _drill_down(program: Program, leaves: Sequence[Any]) -> Optional[_Found]:
+def _drill_down(program: Program, leaves: Sequence[Any]) -> _Found | None:
     try:
         program.walk_eagerly(_StopAtNonFinite(), leaves)
     except _Found as found:
@@ -269,8 +312,9 @@ def _decision_text(policy: Policy, site: Site, sites: dict[int, Site]) -> str:
     forward = forward_site(site, sites)
     if forward is None:
         return "derived by jax.grad"
-    return (f"derived by jax.grad from the forward `{forward.primitive}` "
-            f"({decision(policy, forward)})")
+    return (
+        f"derived by jax.grad from the forward `{forward.primitive}` ({decision(policy, forward)})"
+    )
 
 
 # --- the same equation in float32 ---------------------------------------------------------------
@@ -278,13 +322,17 @@ def _decision_text(policy: Policy, site: Site, sites: dict[int, Site]) -> str:
 _DTYPE_PARAMS = ("new_dtype", "preferred_element_type")
 
 
-def _finite_in_float32(site: Site, invals: Sequence[Any]) -> Optional[bool]:
+def _finite_in_float32(site: Site, invals: Sequence[Any]) -> bool | None:
     """Whether the equation, its 16-bit operands and dtype params widened to float32, is finite."""
     eqn = site.eqn
-    widened = [jnp.asarray(v, F32) if hasattr(v, "dtype") and np.dtype(v.dtype) in SIXTEEN_BIT
-               else v for v in invals]
-    params = {k: (F32 if k in _DTYPE_PARAMS and v is not None and np.dtype(v) in SIXTEEN_BIT
-                  else v) for k, v in eqn.params.items()}
+    widened = [
+        jnp.asarray(v, F32) if hasattr(v, "dtype") and np.dtype(v.dtype) in SIXTEEN_BIT else v
+        for v in invals
+    ]
+    params = {
+        k: (F32 if k in _DTYPE_PARAMS and v is not None and np.dtype(v) in SIXTEEN_BIT else v)
+        for k, v in eqn.params.items()
+    }
     try:
         outs = bind(eqn.replace(params=params), widened)
     except Exception:  # a primitive whose params pin its operand dtypes
@@ -293,6 +341,7 @@ def _finite_in_float32(site: Site, invals: Sequence[Any]) -> Optional[bool]:
 
 
 # --- remedies -----------------------------------------------------------------------------------
+
 
 def _glob_escape(name: str) -> str:
     return re.sub(r"([*?\[])", r"[\1]", name)
@@ -328,45 +377,73 @@ def _table_candidate(policy: Policy, name: str, sites: dict[int, Site]) -> Remed
         changes["promote"] = policy.promote - {name}
         code += f', promote=policy.promote - {{"{name}"}}'
     changed = sum(1 for s in sites.values() if s.primitive == name and s.sixteen_bit)
-    return Remedy("fp32-table entry", code + ")", policy.replace(**changes),
-                  equations_changed=changed)
+    return Remedy(
+        "fp32-table entry", code + ")", policy.replace(**changes), equations_changed=changed
+    )
 
 
-def _candidates(program: Program, site: Site, sites: dict[int, Site],
-                f32: Optional[bool]) -> list[Remedy]:
+def _candidates(
+    program: Program, site: Site, sites: dict[int, Site], f32: bool | None
+) -> list[Remedy]:
     """Changes that could make the call finite, fewest equations affected first."""
     policy = program.policy
     out: list[Remedy] = []
     if site.backward and site.sixteen_bit and f32 and program.argnums is not None:
         # The forward pass was finite: scaling the loss down keeps the cotangents in range.
         for exponent in (4, 8, 12, 16):
-            out.append(Remedy("loss scale", f"jamp.StaticLossScale(2.0 ** -{exponent})", policy,
-                              loss_scale=2.0 ** -exponent))
+            out.append(
+                Remedy(
+                    "loss scale",
+                    f"jamp.StaticLossScale(2.0 ** -{exponent})",
+                    policy,
+                    loss_scale=2.0**-exponent,
+                )
+            )
     tabled = set()
     for s in ([site] if site.sixteen_bit and f32 else []) + _ancestors(site, sites):
         name = s.primitive
-        if (s.sixteen_bit and name not in tabled and name not in _NOT_A_TABLE_REMEDY
-                and policy.category(name) in (None, "promote")):
+        if (
+            s.sixteen_bit
+            and name not in tabled
+            and name not in _NOT_A_TABLE_REMEDY
+            and policy.category(name) in (None, "promote")
+        ):
             tabled.add(name)
             out.append(_table_candidate(policy, name, sites))
     path = site.state.path
     for depth in range(len(path), 0, -1):
         pattern = "/".join(_glob_escape(p) for p in path[:depth])
         changed = sum(1 for s in sites.values() if s.state.path[:depth] == path[:depth])
-        out.append(Remedy("rule", f'policy.replace(rules=policy.rules + (("{pattern}", '
-                                  'jnp.float32),))',
-                          policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
-                          equations_changed=changed))
+        out.append(
+            Remedy(
+                "rule",
+                f'policy.replace(rules=policy.rules + (("{pattern}", jnp.float32),))',
+                policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
+                equations_changed=changed,
+            )
+        )
     if policy.compute_dtype != F32:
         # Last resort, when nothing narrower works: no mixed precision at all.
-        out.append(Remedy("compute dtype", "policy.replace(compute_dtype=jnp.float32)",
-                          policy.replace(compute_dtype=jnp.float32),
-                          equations_changed=sum(s.sixteen_bit for s in sites.values())))
+        out.append(
+            Remedy(
+                "compute dtype",
+                "policy.replace(compute_dtype=jnp.float32)",
+                policy.replace(compute_dtype=jnp.float32),
+                equations_changed=sum(s.sixteen_bit for s in sites.values()),
+            )
+        )
     return sorted(out, key=lambda r: r.equations_changed)  # stable: milder loss scales first
 
 
-def _verify(fn: Callable, remedy: Remedy, program: Program, leaves: Sequence[Any], grad: Any,
-            args: tuple, kwargs: dict) -> bool:
+def _verify(
+    fn: Callable,
+    remedy: Remedy,
+    program: Program,
+    leaves: Sequence[Any],
+    grad: Any,
+    args: tuple,
+    kwargs: dict,
+) -> bool:
     """Whether the call is finite everywhere under the remedy (one compiled pass)."""
     if remedy.loss_scale is not None:
         return _first(program, leaves, remedy.loss_scale)[0] < 0

@@ -12,6 +12,7 @@ extended without importing JAX internals::
 Table names are checked against the running JAX's primitives and rule globs against regex
 syntax at construction; a rule that matched no scope warns (``UnmatchedRuleWarning``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,8 +21,9 @@ import fnmatch
 import os
 import sys
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,32 +32,106 @@ import numpy as np
 from . import _compat as compat
 
 # Matrix multiplies and convolutions: operands in the compute dtype, output in the compute dtype.
-LOWER: frozenset[str] = frozenset({
-    "dot_general", "conv_general_dilated", "ragged_dot_general",
-})
+LOWER: frozenset[str] = frozenset(
+    {
+        "dot_general",
+        "conv_general_dilated",
+        "ragged_dot_general",
+    }
+)
 
 # Numerically sensitive ops (torch's fp32 list keyed on lax primitives): run in float32.
-FP32: frozenset[str] = frozenset({
-    "exp", "exp2", "log", "log1p", "log2", "expm1", "pow", "rsqrt", "tan", "acos", "asin",
-    "sinh", "cosh", "acosh", "asinh", "atanh", "erf_inv", "lgamma", "digamma", "polygamma", "zeta",
-    "igamma", "igammac", "igamma_grad_a", "regularized_incomplete_beta", "bessel_i0e", "bessel_i1e",
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
-    # Only where their result is summed (a one-pass variance E[x^2] - E[x]^2); elsewhere they run
-    # in the dtype their operand arrives in, so tanh-GELU's x**3 stays bfloat16 (rules/powers.py).
-    "square", "integer_pow",
-    # FFTs and decompositions have no bfloat16/float16 kernels (torch keeps linalg_* and fft_* in fp32).
-    "fft", "cholesky", "eig", "eigh", "lu", "qr", "svd", "triangular_solve", "schur", "hessenberg",
-    "householder_product", "tridiagonal", "tridiagonal_solve",
-})
+FP32: frozenset[str] = frozenset(
+    {
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "log2",
+        "expm1",
+        "pow",
+        "rsqrt",
+        "tan",
+        "acos",
+        "asin",
+        "sinh",
+        "cosh",
+        "acosh",
+        "asinh",
+        "atanh",
+        "erf_inv",
+        "lgamma",
+        "digamma",
+        "polygamma",
+        "zeta",
+        "igamma",
+        "igammac",
+        "igamma_grad_a",
+        "regularized_incomplete_beta",
+        "bessel_i0e",
+        "bessel_i1e",
+        "reduce_sum",
+        "reduce_prod",
+        "cumsum",
+        "cumprod",
+        "cumlogsumexp",
+        # Only where their result is summed (a one-pass variance E[x^2] - E[x]^2); elsewhere they run
+        # in the dtype their operand arrives in, so tanh-GELU's x**3 stays bfloat16 (rules/powers.py).
+        "square",
+        "integer_pow",
+        # FFTs and decompositions have no bfloat16/float16 kernels (torch keeps linalg_* and fft_* in fp32).
+        "fft",
+        "cholesky",
+        "eig",
+        "eigh",
+        "lu",
+        "qr",
+        "svd",
+        "triangular_solve",
+        "schur",
+        "hessenberg",
+        "householder_product",
+        "tridiagonal",
+        "tridiagonal_solve",
+    }
+)
 
 # Ops whose floating operands must agree: mixed operands run in the widest of them, while weakly
 # typed and rank-0 operands (Python scalars, constants built with the traced dtype) adapt.
-PROMOTE: frozenset[str] = frozenset({
-    "add", "add_any", "sub", "mul", "div", "max", "min", "rem", "atan2", "nextafter", "complex",
-    "select_n", "clamp", "concatenate", "pad", "dynamic_update_slice",
-    "scatter", "scatter-add", "scatter-sub", "scatter-mul", "scatter-min", "scatter-max",
-    "eq", "ne", "lt", "le", "gt", "ge", "select_and_scatter_add", "select_and_gather_add",
-})
+PROMOTE: frozenset[str] = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "max",
+        "min",
+        "rem",
+        "atan2",
+        "nextafter",
+        "complex",
+        "select_n",
+        "clamp",
+        "concatenate",
+        "pad",
+        "dynamic_update_slice",
+        "scatter",
+        "scatter-add",
+        "scatter-sub",
+        "scatter-mul",
+        "scatter-min",
+        "scatter-max",
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "select_and_scatter_add",
+        "select_and_gather_add",
+    }
+)
 
 BF16 = np.dtype(jnp.bfloat16)
 # float8 compute (``Policy(jnp.float8_e4m3fn)``, jamp/fp8.py): the lower table runs on per-tensor
@@ -73,8 +149,13 @@ def value_dtype(compute: np.dtype) -> np.dtype:
     """The dtype values take outside the lower table: bfloat16 under a float8 compute dtype (an
     activation stored in float8 would lose its per-tensor scale), else the compute dtype."""
     return BF16 if is_float8(compute) else compute
-_DEFAULT_TABLES = {"lower": ("LOWER", lambda: LOWER), "fp32": ("FP32", lambda: FP32),
-                   "promote": ("PROMOTE", lambda: PROMOTE)}
+
+
+_DEFAULT_TABLES = {
+    "lower": ("LOWER", lambda: LOWER),
+    "fp32": ("FP32", lambda: FP32),
+    "promote": ("PROMOTE", lambda: PROMOTE),
+}
 
 
 class UnmatchedRuleWarning(UserWarning):
@@ -95,21 +176,26 @@ class _DefaultTable:
         return iter(_DEFAULT_TABLES[self.name.lower()][1]())
 
 
-def _dtype_or_none(value: Any, field: str) -> Optional[np.dtype]:
+def _dtype_or_none(value: Any, field: str) -> np.dtype | None:
     if value is None:
         return None
     try:
         dtype = np.dtype(value)
     except TypeError as err:
-        raise ValueError(f"Policy.{field} must be a dtype such as jnp.bfloat16, got {value!r}") from err
+        raise ValueError(
+            f"Policy.{field} must be a dtype such as jnp.bfloat16, got {value!r}"
+        ) from err
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"Policy.{field} must be a floating dtype (bfloat16, float16, float32), "
-                         f"got {dtype.name}")
+        raise ValueError(
+            f"Policy.{field} must be a floating dtype (bfloat16, float16, float32), "
+            f"got {dtype.name}"
+        )
     if is_float8(dtype) and (dtype != FLOAT8_COMPUTE or not field.startswith(("compute", "rules"))):
         raise ValueError(
             f"Policy.{field} cannot be {dtype.name}: float8 is only a compute dtype, and only "
             "float8_e4m3fn (matmul/conv operands are scaled per tensor to e4m3 forward and to "
-            "e5m2 for cotangents; values between those ops are bfloat16)")
+            "e5m2 for cotangents; values between those ops are bfloat16)"
+        )
     return dtype
 
 
@@ -140,7 +226,8 @@ def _names(value: Any, field: str) -> frozenset[str]:
             f"Policy.{field}: {name!r} is not a primitive of this JAX ({jax.__version__}){hint} "
             "Tables hold primitive names as jaxprs print them (`jax.make_jaxpr(f)(x)`), e.g. "
             "'dot_general', 'scatter-add'. A primitive of your own must be defined (its lowering "
-            "registered) before the Policy is built.")
+            "registered) before the Policy is built."
+        )
     return names
 
 
@@ -156,34 +243,44 @@ def _glob_for(regex_like: str) -> str:
     return glob
 
 
-def _rules(value: Any) -> tuple[tuple[str, Optional[np.dtype]], ...]:
-    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str) \
-            and not isinstance(value[1], (str, tuple, list)):
+def _rules(value: Any) -> tuple[tuple[str, np.dtype | None], ...]:
+    if (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and not isinstance(value[1], (str, tuple, list))
+    ):
         try:
             pair = f"({value[0]!r}, {_dtype_repr(_dtype_or_none(value[1], 'rules'))})"
         except ValueError:
             pair = repr(value)
-        raise TypeError(f"Policy.rules must be a sequence of (glob, dtype or None) pairs, got the "
-                        f"single pair {pair}: write rules=({pair},)")
+        raise TypeError(
+            f"Policy.rules must be a sequence of (glob, dtype or None) pairs, got the "
+            f"single pair {pair}: write rules=({pair},)"
+        )
     rules = []
     for i, rule in enumerate(value):
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
-            raise TypeError(f"Policy.rules[{i}] must be a (glob pattern, dtype or None) pair, "
-                            f"got {rule!r}")
+            raise TypeError(
+                f"Policy.rules[{i}] must be a (glob pattern, dtype or None) pair, got {rule!r}"
+            )
         glob, dtype = rule
         if not isinstance(glob, str) or not glob:
-            raise TypeError(f"Policy.rules[{i}][0] must be a non-empty glob string such as "
-                            f"'*/head', got {glob!r}")
+            raise TypeError(
+                f"Policy.rules[{i}][0] must be a non-empty glob string such as "
+                f"'*/head', got {glob!r}"
+            )
         if any(sign in glob for sign in _REGEX_SIGNS):
             raise ValueError(
                 f"Policy.rules[{i}][0] = {glob!r} looks like a regular expression; rules are "
                 "shell-style globs (fnmatch: '*' any text, '?' one character, '[ab]' a set) "
-                f"matched against the whole scope path, e.g. {_glob_for(glob)!r}")
+                f"matched against the whole scope path, e.g. {_glob_for(glob)!r}"
+            )
         rules.append((glob, _dtype_or_none(dtype, f"rules[{i}][1]")))
     return tuple(rules)
 
 
-def _dtype_repr(dtype: Optional[np.dtype]) -> str:
+def _dtype_repr(dtype: np.dtype | None) -> str:
     return "None" if dtype is None else f"jnp.{dtype.name}"
 
 
@@ -192,7 +289,7 @@ def _set_repr(names: Iterable[str]) -> str:
     return "{" + ", ".join(map(repr, names)) + "}" if names else "set()"
 
 
-def _table_repr(names: frozenset, field: str) -> Optional[str]:
+def _table_repr(names: frozenset, field: str) -> str | None:
     """``FP32 - {'exp'} | {'tanh'}`` for a table that differs from its default, else None."""
     const, default = _DEFAULT_TABLES[field][0], _DEFAULT_TABLES[field][1]()
     if names == default:
@@ -200,19 +297,35 @@ def _table_repr(names: frozenset, field: str) -> Optional[str]:
     added, removed = names - default, default - names
     if len(added) + len(removed) > len(names):
         return _set_repr(names)
-    return const + (f" - {_set_repr(removed)}" if removed else "") + \
-        (f" | {_set_repr(added)}" if added else "")
+    return (
+        const
+        + (f" - {_set_repr(removed)}" if removed else "")
+        + (f" | {_set_repr(added)}" if added else "")
+    )
 
 
 # jmp's dtype spellings (``jmp.get_policy``); ``half`` is platform-dependent as in jmp.
 _DTYPE_NAMES = {
-    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
-    "f16": jnp.float16, "float16": jnp.float16,
-    "full": jnp.float32, "f32": jnp.float32, "float32": jnp.float32,
-    "f64": jnp.float64, "float64": jnp.float64,
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+    "full": jnp.float32,
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
 }
-_BOOL_NAMES = {"true": True, "1": True, "yes": True, "on": True,
-               "false": False, "0": False, "no": False, "off": False}
+_BOOL_NAMES = {
+    "true": True,
+    "1": True,
+    "yes": True,
+    "on": True,
+    "false": False,
+    "0": False,
+    "no": False,
+    "off": False,
+}
 
 
 def _half() -> np.dtype:
@@ -226,8 +339,10 @@ def _parse_dtype(key: str, value: str) -> np.dtype:
     if value not in _DTYPE_NAMES:
         close = _suggestions(value, [*_DTYPE_NAMES, "half"])
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"Policy.from_string: {key}={value!r} is not a dtype{hint}; use one of "
-                         "bf16, bfloat16, f16, float16, half, f32, float32, full")
+        raise ValueError(
+            f"Policy.from_string: {key}={value!r} is not a dtype{hint}; use one of "
+            "bf16, bfloat16, f16, float16, half, f32, float32, full"
+        )
     return np.dtype(_DTYPE_NAMES[value])
 
 
@@ -237,7 +352,8 @@ def _parse_params(key: str, value: str) -> dict[str, Any]:
             f"Policy.from_string: {key}={value!r}: jamp never casts parameters (gradients come "
             "back in the dtype you store them in), so params=float32 is the only value it "
             "accepts. Store them in 16 bits yourself, or add cast_inputs=true to compute from "
-            "16-bit copies of every floating input.")
+            "16-bit copies of every floating input."
+        )
     return {}
 
 
@@ -255,8 +371,9 @@ _STRING_KEYS: dict[str, Callable[[str, str], dict[str, Any]]] = {
     "accumulate": lambda k, v: {"accumulate_dtype": _parse_dtype(k, v)},
     "cast_inputs": lambda k, v: {"cast_inputs": _parse_bool(k, v)},
 }
-_STRING_KEYS.update({"c": _STRING_KEYS["compute"], "o": _STRING_KEYS["output"],
-                     "p": _STRING_KEYS["params"]})
+_STRING_KEYS.update(
+    {"c": _STRING_KEYS["compute"], "o": _STRING_KEYS["output"], "p": _STRING_KEYS["params"]}
+)
 
 
 @dataclasses.dataclass(frozen=True, init=False, repr=False)
@@ -293,24 +410,32 @@ class Policy:
     """
 
     compute_dtype: np.dtype
-    accumulate_dtype: Optional[np.dtype]
-    output_dtype: Optional[np.dtype]
+    accumulate_dtype: np.dtype | None
+    output_dtype: np.dtype | None
     cast_inputs: bool
     lower: frozenset
     fp32: frozenset
     promote: frozenset
     rules: tuple
 
-    def __init__(self, compute_dtype: Any = jnp.bfloat16, *, accumulate_dtype: Any = None,
-                 output_dtype: Any = None, cast_inputs: bool = False,
-                 lower: Iterable[str] = _DefaultTable("LOWER"),
-                 fp32: Iterable[str] = _DefaultTable("FP32"),
-                 promote: Iterable[str] = _DefaultTable("PROMOTE"),
-                 rules: Iterable[Any] = ()):
+    def __init__(
+        self,
+        compute_dtype: Any = jnp.bfloat16,
+        *,
+        accumulate_dtype: Any = None,
+        output_dtype: Any = None,
+        cast_inputs: bool = False,
+        lower: Iterable[str] = _DefaultTable("LOWER"),
+        fp32: Iterable[str] = _DefaultTable("FP32"),
+        promote: Iterable[str] = _DefaultTable("PROMOTE"),
+        rules: Iterable[Any] = (),
+    ):
         compute = _dtype_or_none(compute_dtype, "compute_dtype")
         if compute is None or compute not in _FLOATING_COMPUTE:
-            raise ValueError("Policy.compute_dtype must be bfloat16, float16, float32 or "
-                             f"float8_e4m3fn, got {compute_dtype!r}")
+            raise ValueError(
+                "Policy.compute_dtype must be bfloat16, float16, float32 or "
+                f"float8_e4m3fn, got {compute_dtype!r}"
+            )
         if not isinstance(cast_inputs, bool):
             raise TypeError(f"Policy.cast_inputs must be a bool, got {cast_inputs!r}")
         set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass
@@ -322,13 +447,17 @@ class Policy:
         set_("fp32", _names(fp32, "fp32"))
         set_("promote", _names(promote, "promote"))
         set_("rules", _rules(rules))
-        overlap = (self.lower & self.fp32) | (self.lower & self.promote) | (self.fp32 & self.promote)
+        overlap = (
+            (self.lower & self.fp32) | (self.lower & self.promote) | (self.fp32 & self.promote)
+        )
         if overlap:
-            raise ValueError(f"Policy tables overlap on {sorted(overlap)}: each primitive belongs to "
-                             "at most one of lower / fp32 / promote")
+            raise ValueError(
+                f"Policy tables overlap on {sorted(overlap)}: each primitive belongs to "
+                "at most one of lower / fp32 / promote"
+            )
 
     @classmethod
-    def from_string(cls, spec: str) -> "Policy":
+    def from_string(cls, spec: str) -> Policy:
         """A policy from jmp's ``get_policy`` format, for config files and command lines.
 
         ``"compute=bfloat16,output=float32"``; keys ``compute``/``c``, ``output``/``o``,
@@ -347,8 +476,10 @@ class Policy:
             raise TypeError(f"Policy.from_string expects a str, got {type(spec).__name__}")
         text = spec.strip()
         if not text:
-            raise ValueError("Policy.from_string: empty policy string; write e.g. "
-                             "'compute=bfloat16,output=float32'")
+            raise ValueError(
+                "Policy.from_string: empty policy string; write e.g. "
+                "'compute=bfloat16,output=float32'"
+            )
         if "=" not in text and "," not in text:  # jmp's bare dtype form
             dtype = _parse_dtype("dtype", text)
             return cls(dtype, output_dtype=dtype)
@@ -357,13 +488,16 @@ class Policy:
         for part in text.split(","):
             key, sep, value = (s.strip() for s in part.partition("="))
             if not sep or not key or not value:
-                raise ValueError(f"Policy.from_string: {part.strip()!r} in {spec!r} is not "
-                                 "key=value")
+                raise ValueError(
+                    f"Policy.from_string: {part.strip()!r} in {spec!r} is not key=value"
+                )
             if key not in _STRING_KEYS:
                 close = _suggestions(key, [k for k in _STRING_KEYS if len(k) > 1])
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"Policy.from_string: unknown key {key!r} in {spec!r}{hint}; "
-                                 "keys are compute, output, params, accumulate, cast_inputs")
+                raise ValueError(
+                    f"Policy.from_string: unknown key {key!r} in {spec!r}{hint}; "
+                    "keys are compute, output, params, accumulate, cast_inputs"
+                )
             canonical = next(k for k, f in _STRING_KEYS.items() if f is _STRING_KEYS[key])
             if canonical in seen:
                 raise ValueError(f"Policy.from_string: {canonical!r} given twice in {spec!r}")
@@ -374,7 +508,7 @@ class Policy:
         except ValueError as err:
             raise ValueError(f"Policy.from_string({spec!r}): {err}") from err
 
-    def replace(self, **changes: Any) -> "Policy":
+    def replace(self, **changes: Any) -> Policy:
         """A copy with some fields changed: ``policy.replace(compute_dtype=jnp.float16)``."""
         fields = [f.name for f in dataclasses.fields(self)]
         unknown = sorted(set(changes) - set(fields))
@@ -391,7 +525,7 @@ class Policy:
         float8."""
         return value_dtype(self.compute_dtype)
 
-    def category(self, primitive_name: str) -> Optional[str]:
+    def category(self, primitive_name: str) -> str | None:
         """``'lower'``, ``'fp32'``, ``'promote'`` or None for a primitive name."""
         if primitive_name in self.lower:
             return "lower"
@@ -425,15 +559,20 @@ class UnmatchedRule:
 
     index: int
     glob: str
-    dtype: Optional[np.dtype]
+    dtype: np.dtype | None
     closest: tuple[str, ...]  # the scope paths seen that come closest to the glob
     hint: str
 
     def message(self, where: str = "") -> str:
-        seen = (f"; closest scope paths seen: {', '.join(map(repr, self.closest))}"
-                if self.closest else "")
-        return (f"Policy.rules[{self.index}] ({self.glob!r}, {_dtype_repr(self.dtype)}) matched "
-                f"no scope{' of ' + where if where else ''}{seen}. {self.hint}")
+        seen = (
+            f"; closest scope paths seen: {', '.join(map(repr, self.closest))}"
+            if self.closest
+            else ""
+        )
+        return (
+            f"Policy.rules[{self.index}] ({self.glob!r}, {_dtype_repr(self.dtype)}) matched "
+            f"no scope{' of ' + where if where else ''}{seen}. {self.hint}"
+        )
 
 
 class ScopeLog:
@@ -448,29 +587,36 @@ class ScopeLog:
 
     def unmatched(self, rules: tuple) -> tuple[UnmatchedRule, ...]:
         matched = lambda glob: any(fnmatch.fnmatchcase(p, glob) for p in self.paths)
-        return tuple(UnmatchedRule(i, glob, dtype, self._closest(glob), self._hint(glob))
-                     for i, (glob, dtype) in enumerate(rules) if not matched(glob))
+        return tuple(
+            UnmatchedRule(i, glob, dtype, self._closest(glob), self._hint(glob))
+            for i, (glob, dtype) in enumerate(rules)
+            if not matched(glob)
+        )
 
     def _closest(self, glob: str) -> tuple[str, ...]:
         """Seen paths nearest the glob, by difflib on the whole path and on its last name."""
         core = glob.replace("*", "").replace("?", "")
         last = core.rsplit("/", 1)[-1]
-        score = lambda path: max(difflib.SequenceMatcher(None, core, path).ratio(),
-                                 difflib.SequenceMatcher(None, last.lower(),
-                                                         path.rsplit("/", 1)[-1].lower()).ratio())
+        score = lambda path: max(
+            difflib.SequenceMatcher(None, core, path).ratio(),
+            difflib.SequenceMatcher(None, last.lower(), path.rsplit("/", 1)[-1].lower()).ratio(),
+        )
         ranked = sorted(self.paths, key=lambda p: (-score(p), p))
         return tuple(p for p in ranked[:3] if score(p) >= 0.3)
 
     def _hint(self, glob: str) -> str:
         """Why the glob probably missed, from the nearest variant that would have matched."""
         if not self.paths:
-            return ("The function entered no scopes: rules match jax.named_scope names and Flax "
-                    "module paths joined by '/'.")
-        for variant, why in ((glob + "*", "Flax linen names unnamed submodules with a _<n> "
-                              "suffix ('Head_0')"),
-                             (glob.removeprefix("*/"), "a '*/' prefix needs a parent scope"),
-                             ("*/" + glob, "the glob must match the whole path from the top"),
-                             ("*" + glob, "the glob must match the whole path from the top")):
+            return (
+                "The function entered no scopes: rules match jax.named_scope names and Flax "
+                "module paths joined by '/'."
+            )
+        for variant, why in (
+            (glob + "*", "Flax linen names unnamed submodules with a _<n> suffix ('Head_0')"),
+            (glob.removeprefix("*/"), "a '*/' prefix needs a parent scope"),
+            ("*/" + glob, "the glob must match the whole path from the top"),
+            ("*" + glob, "the glob must match the whole path from the top"),
+        ):
             hits = sorted(p for p in self.paths if fnmatch.fnmatchcase(p, variant))
             if hits:
                 return f"{why}: {variant!r} would match {hits[0]!r}."
@@ -518,10 +664,11 @@ def _is_internal(filename: str) -> bool:
 
 def _user_stacklevel() -> int:
     """The stacklevel of the first caller frame outside jamp and JAX (the user's line)."""
-    frame: Optional[FrameType] = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     level = 1
-    while frame is not None and (_is_internal(frame.f_code.co_filename)
-                                 or frame.f_code.co_filename.startswith("<")):
+    while frame is not None and (
+        _is_internal(frame.f_code.co_filename) or frame.f_code.co_filename.startswith("<")
+    ):
         frame, level = frame.f_back, level + 1
     return level
 
@@ -550,16 +697,23 @@ class RegionState:
         """What the compute dtype means outside the lower table (bfloat16 for float8)."""
         return value_dtype(self.dtype)
 
-    def enter_scope(self, name: str, rules: tuple) -> "RegionState":
+    def enter_scope(self, name: str, rules: tuple) -> RegionState:
         path = self.path + (name,)
         joined = "/".join(path)
         state = dataclasses.replace(self, path=path)
-        new = [i for i, (pattern, _) in enumerate(rules)
-               if i not in self.matched and fnmatch.fnmatchcase(joined, pattern)]
+        new = [
+            i
+            for i, (pattern, _) in enumerate(rules)
+            if i not in self.matched and fnmatch.fnmatchcase(joined, pattern)
+        ]
         if not new:
             return state
         pattern, dtype = rules[new[-1]]  # the later rule wins among those matching at this scope
         enabled, dtype = (False, self.dtype) if dtype is None else (True, dtype)
-        return dataclasses.replace(state, enabled=enabled, dtype=dtype,
-                                   matched=self.matched | frozenset(new),
-                                   decided_by=f"rule {pattern!r}")
+        return dataclasses.replace(
+            state,
+            enabled=enabled,
+            dtype=dtype,
+            matched=self.matched | frozenset(new),
+            decided_by=f"rule {pattern!r}",
+        )

@@ -14,12 +14,14 @@ numbering depends only on the jaxpr, so every trace of a body gets the same numb
 decision of a site comes from the interpreter's own region logic (``Rewriter.state_for``) and
 ``Policy.category``, not from a copy of it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,9 +45,9 @@ class Site:
 
     index: int
     eqn: Any
-    jaxpr: Any                 # the (open) jaxpr holding it, to follow its operands back
+    jaxpr: Any  # the (open) jaxpr holding it, to follow its operands back
     state: RegionState
-    loops: tuple[str, ...]     # primitives of the enclosing loops, outermost first
+    loops: tuple[str, ...]  # primitives of the enclosing loops, outermost first
     backward: bool
 
     @property
@@ -53,7 +55,7 @@ class Site:
         return self.eqn.primitive.name
 
     @property
-    def out_dtype(self) -> Optional[np.dtype]:
+    def out_dtype(self) -> np.dtype | None:
         dtypes = [np.dtype(v.aval.dtype) for v in self.eqn.outvars if hasattr(v.aval, "dtype")]
         floating = [d for d in dtypes if is_float(d)]
         return (floating or dtypes or [None])[0]
@@ -71,7 +73,7 @@ class Site:
         return compat.source_line(self.eqn)
 
     @property
-    def caller(self) -> Optional[str]:
+    def caller(self) -> str | None:
         """The innermost frame in the user's own code (outside installed libraries and jamp),
         when ``source`` is in a library (a Flax or Haiku layer)."""
         frames = compat.user_frames(self.eqn)
@@ -90,11 +92,15 @@ _JAMP_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _is_library(file: str) -> bool:
-    return ("site-packages" in file or "dist-packages" in file
-            or os.path.abspath(file).startswith(_JAMP_DIR))
+    return (
+        "site-packages" in file
+        or "dist-packages" in file
+        or os.path.abspath(file).startswith(_JAMP_DIR)
+    )
 
 
 # --- the program ------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Program:
@@ -106,12 +112,12 @@ class Program:
 
     policy: Policy
     closed: Any
-    argnums: Optional[tuple[int, ...]]
+    argnums: tuple[int, ...] | None
     n_sites: int
     depth: int
     compiled: dict = dataclasses.field(default_factory=dict)  # observer kind -> jitted check
 
-    def run(self, observer: "Observer", leaves: Sequence[Any], scale: float = 1.0) -> Any:
+    def run(self, observer: Observer, leaves: Sequence[Any], scale: float = 1.0) -> Any:
         """The observer's final state after one compiled pass (cached per observer kind)."""
         entry = self.compiled.get(observer.kind)
         if entry is None:
@@ -121,8 +127,12 @@ class Program:
             def instrumented(scale_arg: Any, *flat: Any) -> Any:
                 state = observer.init(self.n_sites, self.depth)
                 return walker.run(jaxpr, consts, [scale_arg, *flat], state)[1]
-            executable = jax.jit(instrumented).lower(np.float32(scale), *leaves).compile(
-                compiler_options=EXACT_ROUNDING)
+
+            executable = (
+                jax.jit(instrumented)
+                .lower(np.float32(scale), *leaves)
+                .compile(compiler_options=EXACT_ROUNDING)
+            )
             entry = self.compiled[observer.kind] = (executable, walker)
         executable, _ = entry
         return executable(np.float32(scale), *leaves)
@@ -130,8 +140,7 @@ class Program:
     def sites(self, observer_kind: str) -> dict[int, Site]:
         return self.compiled[observer_kind][1].sites
 
-    def walk_eagerly(self, observer: "Observer", leaves: Sequence[Any],
-                     scale: float = 1.0) -> "Walker":
+    def walk_eagerly(self, observer: Observer, leaves: Sequence[Any], scale: float = 1.0) -> Walker:
         """Op by op, loops as Python loops: the observer sees concrete values."""
         walker = Walker(self.policy, observer, self.depth)
         jaxpr, consts = compat.open_and_consts(self.closed)
@@ -140,7 +149,7 @@ class Program:
         return walker
 
 
-def normalize_argnums(grad: Any) -> Optional[tuple[int, ...]]:
+def normalize_argnums(grad: Any) -> tuple[int, ...] | None:
     if grad is False or grad is None:
         return None
     if grad is True:
@@ -156,24 +165,29 @@ _PROGRAMS: dict[Any, Program] = {}
 _MAX_PROGRAMS = 16
 
 
-def trace_program(fn: Callable, policy: Policy, grad: Any, args: tuple,
-                  kwargs: dict, caller: str) -> tuple[Program, list[Any]]:
+def trace_program(
+    fn: Callable, policy: Policy, grad: Any, args: tuple, kwargs: dict, caller: str
+) -> tuple[Program, list[Any]]:
     """The checked program for this call (cached on fn, policy, grad and the argument avals),
     and the call's array leaves to run it on."""
     from .transform import autocast_transform
+
     if not callable(fn):
         raise TypeError(f"{caller} expects a callable, got {type(fn).__name__}")
     argnums = normalize_argnums(grad)
     flat, in_tree = jax.tree.flatten((args, kwargs))
     # A token argument stays a static leaf: the checked program runs with array inputs only.
-    traced_at, static = split_leaves(flat, in_tree, None, numbers_are_static=False,
-                                     tokens_are_static=True)
+    traced_at, static = split_leaves(
+        flat, in_tree, None, numbers_are_static=False, tokens_are_static=True
+    )
     leaves = [flat[i] for i in traced_at]
     avals = tuple(compat.aval_of(x) for x in leaves)
     _check_inputs_finite(flat, in_tree, traced_at, caller)
     if argnums is not None and max(argnums) >= len(args):
-        raise ValueError(f"{caller}: grad={grad!r} names argument {max(argnums)} but "
-                         f"{getattr(fn, '__name__', 'fn')} was given {len(args)} positional ones")
+        raise ValueError(
+            f"{caller}: grad={grad!r} names argument {max(argnums)} but "
+            f"{getattr(fn, '__name__', 'fn')} was given {len(args)} positional ones"
+        )
     try:
         key = (fn, policy, argnums, in_tree, avals, static_key(static))
         hash(key)
@@ -214,8 +228,9 @@ def _check_inputs_finite(flat: list[Any], in_tree: Any, traced_at: list[int], ca
     if bad:
         paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
         names = ", ".join(_argument_name(paths[i][0]) for i in bad)
-        raise ValueError(f"{caller}: argument {names} already holds inf or NaN before the "
-                         "function runs")
+        raise ValueError(
+            f"{caller}: argument {names} already holds inf or NaN before the function runs"
+        )
 
 
 @jax.jit
@@ -232,9 +247,10 @@ def _argument_name(path: tuple) -> str:
 
 # --- higher-order equations: how to count and walk their bodies ---------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class Kind:
-    bodies: Callable[[Any], list[Any]]   # eqn -> the open jaxprs walked, in numbering order
+    bodies: Callable[[Any], list[Any]]  # eqn -> the open jaxprs walked, in numbering order
     loop: bool
     walk: Callable[..., Any]
 
@@ -274,7 +290,7 @@ def _body_of(eqn: Any) -> list[Any]:
 class Walker:
     """Evaluates a jaxpr under the current trace, feeding each site's outputs to an observer."""
 
-    def __init__(self, policy: Policy, observer: "Observer", depth: int):
+    def __init__(self, policy: Policy, observer: Observer, depth: int):
         self.policy, self.observer, self.depth = policy, observer, depth
         self.sites: dict[int, Site] = {}
         self._primal: dict[int, Any] = {}  # id(traceback) -> first non-cast equation traced there
@@ -291,9 +307,18 @@ class Walker:
         primal = self._primal.setdefault(id(compat.traceback_of(eqn)), eqn)
         return primal is not eqn and primal.primitive is not eqn.primitive
 
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], state: Any,
-            base: int = 0, iters: tuple = (), loops: tuple = (), backward: bool = False,
-            regions: Optional[Rewriter] = None) -> tuple[list[Any], Any]:
+    def run(
+        self,
+        jaxpr: Any,
+        consts: Sequence[Any],
+        args: Sequence[Any],
+        state: Any,
+        base: int = 0,
+        iters: tuple = (),
+        loops: tuple = (),
+        backward: bool = False,
+        regions: Rewriter | None = None,
+    ) -> tuple[list[Any], Any]:
         regions = regions or Rewriter(self.policy, RegionState(True, self.policy.compute_dtype))
         env: dict[Any, Any] = {}
         read = lambda a: a.val if isinstance(a, compat.Literal) else env[a]
@@ -306,8 +331,9 @@ class Walker:
 
         def fold(state: Any) -> Any:
             if pending:
-                state = self.observer.fold(state, [s for s, _ in pending],
-                                           [m for _, m in pending], self.pad(iters))
+                state = self.observer.fold(
+                    state, [s for s, _ in pending], [m for _, m in pending], self.pad(iters)
+                )
                 pending.clear()
             return state
 
@@ -317,8 +343,15 @@ class Walker:
             is_backward = backward or self.is_derivative(eqn)
             if kind is not None:
                 state = fold(state)  # earlier sites first: the body's fold comes after them
-                ctx = Context(self, eqn, index, iters, loops, is_backward,
-                              regions.child(regions.state_for(eqn)))
+                ctx = Context(
+                    self,
+                    eqn,
+                    index,
+                    iters,
+                    loops,
+                    is_backward,
+                    regions.child(regions.state_for(eqn)),
+                )
                 outs, state = kind.walk(ctx, invals, state)
                 index += sum(count_sites(b)[0] for b in kind.bodies(eqn))
             else:
@@ -357,15 +390,22 @@ class Context:
     backward: bool
     regions: Rewriter
 
-    def run(self, closed: Any, args: Sequence[Any], state: Any, offset: int = 0,
-            iteration: Any = None) -> tuple[list[Any], Any]:
+    def run(
+        self, closed: Any, args: Sequence[Any], state: Any, offset: int = 0, iteration: Any = None
+    ) -> tuple[list[Any], Any]:
         jaxpr, consts = compat.open_and_consts(compat.as_closed(closed))
         looped = iteration is not None
         return self.walker.run(
-            jaxpr, consts, args, state, self.base + offset,
+            jaxpr,
+            consts,
+            args,
+            state,
+            self.base + offset,
             self.iters + ((iteration,) if looped else ()),
-            self.loops + ((self.eqn.primitive.name,) if looped else ()), self.backward,
-            self.regions)
+            self.loops + ((self.eqn.primitive.name,) if looped else ()),
+            self.backward,
+            self.regions,
+        )
 
 
 def register_kind(*names: str, bodies: Callable[[Any], list[Any]], loop: bool = False):
@@ -373,11 +413,23 @@ def register_kind(*names: str, bodies: Callable[[Any], list[Any]], loop: bool = 
         for name in names:
             KINDS[name] = Kind(bodies, loop, walk)
         return walk
+
     return wrap
 
 
-@register_kind("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-               "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", bodies=_body_of)
+@register_kind(
+    "jit",
+    "pjit",
+    "closed_call",
+    "core_call",
+    "checkpoint",
+    "remat",
+    "remat2",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    bodies=_body_of,
+)
 def _inline(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
     """Calls and custom-derivative calls: the body, inline (no derivative is taken here)."""
     params = ctx.eqn.params
@@ -391,8 +443,11 @@ def _scan(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], A
     if params["length"] == 0:  # no iteration runs (and disable_jit refuses empty scans)
         return bind(ctx.eqn, invals), state
     n_consts, n_carry = compat.scan_counts(params, len(invals))
-    consts, init, xs = (invals[:n_consts], invals[n_consts:n_consts + n_carry],
-                        invals[n_consts + n_carry:])
+    consts, init, xs = (
+        invals[:n_consts],
+        invals[n_consts : n_consts + n_carry],
+        invals[n_consts + n_carry :],
+    )
 
     def body(carry: Any, x: Any) -> Any:
         values, st, it = carry
@@ -400,9 +455,14 @@ def _scan(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], A
         return (outs[:n_carry], st, it + 1), outs[n_carry:]
 
     with compat.equation_context(ctx.eqn):
-        (carry, state, _), ys = lax.scan(body, (list(init), state, _zero()), list(xs),
-                                         length=params["length"], reverse=params["reverse"],
-                                         unroll=params["unroll"])
+        (carry, state, _), ys = lax.scan(
+            body,
+            (list(init), state, _zero()),
+            list(xs),
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
     return [*carry, *ys], state
 
 
@@ -411,8 +471,8 @@ def _while(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], 
     """The loop body is walked; the (scalar) condition is evaluated as is."""
     params = ctx.eqn.params
     n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
-    cond_consts, body_consts = invals[:n_cond], invals[n_cond:n_cond + n_body]
-    init = list(invals[n_cond + n_body:])
+    cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
+    init = list(invals[n_cond + n_body :])
     cond_jaxpr, cond_inner = compat.open_and_consts(params["cond_jaxpr"])
 
     def cond_fun(carry: Any) -> Any:
@@ -454,6 +514,7 @@ def _zero() -> Any:
 
 # --- observers ----------------------------------------------------------------------------------
 
+
 class Observer:
     """Measures each site's outputs and folds batches of measures into a state; ``kind`` names
     the compiled check it belongs to."""
@@ -463,8 +524,7 @@ class Observer:
     def init(self, n_sites: int, depth: int) -> Any:
         return None
 
-    def measure(self, site: Site, invals: Sequence[Any], outs: Sequence[Any],
-                iters: tuple) -> Any:
+    def measure(self, site: Site, invals: Sequence[Any], outs: Sequence[Any], iters: tuple) -> Any:
         """A (traced) summary of the site's outputs, or None to skip the site."""
         return None
 
@@ -475,14 +535,53 @@ class Observer:
 
 # Primitives that cannot turn finite operands into inf/NaN (they move, pick or compare values):
 # the first non-finite equation of a program is never one of them, unless a literal operand is.
-FINITE_PRESERVING = frozenset({
-    "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose", "slice",
-    "dynamic_slice", "gather", "concatenate", "pad", "select_n", "copy", "copy_p", "rev",
-    "neg", "abs", "sign", "floor", "ceil", "round", "max", "min", "clamp", "reduce_max",
-    "reduce_min", "argmax", "argmin", "sort", "stop_gradient", "dynamic_update_slice", "scatter",
-    "cummax", "cummin", "optimization_barrier", "sharding_constraint", "tanh", "logistic", "sin",
-    "cos", "is_finite", "squeeze", "real", "imag", "conj",
-})
+FINITE_PRESERVING = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "slice",
+        "dynamic_slice",
+        "gather",
+        "concatenate",
+        "pad",
+        "select_n",
+        "copy",
+        "copy_p",
+        "rev",
+        "neg",
+        "abs",
+        "sign",
+        "floor",
+        "ceil",
+        "round",
+        "max",
+        "min",
+        "clamp",
+        "reduce_max",
+        "reduce_min",
+        "argmax",
+        "argmin",
+        "sort",
+        "stop_gradient",
+        "dynamic_update_slice",
+        "scatter",
+        "cummax",
+        "cummin",
+        "optimization_barrier",
+        "sharding_constraint",
+        "tanh",
+        "logistic",
+        "sin",
+        "cos",
+        "is_finite",
+        "real",
+        "imag",
+        "conj",
+    }
+)
 
 
 def floating_outputs(outs: Sequence[Any]) -> list[Any]:
@@ -491,7 +590,7 @@ def floating_outputs(outs: Sequence[Any]) -> list[Any]:
 
 # --- what a site's dtype was decided by ---------------------------------------------------------
 
-_TABLE_TEXT: dict[Optional[str], Callable[[RegionState, str], str]] = {
+_TABLE_TEXT: dict[str | None, Callable[[RegionState, str], str]] = {
     "lower": lambda s, d: f"lower table: runs in the compute dtype {s.dtype.name}",
     "fp32": lambda s, d: "fp32 table: computes in float32",
     "promote": lambda s, d: f"promote table: its operands arrived in {d}, it runs in the widest",
@@ -504,11 +603,15 @@ def decision(policy: Policy, site: Site) -> str:
     state, name = site.state, site.primitive
     dtype = getattr(site.out_dtype, "name", str(site.out_dtype))
     if name == "convert_element_type":
-        text = (f"a cast to {dtype}: jamp inserts one where the next op's table asks for "
-                "another dtype (or your code casts here)")
+        text = (
+            f"a cast to {dtype}: jamp inserts one where the next op's table asks for "
+            "another dtype (or your code casts here)"
+        )
     elif not state.enabled:
-        text = (f"autocast is off here ({state.decided_by}): runs in the dtype its operands "
-                f"arrive in ({dtype})")
+        text = (
+            f"autocast is off here ({state.decided_by}): runs in the dtype its operands "
+            f"arrive in ({dtype})"
+        )
     else:
         text = _TABLE_TEXT[policy.category(name)](state, dtype)
     if state.decided_by != "policy" and state.enabled:
@@ -516,14 +619,20 @@ def decision(policy: Policy, site: Site) -> str:
     return text
 
 
-def forward_site(site: Site, sites: dict[int, Site]) -> Optional[Site]:
+def forward_site(site: Site, sites: dict[int, Site]) -> Site | None:
     """For a backward site, the forward equation it was derived from (same traced source)."""
     traceback = compat.traceback_of(site.eqn)
-    candidates = [s for s in sites.values() if not s.backward and s.index < site.index
-                  and compat.traceback_of(s.eqn) is traceback]
+    candidates = [
+        s
+        for s in sites.values()
+        if not s.backward and s.index < site.index and compat.traceback_of(s.eqn) is traceback
+    ]
     if not candidates:
-        candidates = [s for s in sites.values() if not s.backward and s.index < site.index
-                      and s.source == site.source]
+        candidates = [
+            s
+            for s in sites.values()
+            if not s.backward and s.index < site.index and s.source == site.source
+        ]
     not_casts = [s for s in candidates if s.primitive != "convert_element_type"]
     found = not_casts or candidates
     return found[-1] if found else None

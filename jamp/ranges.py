@@ -9,10 +9,12 @@ Example::
 One compiled pass of the instrumented program (``probe.py``), loops included (maxima and counts
 accumulate over iterations).
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,25 +41,45 @@ class _Ranges(Observer):
     def measure(self, site, invals, outs, iters):
         if not site.sixteen_bit or site.primitive in MOVES_VALUES:
             return None
-        values = [jnp.abs(o.astype(jnp.float32)).ravel() for o in outs
-                  if hasattr(o, "dtype") and o.dtype == site.out_dtype]
+        values = [
+            jnp.abs(o.astype(jnp.float32)).ravel()
+            for o in outs
+            if hasattr(o, "dtype") and o.dtype == site.out_dtype
+        ]
         x = jnp.concatenate(values) if len(values) > 1 else values[0]
         nz = x != 0
-        return (jnp.max(x, initial=0.0), jnp.sum(nz, dtype=jnp.int32),
-                jnp.sum(nz & (x <= _F16_FLUSH), dtype=jnp.int32),
-                jnp.sum(nz & (x < _F16_NORMAL), dtype=jnp.int32))
+        return (
+            jnp.max(x, initial=0.0),
+            jnp.sum(nz, dtype=jnp.int32),
+            jnp.sum(nz & (x <= _F16_FLUSH), dtype=jnp.int32),
+            jnp.sum(nz & (x < _F16_NORMAL), dtype=jnp.int32),
+        )
 
     def fold(self, state, sites, measures, iters):
         ids = jnp.asarray([s.index for s in sites], jnp.int32)
         peak, *counts = state
         stacked = [jnp.stack(column) for column in zip(*measures)]
-        return (peak.at[ids].max(stacked[0]),
-                *(c.at[ids].add(new) for c, new in zip(counts, stacked[1:])))
+        return (
+            peak.at[ids].max(stacked[0]),
+            *(c.at[ids].add(new) for c, new in zip(counts, stacked[1:])),
+        )
 
 
 # Only move or copy values: their range is their operand's (listed under its own equation).
-MOVES_VALUES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims", "transpose",
-                          "copy", "copy_p", "rev", "optimization_barrier", "sharding_constraint"})
+MOVES_VALUES = frozenset(
+    {
+        "reshape",
+        "broadcast_in_dim",
+        "squeeze",
+        "expand_dims",
+        "transpose",
+        "copy",
+        "copy_p",
+        "rev",
+        "optimization_barrier",
+        "sharding_constraint",
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +97,8 @@ class RangeEntry:
     dtype: str
     scope: str
     source: str
-    caller: Optional[str]
-    backward_of: Optional[str]
+    caller: str | None
+    backward_of: str | None
     decision: str
     max_abs: float
     max_fraction: float
@@ -113,28 +135,37 @@ class Ranges:
     @property
     def underflows(self) -> list[RangeEntry]:
         """Entries with values that flush to zero in float16, most first."""
-        return sorted((e for e in self.entries if e.flush_share > 0),
-                      key=lambda e: (-e.flush_share, e.index))
+        return sorted(
+            (e for e in self.entries if e.flush_share > 0), key=lambda e: (-e.flush_share, e.index)
+        )
 
     def __str__(self, top: int = 10) -> str:
-        lines = [f"jamp.value_ranges ({len(self.entries)} 16-bit equations, compute dtype "
-                 f"{self.policy.compute_dtype.name})",
-                 "closest to overflow (largest |x| over the dtype's max, and over float16's):",
-                 f"  {'max |x|':>10}  {'/ max':>9}  {'/ f16 max':>9}  equation"]
-        lines += [f"  {e.max_abs:10.4g}  {e.max_fraction:9.3g}  {e.float16_fraction:9.3g}  "
-                  f"{e.where}" for e in self.entries[:top]]
+        lines = [
+            f"jamp.value_ranges ({len(self.entries)} 16-bit equations, compute dtype "
+            f"{self.policy.compute_dtype.name})",
+            "closest to overflow (largest |x| over the dtype's max, and over float16's):",
+            f"  {'max |x|':>10}  {'/ max':>9}  {'/ f16 max':>9}  equation",
+        ]
+        lines += [
+            f"  {e.max_abs:10.4g}  {e.max_fraction:9.3g}  {e.float16_fraction:9.3g}  {e.where}"
+            for e in self.entries[:top]
+        ]
         under = self.underflows
-        lines.append("flushed to zero in float16 (share of nonzero values)"
-                     + (":" if under else ": none"))
+        lines.append(
+            "flushed to zero in float16 (share of nonzero values)" + (":" if under else ": none")
+        )
         lines += [f"  {e.flush_share:10.1%}  {e.where}" for e in under[:top]]
         if any(e.backward_of for e in under):
-            lines.append("backward equations lose gradients to float16 underflow: a loss scale "
-                         "(jamp.DynamicLossScale) matters here")
+            lines.append(
+                "backward equations lose gradients to float16 underflow: a loss scale "
+                "(jamp.DynamicLossScale) matters here"
+            )
         return "\n".join(lines)
 
 
-def value_ranges(fn: Callable, *args: Any, policy: Optional[Policy] = None, grad: Any = False,
-                 **kwargs: Any) -> Ranges:
+def value_ranges(
+    fn: Callable, *args: Any, policy: Policy | None = None, grad: Any = False, **kwargs: Any
+) -> Ranges:
     """Run ``autocast_transform(fn, policy)(*args, **kwargs)`` and measure every 16-bit value.
 
     For each equation with a bfloat16/float16 output: the largest magnitude as a fraction of the
@@ -146,27 +177,54 @@ def value_ranges(fn: Callable, *args: Any, policy: Optional[Policy] = None, grad
         print(jamp.value_ranges(model.apply, variables, x, policy=jamp.Policy(jnp.float16)))
     """
     from .transform import resolve_policy
+
     policy = resolve_policy(policy)
     program, leaves = trace_program(fn, policy, grad, args, kwargs, "value_ranges")
     peak, nonzero, flushed, subnormal = (np.asarray(a) for a in program.run(_Ranges(), leaves))
     sites = program.sites(_Ranges.kind)
-    entries = [_entry(policy, site, sites, float(peak[i]), int(nonzero[i]), int(flushed[i]),
-                      int(subnormal[i]))
-               for i, site in sorted(sites.items()) if site.sixteen_bit]
+    entries = [
+        _entry(
+            policy, site, sites, float(peak[i]), int(nonzero[i]), int(flushed[i]), int(subnormal[i])
+        )
+        for i, site in sorted(sites.items())
+        if site.sixteen_bit
+    ]
     # Real overflows first, then what would overflow (or come closest to it) in float16.
     entries.sort(key=lambda e: (-min(e.max_fraction, 1.0), -e.float16_fraction, e.index))
     return Ranges(policy, tuple(entries))
 
 
-def _entry(policy: Policy, site: Site, sites: dict[int, Site], peak: float, nonzero: int,
-           flushed: int, subnormal: int) -> RangeEntry:
+def _entry(
+    policy: Policy,
+    site: Site,
+    sites: dict[int, Site],
+    peak: float,
+    nonzero: int,
+    flushed: int,
+    subnormal: int,
+) -> RangeEntry:
     forward = forward_site(site, sites) if site.backward else None
-    backward_of = (None if not site.backward else
-                   f"`{forward.primitive}` at {forward.caller or forward.source}"
-                   if forward is not None else f"an equation at {site.source}")
+    backward_of = (
+        None
+        if not site.backward
+        else f"`{forward.primitive}` at {forward.caller or forward.source}"
+        if forward is not None
+        else f"an equation at {site.source}"
+    )
     share = lambda n: n / nonzero if nonzero else 0.0
     dtype_name = getattr(site.out_dtype, "name", str(site.out_dtype))
-    return RangeEntry(site.primitive, dtype_name, site.scope, site.source, site.caller,
-                      backward_of, decision(policy, site), peak,
-                      peak / float(jnp.finfo(site.out_dtype).max), share(flushed),
-                      share(subnormal), nonzero, site.index)
+    return RangeEntry(
+        site.primitive,
+        dtype_name,
+        site.scope,
+        site.source,
+        site.caller,
+        backward_of,
+        decision(policy, site),
+        peak,
+        peak / float(jnp.finfo(site.out_dtype).max),
+        share(flushed),
+        share(subnormal),
+        nonzero,
+        site.index,
+    )

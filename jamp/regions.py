@@ -6,6 +6,7 @@ each equation's name stack, so regions survive helper functions and ``jax.jit``-
 states, which answers the trace-time queries :func:`is_autocast_enabled` and
 :func:`get_autocast_dtype`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -13,7 +14,8 @@ import functools
 import re
 import threading
 import warnings
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,18 +38,23 @@ def _stack() -> list[tuple[bool, np.dtype]]:
     return _tls.stack
 
 
-def marker(enabled: bool, dtype: Optional[np.dtype]) -> str:
+def marker(enabled: bool, dtype: np.dtype | None) -> str:
     return f"jamp.autocast[{'on' if enabled else 'off'}{':' + dtype.name if dtype is not None else ''}]"
 
 
-def apply_marker(name: str, state: RegionState) -> Optional[RegionState]:
+def apply_marker(name: str, state: RegionState) -> RegionState | None:
     """The state inside a scope called ``name`` if it is a region marker, else None."""
     match = _MARKER.match(name)
     if match is None:
         return None
     dtype = np.dtype(match.group(2)) if match.group(2) else state.dtype
-    return RegionState(enabled=match.group(1) == "on", dtype=dtype, path=state.path,
-                       matched=state.matched, decided_by="region")
+    return RegionState(
+        enabled=match.group(1) == "on",
+        dtype=dtype,
+        path=state.path,
+        matched=state.matched,
+        decided_by="region",
+    )
 
 
 @contextlib.contextmanager
@@ -87,7 +94,7 @@ _ARRAYS = (jax.Array, np.ndarray, np.generic)  # what a cast_inputs call passes 
 _CAST_INPUTS = re.compile(r"^jamp_cast_inputs_(\w+)$")
 
 
-def cast_inputs_dtype(jit_name: str) -> Optional[np.dtype]:
+def cast_inputs_dtype(jit_name: str) -> np.dtype | None:
     """The dtype a ``@jamp.autocast(cast_inputs=...)`` call casts to, from its jit's name."""
     match = _CAST_INPUTS.match(jit_name or "")
     return np.dtype(match.group(1)) if match else None
@@ -112,24 +119,30 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
 
     def __init__(self, dtype: Any = None, enabled: bool = True, cast_inputs: Any = None):
         if not isinstance(enabled, (bool, np.bool_)):
-            raise TypeError("jamp.autocast(enabled=...) must be a Python bool known at trace time, "
-                            f"got {type(enabled).__name__}; use lax.cond for data-dependent choices")
+            raise TypeError(
+                "jamp.autocast(enabled=...) must be a Python bool known at trace time, "
+                f"got {type(enabled).__name__}; use lax.cond for data-dependent choices"
+            )
         self.dtype = _region_dtype(dtype, "dtype")
         self.enabled = bool(enabled)
         self.cast_inputs = _region_dtype(cast_inputs, "cast_inputs")
         self._entered: list[contextlib.ExitStack] = []
-        self._transformed: Optional[Callable] = None
+        self._transformed: Callable | None = None
 
-    def __enter__(self) -> "autocast":
+    def __enter__(self) -> autocast:
         if self.cast_inputs is not None:
-            raise ValueError("jamp.autocast(cast_inputs=...) applies to decorated functions only; "
-                             "cast explicitly with x.astype(...) inside a `with` block")
+            raise ValueError(
+                "jamp.autocast(cast_inputs=...) applies to decorated functions only; "
+                "cast explicitly with x.astype(...) inside a `with` block"
+            )
         if not inside_transform():
             warnings.warn(
                 "jamp.autocast() has no effect outside a function transformed by "
                 "jamp.autocast_transform: JAX has no global autocast state. Transform the function "
                 "(jamp.autocast_transform(fn)) or decorate it with @jamp.autocast().",
-                AutocastWarning, stacklevel=2)
+                AutocastWarning,
+                stacklevel=2,
+            )
         self._entered.append(self._open_region())
         return self
 
@@ -151,6 +164,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 return fn(*args, **kwargs)
             if self._transformed is None:
                 from .transform import autocast_transform
+
                 self._transformed = autocast_transform(fn, dtype=self.dtype)
             return self._transformed(*args, **kwargs)
 
@@ -174,6 +188,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
             call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
             with self._open_region():
                 return fn(*call_args, **call_kwargs)
+
         region.__name__ = f"jamp_cast_inputs_{dtype.name}"
         return jax.jit(region)(*(flat[i] for i in traced_at))
 
@@ -186,7 +201,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         return exits
 
 
-def _region_dtype(value: Any, name: str) -> Optional[np.dtype]:
+def _region_dtype(value: Any, name: str) -> np.dtype | None:
     if value is None:
         return None
     dtype = np.dtype(value)

@@ -8,12 +8,14 @@ Example::
     report.low_precision_flop_share       # share of matmul/conv FLOPs in 16-bit dtypes
     report.float32_reasons                # {("exp", "fp32 table"): 2, ...}
 """
+
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -68,25 +70,34 @@ class Report:
     def __str__(self) -> str:
         dtypes = sorted({d for counts in self.ops.values() for d in counts})
         width = max([len(p) for p in self.ops] + [9])
-        lines = [f"jamp.explain (compute dtype {self.policy.compute_dtype.name})",
-                 f"{'primitive':<{width}}  " + "  ".join(f"{d:>9}" for d in dtypes)]
+        lines = [
+            f"jamp.explain (compute dtype {self.policy.compute_dtype.name})",
+            f"{'primitive':<{width}}  " + "  ".join(f"{d:>9}" for d in dtypes),
+        ]
         for name in sorted(self.ops):
-            lines.append(f"{name:<{width}}  " + "  ".join(
-                f"{self.ops[name].get(d, 0) or '':>9}" for d in dtypes))
+            lines.append(
+                f"{name:<{width}}  "
+                + "  ".join(f"{self.ops[name].get(d, 0) or '':>9}" for d in dtypes)
+            )
         total = sum(self.flops.values())
-        lines.append(f"casts inserted: {self.casts} (+{self.constant_casts} constants cast at "
-                     "rewrite time)")
-        lines.append(f"matmul/conv FLOPs in 16-bit dtypes: {self.low_precision_flop_share:.1%} "
-                     f"of {total:,}" + "".join(f"; {d}: {n:,}" for d, n in sorted(self.flops.items())))
+        lines.append(
+            f"casts inserted: {self.casts} (+{self.constant_casts} constants cast at rewrite time)"
+        )
+        lines.append(
+            f"matmul/conv FLOPs in 16-bit dtypes: {self.low_precision_flop_share:.1%} "
+            f"of {total:,}" + "".join(f"; {d}: {n:,}" for d, n in sorted(self.flops.items()))
+        )
         if self.float8_flop_share:
             lines.append(f"  of which float8: {self.float8_flop_share:.1%}")
         if self.calls:
-            lines.append("bodies rewritten: " + ", ".join(f"{n} x{c}" for n, c in
-                                                          sorted(self.calls.items())))
+            lines.append(
+                "bodies rewritten: " + ", ".join(f"{n} x{c}" for n, c in sorted(self.calls.items()))
+            )
         if self.float32_reasons:
             lines.append("ops that produced float32/float64, and why:")
-            for (name, reason), count in sorted(self.float32_reasons.items(),
-                                                key=lambda kv: (-kv[1], kv[0])):
+            for (name, reason), count in sorted(
+                self.float32_reasons.items(), key=lambda kv: (-kv[1], kv[0])
+            ):
                 lines.append(f"  {name:<{width}}  {reason}  x{count}")
         lines.extend(f"unmatched rule: {rule.message()}" for rule in self.unmatched_rules)
         return "\n".join(lines)
@@ -162,8 +173,9 @@ class Recorder:
     def _why_wide(self, step: Step, dtype: Any) -> str:
         name = step.eqn.primitive.name
         category = self.policy.category(name)
-        if np.dtype(dtype) == F64 or any(compat.aval_of(a).dtype == F64 for a in step.args
-                                         if hasattr(compat.aval_of(a), "dtype")):
+        if np.dtype(dtype) == F64 or any(
+            compat.aval_of(a).dtype == F64 for a in step.args if hasattr(compat.aval_of(a), "dtype")
+        ):
             return "float64"
         if not step.state.enabled:
             return step.state.decided_by
@@ -171,18 +183,30 @@ class Recorder:
             return "fp32 table"
         if category == "lower":
             if _compute_dtype(step).itemsize < 4:
-                return ("accumulate_dtype" if self.policy.accumulate_dtype is not None
-                        else "explicit preferred_element_type")
-            return "compute dtype" if step.state.dtype.itemsize >= 4 else "inputs arrived in float32"
+                return (
+                    "accumulate_dtype"
+                    if self.policy.accumulate_dtype is not None
+                    else "explicit preferred_element_type"
+                )
+            return (
+                "compute dtype" if step.state.dtype.itemsize >= 4 else "inputs arrived in float32"
+            )
         return "inputs arrived in float32"
 
     def report(self) -> Report:
-        return Report(self.policy, {k: dict(v) for k, v in self.ops.items()}, self.casts,
-                      self.constant_casts, dict(self.flops), dict(self.reasons), dict(self.calls),
-                      self.unmatched)
+        return Report(
+            self.policy,
+            {k: dict(v) for k, v in self.ops.items()},
+            self.casts,
+            self.constant_casts,
+            dict(self.flops),
+            dict(self.reasons),
+            dict(self.calls),
+            self.unmatched,
+        )
 
 
-def explain(fn: Callable, *args: Any, policy: Optional[Policy] = None, **kwargs: Any) -> Report:
+def explain(fn: Callable, *args: Any, policy: Policy | None = None, **kwargs: Any) -> Report:
     """Trace ``fn(*args, **kwargs)`` once, rewrite it under ``policy`` and report what ran where.
 
     Nothing is computed: only shapes and dtypes of ``args`` matter.
@@ -192,12 +216,15 @@ def explain(fn: Callable, *args: Any, policy: Optional[Policy] = None, **kwargs:
         table = str(jamp.explain(model.apply, params, x))
     """
     from .transform import resolve_policy, rewrite_and_eval, trace_call
+
     policy = resolve_policy(policy)
     if not callable(fn):
         raise TypeError(f"explain expects a callable, got {type(fn).__name__}")
     _, flat, tracer = trace_call(fn, policy, args, kwargs)
     traced = tracer()
     recorder = Recorder(policy)
-    compat.trace_to_closed(lambda *a: rewrite_and_eval(traced.closed, policy, a, recorder),
-                           [compat.aval_of(x) for x in flat])
+    compat.trace_to_closed(
+        lambda *a: rewrite_and_eval(traced.closed, policy, a, recorder),
+        [compat.aval_of(x) for x in flat],
+    )
     return recorder.report()

@@ -7,27 +7,28 @@ debug info (so tracer errors name their function and parameters), then run the r
 bound into the enclosing program when one is being built (under ``jax.jit``), else compiled once
 with ``jax.jit`` and the executable reused (eager calls, eager ``grad``/``vmap``).
 """
+
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
 import weakref
-from collections.abc import Iterator, MutableMapping
-from typing import Any, Callable, Iterable, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat
-from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
 from . import graph_nodes
+from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
 from .call_args import CallSignature, short_repr, split_leaves, static_key
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
-from .rules import custom_ad
 from .regions import tracing_under
+from .rules import custom_ad
 
 PolicyLike = Policy | Any | None  # a Policy, a floating dtype (meaning Policy(dtype)) or None
 
@@ -42,12 +43,14 @@ def _is_dtype_like(value: Any) -> bool:
         except TypeError:
             return False
         return True
-    return isinstance(value, type) and (issubclass(value, np.generic)
-                                        or isinstance(getattr(value, "dtype", None), np.dtype))
+    return isinstance(value, type) and (
+        issubclass(value, np.generic) or isinstance(getattr(value, "dtype", None), np.dtype)
+    )
 
 
-def resolve_policy(policy: PolicyLike, dtype: Any = None, *,
-                   where: str = "autocast_transform") -> Policy:
+def resolve_policy(
+    policy: PolicyLike, dtype: Any = None, *, where: str = "autocast_transform"
+) -> Policy:
     """The Policy a caller meant: ``None`` is ``Policy()``, a dtype is ``Policy(dtype)``.
 
     ``dtype=`` replaces the policy's ``compute_dtype`` and keeps the rest of the policy (as
@@ -60,17 +63,25 @@ def resolve_policy(policy: PolicyLike, dtype: Any = None, *,
         return policy if dtype is None else policy.replace(compute_dtype=dtype)
     if _is_dtype_like(policy):
         if dtype is not None:
-            raise ValueError(f"{where}: the compute dtype was given twice, as the policy "
-                             f"({policy!r}) and as dtype={dtype!r}; pass one of them")
+            raise ValueError(
+                f"{where}: the compute dtype was given twice, as the policy "
+                f"({policy!r}) and as dtype={dtype!r}; pass one of them"
+            )
         return Policy(policy)
-    raise TypeError(f"{where}: policy must be a jamp.Policy, a floating dtype such as jnp.bfloat16 "
-                    f"(meaning jamp.Policy(dtype)) or None; got {type(policy).__name__} "
-                    f"{short_repr(policy)}")
+    raise TypeError(
+        f"{where}: policy must be a jamp.Policy, a floating dtype such as jnp.bfloat16 "
+        f"(meaning jamp.Policy(dtype)) or None; got {type(policy).__name__} "
+        f"{short_repr(policy)}"
+    )
 
 
-def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
-                     recorder: Any = None, rewritten: Optional[MutableMapping] = None
-                     ) -> list[Any]:
+def rewrite_and_eval(
+    closed: Any,
+    policy: Policy,
+    args: Sequence[Any],
+    recorder: Any = None,
+    rewritten: MutableMapping | None = None,
+) -> list[Any]:
     """Evaluate ``closed`` on ``args`` under the current JAX trace, rewritten by ``policy``.
 
     ``recorder`` (see ``report.Recorder``) is told about every equation and inserted cast.
@@ -80,8 +91,12 @@ def rewrite_and_eval(closed: Any, policy: Policy, args: Sequence[Any],
     jaxpr, consts = compat.open_and_consts(closed)
     if policy.cast_inputs:
         args = [compat.convert(x, policy.value_dtype) if _is_castable(x) else x for x in args]
-    rewriter = Rewriter(policy, RegionState(enabled=True, dtype=policy.compute_dtype),
-                        rewritten=rewritten, recorder=recorder)
+    rewriter = Rewriter(
+        policy,
+        RegionState(enabled=True, dtype=policy.compute_dtype),
+        rewritten=rewritten,
+        recorder=recorder,
+    )
     outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
     if policy.output_dtype is not None:
         outs = [compat.convert(x, policy.output_dtype) if _is_castable(x) else x for x in outs]
@@ -106,15 +121,22 @@ def autocast_jaxpr(closed_jaxpr: Any, policy: PolicyLike = None) -> Any:
     """
     policy = resolve_policy(policy, where="autocast_jaxpr")
     if not compat.is_jaxpr_like(closed_jaxpr):
-        raise TypeError("autocast_jaxpr expects a closed jaxpr (jax.make_jaxpr(f)(...)), "
-                        f"got {type(closed_jaxpr).__name__}")
+        raise TypeError(
+            "autocast_jaxpr expects a closed jaxpr (jax.make_jaxpr(f)(...)), "
+            f"got {type(closed_jaxpr).__name__}"
+        )
     in_avals = list(closed_jaxpr.in_avals)
     return compat.trace_to_closed(lambda *a: rewrite_and_eval(closed_jaxpr, policy, a), in_avals)
 
 
-def autocast_transform(fn: Callable, policy: PolicyLike = None, *, dtype: Any = None,
-                       static_argnums: Union[int, Iterable[int]] = (),
-                       static_argnames: Union[str, Iterable[str]] = ()) -> Callable:
+def autocast_transform(
+    fn: Callable,
+    policy: PolicyLike = None,
+    *,
+    dtype: Any = None,
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
+) -> Callable:
     """torch.autocast for JAX: ``fn`` rewritten op by op under a precision policy.
 
     The returned function has ``fn``'s signature and composes with ``jax.jit``, ``jax.grad``,
@@ -175,7 +197,10 @@ def autocast_transform(fn: Callable, policy: PolicyLike = None, *, dtype: Any = 
         return graph_nodes.call_with_graph_nodes(
             signature.call_unmarked,
             lambda pure: _transform_arrays(pure, policy, source=fn),
-            on_graph_state, args, kwargs)
+            on_graph_state,
+            args,
+            kwargs,
+        )
 
     transformed.policy = policy  # type: ignore[attr-defined]
     return transformed
@@ -186,23 +211,23 @@ class SubJaxprCache(MutableMapping):
     by a store kept across its calls.
 
     Under eager ``grad``/``vmap`` a program whose custom_jvp/custom_vjp rule closes over a value
-    it computed is rewritten again on every call (see ``_transform_arrays``). JAX caches compiled ``jit``/``scan``/... equations
-    on their jaxpr objects, so an inner ``jax.jit`` whose rewritten body were a new object on
-    every call would compile on every call. Keys are ``(sub-jaxpr, avals, region state, tags)``
+    it computed is rewritten again on every call (see ``_transform_arrays``). JAX caches compiled
+    ``jit``/``scan``/... equations on their jaxpr objects, so an inner ``jax.jit`` whose
+    rewritten body were a new object on every call would compile on every call. Keys are ``(sub-jaxpr, avals, region state, tags)``
     (``Rewriter.rewrite_closed``); the store holds the sub-jaxprs weakly, so rewrites of jaxprs
     traced afresh in one call (a custom rule's JVP) go with them. A rewrite whose constants hold
     tracers (values of this call's trace) is kept for this call only.
     """
 
-    def __init__(self, store: Optional["weakref.WeakKeyDictionary[Any, dict]"] = None):
+    def __init__(self, store: weakref.WeakKeyDictionary[Any, dict] | None = None):
         self.store = weakref.WeakKeyDictionary() if store is None else store
         self.local: dict[Any, Any] = {}
 
-    def for_call(self) -> "SubJaxprCache":
+    def for_call(self) -> SubJaxprCache:
         """A fresh per-call view on the same store."""
         return SubJaxprCache(self.store)
 
-    def _shared(self, key: Any) -> Optional[dict]:
+    def _shared(self, key: Any) -> dict | None:
         try:
             return self.store.get(key[0])
         except TypeError:  # a jaxpr that cannot be weakly referenced
@@ -241,13 +266,14 @@ class SubJaxprCache(MutableMapping):
 @dataclasses.dataclass
 class _Traced:
     """One traced call: its jaxpr over the traced leaves and how to rebuild the output pytree."""
+
     closed: Any
     out_tree: Any
-    array_outs_at: tuple[int, ...]           # output leaf positions the jaxpr computes
+    array_outs_at: tuple[int, ...]  # output leaf positions the jaxpr computes
     static_outs: tuple[tuple[int, Any], ...]  # the other output leaves, returned as they came
     cacheable: bool = True
     name: str = "autocast"
-    program: Optional[Callable] = None        # jax.jit of the rewrite, made on first use
+    program: Callable | None = None  # jax.jit of the rewrite, made on first use
     # Whether a custom_jvp/custom_vjp rule in the program closes over values of the user's
     # trace, which only the direct rewrite can map (Rewriter.outer_value): found out when the
     # compiled program's rule raised RuleClosureError under eager grad.
@@ -272,6 +298,7 @@ class _Traced:
 
             def program(*flat: Any) -> list[Any]:
                 return rewrite_and_eval(closed, policy, flat)
+
             program.__name__ = program.__qualname__ = self.name
             self.program = jax.jit(program)
         return self.program
@@ -280,13 +307,20 @@ class _Traced:
 def _is_array_output(leaf: Any) -> bool:
     """Output leaves ``jax.jit`` would return as JAX values (arrays, effect tokens); everything
     else passes through."""
-    return (isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex))
-            or compat.is_token(leaf))
+    return isinstance(
+        leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)
+    ) or compat.is_token(leaf)
 
 
-def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
-               source: Optional[Callable] = None, signature: Optional[CallSignature] = None
-               ) -> tuple[Any, list[Any], Callable[[], _Traced]]:
+def trace_call(
+    fn: Callable,
+    policy: Policy,
+    args: tuple,
+    kwargs: dict,
+    *,
+    source: Callable | None = None,
+    signature: CallSignature | None = None,
+) -> tuple[Any, list[Any], Callable[[], _Traced]]:
     """Split a call's arguments into traced leaves and static ones and make the cache key.
 
     Returns ``(key, flat traced leaves, tracer)`` where ``tracer()`` traces ``fn`` at the traced
@@ -297,8 +331,9 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
     """
     source = fn if source is None else source
     flat, in_tree = jax.tree.flatten((args, kwargs))
-    traced_at, static = split_leaves(flat, in_tree, signature,
-                                     numbers_are_static=compat.under_transformation())
+    traced_at, static = split_leaves(
+        flat, in_tree, signature, numbers_are_static=compat.under_transformation()
+    )
     traced_flat = [flat[i] for i in traced_at]
     avals = tuple(compat.aval_of(x) for x in traced_flat)
     key = (in_tree, avals, static_key(static), compat.trace_context())
@@ -315,14 +350,17 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
                 leaves[i] = leaf
             call_args, call_kwargs = jax.tree.unflatten(in_tree, leaves)
             out_leaves, outs_store["tree"] = jax.tree.flatten(fn(*call_args, **call_kwargs))
-            outs_store["arrays_at"] = tuple(i for i, x in enumerate(out_leaves)
-                                            if _is_array_output(x))
-            outs_store["static"] = tuple((i, x) for i, x in enumerate(out_leaves)
-                                         if not _is_array_output(x))
+            outs_store["arrays_at"] = tuple(
+                i for i, x in enumerate(out_leaves) if _is_array_output(x)
+            )
+            outs_store["static"] = tuple(
+                (i, x) for i, x in enumerate(out_leaves) if not _is_array_output(x)
+            )
             return [out_leaves[i] for i in outs_store["arrays_at"]]
 
-        debug = _debug_info(source, signature.fn if signature is not None else fn,
-                            flat, in_tree, traced_at)
+        debug = _debug_info(
+            source, signature.fn if signature is not None else fn, flat, in_tree, traced_at
+        )
         # cast_inputs: softmax as one call, which then returns the compute dtype and keeps only
         # its compute-dtype output for the backward pass (rules/custom_ad.py).
         softmax = compat.softmax_as_custom_jvp() if policy.cast_inputs else contextlib.nullcontext()
@@ -330,42 +368,53 @@ def trace_call(fn: Callable, policy: Policy, args: tuple, kwargs: dict, *,
             closed = compat.trace_user_function(flat_fn, avals, debug)
         # A function closing over an outer trace's values captures tracers: never cache those.
         cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
-        return _Traced(closed, outs_store["tree"], outs_store["arrays_at"], outs_store["static"],
-                       cacheable=cacheable, name=getattr(source, "__name__", "autocast"))
+        return _Traced(
+            closed,
+            outs_store["tree"],
+            outs_store["arrays_at"],
+            outs_store["static"],
+            cacheable=cacheable,
+            name=getattr(source, "__name__", "autocast"),
+        )
 
     return key, traced_flat, tracer
 
 
-def _debug_info(source: Callable, named_fn: Callable, flat: list[Any], in_tree: Any,
-                traced_at: list[int]) -> Any:
+def _debug_info(
+    source: Callable, named_fn: Callable, flat: list[Any], in_tree: Any, traced_at: list[int]
+) -> Any:
     """JAX's debug info naming ``source`` and, after ``named_fn``'s parameters, the traced leaves."""
     traced = set(traced_at)
     # Static leaves become None (an empty pytree), so JAX's names line up with the traced leaves.
-    only_traced = jax.tree.unflatten(in_tree, [x if i in traced else None
-                                               for i, x in enumerate(flat)])
+    only_traced = jax.tree.unflatten(
+        in_tree, [x if i in traced else None for i, x in enumerate(flat)]
+    )
     debug = compat.debug_info("autocast_transform", named_fn, *only_traced)
     if named_fn is not source:
         debug = compat.debug_info_named_for(debug, source)
     return debug
 
 
-def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
-                      signature: Optional[CallSignature] = None) -> Callable:
+def _transform_arrays(
+    fn: Callable, policy: Policy, *, source: Callable, signature: CallSignature | None = None
+) -> Callable:
     """The transform for arguments that are pytrees of arrays and static leaves."""
     cache: dict[Any, _Traced] = {}
 
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        key, flat, tracer = trace_call(fn, policy, args, kwargs, source=source,
-                                       signature=signature)
+        key, flat, tracer = trace_call(fn, policy, args, kwargs, source=source, signature=signature)
         traced = cache.get(key)
         if traced is None:
             traced = tracer()
             if traced.cacheable:
                 cache[key] = traced
         eager = not compat.under_transformation()
-        if (not traced.cacheable or compat.under_staging()
-                or (traced.rules_close_over_values and not eager)):
+        if (
+            not traced.cacheable
+            or compat.under_staging()
+            or (traced.rules_close_over_values and not eager)
+        ):
             # Inside a program being built (jit, make_jaxpr, a scan body) the rewrite is bound
             # into it directly; a closure over an outer trace's values can only be re-bound.
             return _bound_directly(traced, policy, flat)
@@ -385,8 +434,10 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
         if eager:
             # jax.disable_jit() runs the program op by op, and an input returned unchanged comes
             # back as the caller's object (numpy float64); return what jax.jit returns.
-            outs = [x if isinstance(x, jax.Array) or compat.is_token(x) else jnp.asarray(x)
-                    for x in outs]
+            outs = [
+                x if isinstance(x, jax.Array) or compat.is_token(x) else jnp.asarray(x)
+                for x in outs
+            ]
         return traced.outputs(outs)
 
     return transformed
@@ -394,5 +445,6 @@ def _transform_arrays(fn: Callable, policy: Policy, *, source: Callable,
 
 def _bound_directly(traced: _Traced, policy: Policy, flat: Sequence[Any]) -> Any:
     """The rewrite bound under the caller's traces, equation by equation."""
-    return traced.outputs(rewrite_and_eval(traced.closed, policy, flat,
-                                           rewritten=traced.sub_jaxprs.for_call()))
+    return traced.outputs(
+        rewrite_and_eval(traced.closed, policy, flat, rewritten=traced.sub_jaxprs.for_call())
+    )

@@ -5,10 +5,20 @@ checking that the trace did not bake in what it should not have (see ``trace.py`
 ``tracing.check_trace`` runs only the checks; ``tracing.freeze`` folds a module's variables into
 an inference program (``freeze.py``); ``tracing.load`` reads an export of either back.
 """
+
 from .errors import TracerWarning, TracingCheckError
 from .export import LoadedFunction, load
 from .freeze import FrozenFunction, freeze
 from .trace import TracedFunction, check_trace, trace
 
-__all__ = ["FrozenFunction", "LoadedFunction", "TracedFunction", "TracerWarning",
-           "TracingCheckError", "check_trace", "freeze", "load", "trace"]
+__all__ = [
+    "FrozenFunction",
+    "LoadedFunction",
+    "TracedFunction",
+    "TracerWarning",
+    "TracingCheckError",
+    "check_trace",
+    "freeze",
+    "load",
+    "trace",
+]

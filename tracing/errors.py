@@ -1,4 +1,5 @@
 """The error and warning classes of ``tracing`` (torch.jit's names, so users can search them)."""
+
 from __future__ import annotations
 
 

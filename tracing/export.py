@@ -9,6 +9,7 @@ own nodes: ``LogicallyPartitioned``/``Partitioned`` boxes, ``nnx.State`` and ``n
 (``Param``, ``BatchStat``, ...). ``load`` registers them the same way, looking the class up in the
 modules the loading process has already imported (it never imports a module a blob names).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -17,7 +18,8 @@ import os
 import re
 import sys
 import tempfile
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 
@@ -36,8 +38,9 @@ def export_program(pytree_fn: Callable, signature: Signature, out_tree: Any) -> 
     try:
         return bytes(exported.serialize())
     except (ValueError, TypeError) as err:  # a node (or its aux data) jax.export cannot write
-        raise TypeError(f"export: the inputs or outputs hold a pytree node jax.export cannot "
-                        f"serialize: {err}") from err
+        raise TypeError(
+            f"export: the inputs or outputs hold a pytree node jax.export cannot serialize: {err}"
+        ) from err
 
 
 def serialized_name(cls: type) -> str:
@@ -65,9 +68,11 @@ def _register(cls: type) -> None:
             jax.export.register_namedtuple_serialization(cls, serialized_name=serialized_name(cls))
         else:
             jax.export.register_pytree_node_serialization(
-                cls, serialized_name=serialized_name(cls),
+                cls,
+                serialized_name=serialized_name(cls),
                 serialize_auxdata=lambda aux, cls=cls: _encode_aux(cls, aux),
-                deserialize_auxdata=_decode_aux)
+                deserialize_auxdata=_decode_aux,
+            )
     except ValueError:  # registered before (by the user, or under another name): theirs is used
         pass
     _REGISTERED.add(cls)
@@ -79,20 +84,20 @@ def _to_json(value: Any, cls: type) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (tuple, list)):
-        return {"tuple" if isinstance(value, tuple) else "list":
-                [_to_json(v, cls) for v in value]}
+        return {"tuple" if isinstance(value, tuple) else "list": [_to_json(v, cls) for v in value]}
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
         return {"dict": {k: _to_json(v, cls) for k, v in value.items()}}
     raise TypeError(
         f"the pytree node {serialized_name(cls)} has auxiliary data holding a "
         f"{type(value).__name__} ({value!r:.80}), which tracing can only serialize when it is "
         "plain data (None, bool, numbers, strings, tuples, lists, dicts with string keys); "
-        "register the node yourself with jax.export.register_pytree_node_serialization")
+        "register the node yourself with jax.export.register_pytree_node_serialization"
+    )
 
 
 def _from_json(value: Any) -> Any:
     if isinstance(value, dict):
-        (kind, content), = value.items()
+        ((kind, content),) = value.items()
         if kind == "dict":
             return {k: _from_json(v) for k, v in content.items()}
         items = [_from_json(v) for v in content]
@@ -166,9 +171,12 @@ def load(blob: bytes | bytearray) -> LoadedFunction:
             name = missing.group(1) if missing else None
             cls = _imported_class(name) if name else None
             if cls is None or name is None or name in seen:
-                hint = (f" Import the module that defines {name} (and register it "
-                        "for jax.export if tracing did not) before loading."
-                        if name else "")
+                hint = (
+                    f" Import the module that defines {name} (and register it "
+                    "for jax.export if tracing did not) before loading."
+                    if name
+                    else ""
+                )
                 message = str(err) if name else str(err).removeprefix("tracing.load: ")
                 raise ValueError(f"tracing.load: {message}{hint}") from err
             seen.add(name)
@@ -198,9 +206,11 @@ def _deserialize(blob: bytes) -> Any:
 def _not_an_export(err: Exception, diagnostics: str) -> ValueError:
     first_line = str(err).splitlines()[0] if str(err) else ""
     details = "; ".join(line.strip() for line in diagnostics.splitlines() if line.strip())
-    return ValueError("these bytes are not an intact jax.export serialization (made by "
-                      "TracedFunction.export() or FrozenFunction.export()): "
-                      f"{type(err).__name__}: {first_line}" + (f" [{details}]" if details else ""))
+    return ValueError(
+        "these bytes are not an intact jax.export serialization (made by "
+        "TracedFunction.export() or FrozenFunction.export()): "
+        f"{type(err).__name__}: {first_line}" + (f" [{details}]" if details else "")
+    )
 
 
 class _Captured:

@@ -7,6 +7,7 @@ parameters that hold sizes (``SHAPE_PARAMS``) as tuples of ``?``. Literal values
 the lines and collected apart (``Graph.literals``), because some are sizes too (``jnp.mean`` divides
 by the element count); ``trace`` compares them only between traces made at the same avals.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,9 +47,10 @@ class Line:
 @dataclasses.dataclass
 class Graph:
     """The canonical lines of a jaxpr, its literals and its captured constants."""
+
     lines: list[Line]
     literals: list[tuple[Any, str, str]]  # (value, dtype, source line) in equation order
-    consts: list[tuple[Any, str]]         # (value, source line of its first use)
+    consts: list[tuple[Any, str]]  # (value, source line of its first use)
 
 
 def aval_text(aval: Any, *, sizes: bool = False) -> str:
@@ -97,12 +99,15 @@ class _Builder:
                     ins.append(names.get(id(var), "?"))
             params, subs = _params_text(eqn.primitive.name, eqn.params)
             outs = " ".join(define(v, "v") for v in eqn.outvars)
-            self.lines.append(Line(f"{pad}{outs} = {eqn.primitive.name}[{params}] {' '.join(ins)}",
-                                   source))
+            self.lines.append(
+                Line(f"{pad}{outs} = {eqn.primitive.name}[{params}] {' '.join(ins)}", source)
+            )
             for sub in subs:
                 self.add_jaxpr(compat.open_and_consts(sub)[0], depth + 1)
-        outs = " ".join(f"lit:{aval_text(v.aval)}" if isinstance(v, compat.Literal)
-                        else names.get(id(v), "?") for v in jaxpr.outvars)
+        outs = " ".join(
+            f"lit:{aval_text(v.aval)}" if isinstance(v, compat.Literal) else names.get(id(v), "?")
+            for v in jaxpr.outvars
+        )
         self.lines.append(Line(f"{pad}return {outs}", "<outputs>"))
 
 
@@ -147,8 +152,9 @@ def first_difference(a: Graph, b: Graph) -> int | None:
     return None if len(a.lines) == len(b.lines) else min(len(a.lines), len(b.lines))
 
 
-def describe_difference(a: Graph, b: Graph, a_name: str, b_name: str,
-                        context_lines: int = 40) -> str:
+def describe_difference(
+    a: Graph, b: Graph, a_name: str, b_name: str, context_lines: int = 40
+) -> str:
     """Readable report: the first differing equation with its source lines, then a diff."""
     i = first_difference(a, b)
     if i is None:
@@ -159,20 +165,33 @@ def describe_difference(a: Graph, b: Graph, a_name: str, b_name: str,
             return "(ends here)"
         return f"{g.lines[i].text.strip()}\n      at {g.lines[i].source}"
 
-    diff = list(difflib.unified_diff([ln.text for ln in a.lines], [ln.text for ln in b.lines],
-                                     a_name, b_name, lineterm="", n=2))
+    diff = list(
+        difflib.unified_diff(
+            [ln.text for ln in a.lines],
+            [ln.text for ln in b.lines],
+            a_name,
+            b_name,
+            lineterm="",
+            n=2,
+        )
+    )
     if len(diff) > context_lines:
         diff = diff[:context_lines] + [f"... ({len(diff) - context_lines} more diff lines)"]
-    return (f"First difference at line {i} of the canonical graphs:\n"
-            f"  {a_name}: {at(a)}\n  {b_name}: {at(b)}\n"
-            "Diff (sizes abstracted as ?):\n" + "\n".join(diff))
+    return (
+        f"First difference at line {i} of the canonical graphs:\n"
+        f"  {a_name}: {at(a)}\n  {b_name}: {at(b)}\n"
+        "Diff (sizes abstracted as ?):\n" + "\n".join(diff)
+    )
 
 
 def values_equal(a: Any, b: Any) -> bool:
     """Exact equality of two captured values (NaNs equal), for the constants check."""
     a, b = plain_array(a), plain_array(b)
-    return a.shape == b.shape and a.dtype == b.dtype and bool(
-        np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+    )
 
 
 def plain_array(x: Any) -> np.ndarray:

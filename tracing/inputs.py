@@ -3,10 +3,12 @@
 A wrong entry should be reported where the user wrote it (``check_inputs[1]``, a pytree path,
 the function's own parameters), not as an error from inside their function or from JAX.
 """
+
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 
@@ -14,8 +16,10 @@ from jamp import _compat as compat
 
 from .program import Signature
 
-_CHECK_INPUTS_FORM = ("check_inputs is a list with one tuple of positional arguments per check, "
-                      "like example_inputs: check_inputs=[(x2, w), (x3, w)]")
+_CHECK_INPUTS_FORM = (
+    "check_inputs is a list with one tuple of positional arguments per check, "
+    "like example_inputs: check_inputs=[(x2, w), (x3, w)]"
+)
 
 
 def as_inputs(example_inputs: Any) -> tuple:
@@ -23,9 +27,11 @@ def as_inputs(example_inputs: Any) -> tuple:
     return example_inputs if type(example_inputs) is tuple else (example_inputs,)
 
 
-_OUTSIDE = ("tracing.trace and check_trace cannot run inside jax.jit, grad, vmap or another "
-            "transformation. Call them outside, with concrete arrays or jax.ShapeDtypeStruct; "
-            "the TracedFunction they return can then be called inside jit.")
+_OUTSIDE = (
+    "tracing.trace and check_trace cannot run inside jax.jit, grad, vmap or another "
+    "transformation. Call them outside, with concrete arrays or jax.ShapeDtypeStruct; "
+    "the TracedFunction they return can then be called inside jit."
+)
 
 
 def reject_tracers(inputs: tuple, label: str) -> None:
@@ -33,8 +39,10 @@ def reject_tracers(inputs: tuple, label: str) -> None:
     grad or vmap."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(inputs)[0]:
         if compat.is_tracer(leaf):
-            raise TypeError(f"{label}{jax.tree_util.keystr(path)} is a traced value "
-                            f"({getattr(leaf, 'aval', leaf)}): {_OUTSIDE}")
+            raise TypeError(
+                f"{label}{jax.tree_util.keystr(path)} is a traced value "
+                f"({getattr(leaf, 'aval', leaf)}): {_OUTSIDE}"
+            )
     if compat.under_transformation():
         raise TypeError(f"JAX is tracing (the call is inside a transformation): {_OUTSIDE}")
 
@@ -48,12 +56,13 @@ def check_binds(fn: Callable, name: str, raw: Any, inputs: tuple, label: str) ->
     try:
         signature.bind(*inputs)
     except TypeError as err:
-        message = (f"{label} gives {name}{signature} {len(inputs)} positional argument(s): "
-                   f"{err}.")
+        message = f"{label} gives {name}{signature} {len(inputs)} positional argument(s): {err}."
         if type(raw) is list and _binds(signature, raw):
-            message += (f" {label} is a list, which stands for one argument (a list pytree); "
-                        "give the positional arguments as a tuple: "
-                        f"({', '.join(f'a{i}' for i in range(len(raw)))},)")
+            message += (
+                f" {label} is a list, which stands for one argument (a list pytree); "
+                "give the positional arguments as a tuple: "
+                f"({', '.join(f'a{i}' for i in range(len(raw)))},)"
+            )
         raise TypeError(message) from None
 
 
@@ -65,33 +74,48 @@ def _binds(signature: inspect.Signature, args: Sequence[Any]) -> bool:
         return False
 
 
-def validate_check_inputs(check_inputs: Optional[Sequence[Any]], example: Signature,
-                          example_count: int) -> list[tuple]:
+def validate_check_inputs(
+    check_inputs: Sequence[Any] | None, example: Signature, example_count: int
+) -> list[tuple]:
     """The entries of ``check_inputs`` as input tuples, each with ``example``'s pytree structure.
 
     Raises TypeError naming ``check_inputs[i]`` and the first differing pytree path.
     """
     if check_inputs is None:
         return []
-    if isinstance(check_inputs, (str, bytes)) or not isinstance(check_inputs, Sequence) or \
-            compat.is_tracer(check_inputs) or isinstance(check_inputs, jax.Array):
-        raise TypeError(f"check_inputs must be a list of input tuples, got "
-                        f"{type(check_inputs).__name__}. {_CHECK_INPUTS_FORM}")
+    if (
+        isinstance(check_inputs, (str, bytes))
+        or not isinstance(check_inputs, Sequence)
+        or compat.is_tracer(check_inputs)
+        or isinstance(check_inputs, jax.Array)
+    ):
+        raise TypeError(
+            f"check_inputs must be a list of input tuples, got "
+            f"{type(check_inputs).__name__}. {_CHECK_INPUTS_FORM}"
+        )
     entries = []
     for number, raw in enumerate(check_inputs):
         label = f"check_inputs[{number}]"
         inputs = as_inputs(raw)
         reject_tracers(inputs, label)
         if len(inputs) != example_count:
-            kind = ("a list, which stands for one argument" if type(raw) is list else
-                    "not a tuple, so it stands for one argument" if type(raw) is not tuple
-                    else "a tuple")
-            raise TypeError(f"{label} has {len(inputs)} positional argument(s) ({kind}), "
-                            f"example_inputs {example_count}. {_CHECK_INPUTS_FORM}")
+            kind = (
+                "a list, which stands for one argument"
+                if type(raw) is list
+                else "not a tuple, so it stands for one argument"
+                if type(raw) is not tuple
+                else "a tuple"
+            )
+            raise TypeError(
+                f"{label} has {len(inputs)} positional argument(s) ({kind}), "
+                f"example_inputs {example_count}. {_CHECK_INPUTS_FORM}"
+            )
         with_paths, tree = jax.tree_util.tree_flatten_with_path(inputs)
         if tree != example.in_tree:
-            raise TypeError(f"{label} differs from example_inputs in pytree structure: "
-                            f"{example.structure_mismatch(with_paths, tree)}")
+            raise TypeError(
+                f"{label} differs from example_inputs in pytree structure: "
+                f"{example.structure_mismatch(with_paths, tree)}"
+            )
         try:
             Signature.of(inputs)
         except TypeError as err:

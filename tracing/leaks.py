@@ -10,6 +10,7 @@ defaults, bound ``self``, ``functools.partial`` arguments, and the containers an
 objects inside them) and reports the first tracer found, with the path to it. Library code
 (installed packages and the standard library) is not walked: its caches are its own business.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,21 +18,27 @@ import os
 import sys
 import sysconfig
 import types
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from jamp import _compat as compat
 
 MAX_OBJECTS = 20000  # a bound on the walk for very large reachable graphs
 MAX_DEPTH = 12
 
-_LIBRARY_DIRS = tuple(os.path.realpath(p) + os.sep for p in {
-    sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"],
-    sysconfig.get_paths()["platlib"]})
+_LIBRARY_DIRS = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {
+        sysconfig.get_paths()["stdlib"],
+        sysconfig.get_paths()["purelib"],
+        sysconfig.get_paths()["platlib"],
+    }
+)
 _OWN_PACKAGES = ("jamp", "tracing")
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), range, type(Ellipsis))
 
 
-def _module_is_library(module_name: Optional[str]) -> bool:
+def _module_is_library(module_name: str | None) -> bool:
     if not module_name:
         return True
     root = module_name.split(".")[0]
@@ -145,13 +152,13 @@ class _Root(str):
 
     context: str
 
-    def __new__(cls, expr: str, context: str) -> "_Root":
+    def __new__(cls, expr: str, context: str) -> _Root:
         root = super().__new__(cls, expr)
         root.context = context
         return root
 
 
-def find_leaked_tracer(fn: Any, name: str) -> Optional[tuple[Any, str]]:
+def find_leaked_tracer(fn: Any, name: str) -> tuple[Any, str] | None:
     """(tracer, where) for the first tracer reachable from ``fn``, or None; ``where`` reads like
     "`CACHE['k'][0]` (a global of model)"."""
     seen: set[int] = set()

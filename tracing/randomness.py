@@ -5,10 +5,12 @@ program, and so does a key made inside from a fixed seed: every call draws the s
 check follows data dependence on the program's inputs, into sub-jaxprs, to the primitives that
 draw bits, and warns for a draw whose key depends on no input.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jamp import _compat as compat
 
@@ -29,12 +31,17 @@ def _sub_jaxpr_operands(eqn: Any) -> list[tuple[Any, list[Any]]]:
         return [(b, list(eqn.invars[1:])) for b in eqn.params["branches"]]
     if name == "while":
         nc, nb = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        carry = list(eqn.invars[nc + nb:])
-        return [(eqn.params["cond_jaxpr"], list(eqn.invars[:nc]) + carry),
-                (eqn.params["body_jaxpr"], list(eqn.invars[nc:nc + nb]) + carry)]
+        carry = list(eqn.invars[nc + nb :])
+        return [
+            (eqn.params["cond_jaxpr"], list(eqn.invars[:nc]) + carry),
+            (eqn.params["body_jaxpr"], list(eqn.invars[nc : nc + nb]) + carry),
+        ]
     # Calls, scan, remat, custom rules, shard_map: a body taking the operands one to one.
-    return [(sub, list(eqn.invars)) for sub in compat.sub_jaxprs(eqn.params)
-            if len(compat.open_and_consts(sub)[0].invars) == len(eqn.invars)]
+    return [
+        (sub, list(eqn.invars))
+        for sub in compat.sub_jaxprs(eqn.params)
+        if len(compat.open_and_consts(sub)[0].invars) == len(eqn.invars)
+    ]
 
 
 class _InputDependence:
@@ -72,7 +79,8 @@ def input_free_draws(closed: Any) -> list[tuple[Any, str]]:
     found: list[tuple[Any, str]] = []
     jaxpr, _ = compat.open_and_consts(closed)
     _InputDependence(lambda aval, where: found.append((aval, where))).run(
-        closed, [True] * len(jaxpr.invars), "<unknown source>")
+        closed, [True] * len(jaxpr.invars), "<unknown source>"
+    )
     return found
 
 
@@ -85,4 +93,7 @@ def warn_constant_keys(closed: Any, name: str) -> None:
             f"{name}: the PRNG key {aval.str_short()} drawn from at {where} is a constant of the "
             "trace (captured from outside, or made from a fixed seed inside), so every call of "
             "the traced function draws the same random numbers. Pass the key as an input "
-            "instead: trace(fn, (key, x)).", TracerWarning, stacklevel=4)
+            "instead: trace(fn, (key, x)).",
+            TracerWarning,
+            stacklevel=4,
+        )

@@ -24,9 +24,11 @@ leaf of the traced program:
 
 A real divergence (a branch on a shape, a number drawn in Python) changes outputs by far more.
 """
+
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +40,20 @@ ULPS = 4
 
 # Primitives whose rounding error scales with the magnitude of what they add up, not with their
 # result: the results of these on an output's path are "the values involved".
-ACCUMULATIONS = frozenset({
-    "reduce_sum", "dot_general", "conv_general_dilated", "cumsum", "add", "sub", "add_any",
-    "ragged_dot", "ragged_dot_general", "reduce_precision",
-})
+ACCUMULATIONS = frozenset(
+    {
+        "reduce_sum",
+        "dot_general",
+        "conv_general_dilated",
+        "cumsum",
+        "add",
+        "sub",
+        "add_any",
+        "ragged_dot",
+        "ragged_dot_general",
+        "reduce_precision",
+    }
+)
 
 
 def is_floating(dtype: Any) -> bool:
@@ -57,7 +69,7 @@ def _eps(dtype: Any) -> float:
     return float(jnp.finfo(dtype).eps)
 
 
-def _narrowest(dtypes: Iterable[Any]) -> Optional[np.dtype]:
+def _narrowest(dtypes: Iterable[Any]) -> np.dtype | None:
     floating = [np.dtype(d) for d in dtypes if d is not None and is_floating(d)]
     return max(floating, key=_eps, default=None)
 
@@ -101,7 +113,7 @@ class _Paths:
         return list(seen.values())
 
 
-def path_dtypes(closed: Any) -> list[Optional[np.dtype]]:
+def path_dtypes(closed: Any) -> list[np.dtype | None]:
     """The narrowest floating dtype on each output's computation path (None: no floats)."""
     paths = _Paths(closed)
     result = []
@@ -115,8 +127,9 @@ def path_dtypes(closed: Any) -> list[Optional[np.dtype]]:
     return result
 
 
-def accumulation_magnitudes(closed: Any, leaves: list[Any],
-                            default: Optional[float] = None) -> list[float]:
+def accumulation_magnitudes(
+    closed: Any, leaves: list[Any], default: float | None = None
+) -> list[float]:
     """For each output, the largest finite magnitude among the results of the additive
     accumulations on its path, from one op-by-op evaluation of the program at ``leaves``.
 
@@ -151,8 +164,10 @@ def _accumulation_magnitudes(closed: Any, leaves: list[Any]) -> list[float]:
                 env[id(var)] = value
             if eqn.primitive.name in ACCUMULATIONS or any(compat.sub_jaxprs(eqn.params)):
                 magnitude[id(eqn)] = max((_largest_finite(v) for v in outs), default=0.0)
-    return [max((magnitude.get(id(e), 0.0) for e in paths.equations(outvar)), default=0.0)
-            for outvar in jaxpr.outvars]
+    return [
+        max((magnitude.get(id(e), 0.0) for e in paths.equations(outvar)), default=0.0)
+        for outvar in jaxpr.outvars
+    ]
 
 
 def _largest_finite(x: Any) -> float:
@@ -163,17 +178,19 @@ def _largest_finite(x: Any) -> float:
     return float(values.max()) if values.size else 0.0
 
 
-def tolerance(path_dtype: Optional[np.dtype], check_tolerance: float) -> float:
+def tolerance(path_dtype: np.dtype | None, check_tolerance: float) -> float:
     """``max(check_tolerance, ULPS * eps(path_dtype))``."""
     if path_dtype is None:
         return check_tolerance
     return max(check_tolerance, ULPS * _eps(path_dtype))
 
 
-def mismatch(traced: Any, python: Any, tol: float, check_tolerance: float,
-             involved: float = 0.0) -> str:
+def mismatch(
+    traced: Any, python: Any, tol: float, check_tolerance: float, involved: float = 0.0
+) -> str:
     """Why two outputs disagree beyond the rule above (empty when they agree)."""
     from .graph import plain_array
+
     if isinstance(python, (bool, int, float, complex)):
         python = jnp.asarray(python)  # a Python number becomes a canonical-dtype array
     a, b = plain_array(traced), plain_array(python)
@@ -181,14 +198,18 @@ def mismatch(traced: Any, python: Any, tol: float, check_tolerance: float,
         return f"traced {a.dtype}{list(a.shape)} against Python {b.dtype}{list(b.shape)}"
     if not is_floating(a.dtype):
         return "" if np.array_equal(a, b) else f"{int(np.sum(a != b))} elements differ"
-    a64, b64 = a.astype(np.complex128 if a.dtype.kind == "c" else np.float64), \
-        b.astype(np.complex128 if b.dtype.kind == "c" else np.float64)
+    a64, b64 = (
+        a.astype(np.complex128 if a.dtype.kind == "c" else np.float64),
+        b.astype(np.complex128 if b.dtype.kind == "c" else np.float64),
+    )
     magnitude = max(_largest_finite(b64.real), _largest_finite(b64.imag), involved)
     atol = max(check_tolerance, tol * magnitude)
     if np.allclose(a64, b64, rtol=tol, atol=atol, equal_nan=True):
         return ""
     abs_err = np.abs(a64 - b64)
     rel_err = abs_err / np.maximum(np.abs(b64), np.finfo(np.float64).tiny)
-    return (f"Largest absolute error: {np.nanmax(abs_err):.6g}, largest relative error: "
-            f"{np.nanmax(rel_err):.6g} (tolerance: relative {tol:g}, absolute {atol:g}, from "
-            f"the output's magnitude {magnitude:g})")
+    return (
+        f"Largest absolute error: {np.nanmax(abs_err):.6g}, largest relative error: "
+        f"{np.nanmax(rel_err):.6g} (tolerance: relative {tol:g}, absolute {atol:g}, from "
+        f"the output's magnitude {magnitude:g})"
+    )

@@ -6,13 +6,15 @@ PRNG key closed over draws the same numbers on every call, a loop over ``x.shape
 a program for one size. The checks trace the function again, for the example inputs and for
 every ``check_inputs`` entry, and compare.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import inspect
 import sys
 import warnings
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -30,14 +32,17 @@ from .program import Program, Signature, callable_name, keep_dict_order, order_s
 @dataclasses.dataclass
 class Trace:
     """One trace of the function: its closed jaxpr, signature and output tree."""
+
     closed: Any
     signature: Signature
     out_tree: Any
     out_template: Any  # ``order_skeleton`` of the function's outputs (its dict order)
 
-    def same_avals(self, other: "Trace") -> bool:
-        return (self.signature.in_tree == other.signature.in_tree
-                and self.signature.avals == other.signature.avals)
+    def same_avals(self, other: Trace) -> bool:
+        return (
+            self.signature.in_tree == other.signature.in_tree
+            and self.signature.avals == other.signature.avals
+        )
 
     def describe(self) -> str:
         avals = ", ".join(graphs.aval_text(a, sizes=True) for a in self.signature.avals)
@@ -57,6 +62,7 @@ def resolve_function(fn: Any) -> tuple[Callable, str]:
     """The function to trace, with its name; an NNX module is called with its state captured."""
     if "flax" in sys.modules:
         from flax import linen, nnx
+
         if isinstance(fn, nnx.Module):
             graphdef, state = nnx.split(fn)
 
@@ -64,17 +70,21 @@ def resolve_function(fn: Any) -> tuple[Callable, str]:
                 # Fresh Variables inside the trace (NNX refuses updates to ones made outside it,
                 # e.g. an Rngs counter); the updates are dropped with the trace.
                 return nnx.merge(graphdef, jax.tree.map(lambda leaf: leaf, state))(*args)
+
             try:  # for the arity checks of the example and check inputs
                 call_module.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
             except (TypeError, ValueError):
                 pass
             return call_module, type(fn).__name__
         if isinstance(fn, linen.Module):
-            raise TypeError(f"trace a linen module through its apply function: "
-                            f"tracing.trace({type(fn).__name__}(...).apply, (variables, x))")
+            raise TypeError(
+                f"trace a linen module through its apply function: "
+                f"tracing.trace({type(fn).__name__}(...).apply, (variables, x))"
+            )
     if not callable(fn):
-        raise TypeError(f"tracing.trace expects a callable or an NNX module, got "
-                        f"{type(fn).__name__}")
+        raise TypeError(
+            f"tracing.trace expects a callable or an NNX module, got {type(fn).__name__}"
+        )
     return fn, callable_name(fn)
 
 
@@ -82,7 +92,8 @@ _TRACE_ERROR_HINT = (
     "Hint: a Python `if`, `int()`, `float()` or `np.asarray` on a traced value needs its concrete "
     "value, which a trace does not have. Make such arguments static (bind them with "
     "functools.partial before tracing), branch on data with lax.cond / lax.switch or select with "
-    "jnp.where, and keep values out of globals and attributes.")
+    "jnp.where, and keep values out of globals and attributes."
+)
 
 
 def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
@@ -97,26 +108,34 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
         outputs = fn(*keep_dict_order(in_order, jax.tree.unflatten(signature.in_tree, leaves)))
         for path, leaf in jax.tree_util.tree_flatten_with_path(outputs)[0]:
             if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float)):
-                raise TypeError(f"{name} returned a {type(leaf).__name__} at outputs"
-                                f"{jax.tree_util.keystr(path)}: traced functions return arrays, "
-                                "numbers and pytrees of them")
+                raise TypeError(
+                    f"{name} returned a {type(leaf).__name__} at outputs"
+                    f"{jax.tree_util.keystr(path)}: traced functions return arrays, "
+                    "numbers and pytrees of them"
+                )
         skeleton.append(order_skeleton(outputs))
         return outputs
 
     try:
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*signature.avals)
-    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
-            jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError) as err:
+    except (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.TracerArrayConversionError,
+        jax.errors.TracerIntegerConversionError,
+        jax.errors.TracerBoolConversionError,
+    ) as err:
         raise TracingCheckError(
             f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
             f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
-            f"{str(err).splitlines()[0]}") from err
+            f"{str(err).splitlines()[0]}"
+        ) from err
     except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
         raise TracingCheckError(
             f"Tracing {name} failed: it used a traced value that leaked out of an earlier trace "
             "(kept in a global, a closure, a list or an object attribute).\n"
             f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
-            f"{str(err).splitlines()[0]}") from err
+            f"{str(err).splitlines()[0]}"
+        ) from err
     leaked = leaks.find_leaked_tracer(fn, name)
     if leaked is not None:
         tracer, where = leaked
@@ -125,13 +144,19 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
             f"tracer ({graphs.aval_text(tracer.aval, sizes=True)}) stored while tracing, so the "
             "traced program would not be self-contained and a later call would read a stale "
             "tracer. Return the value as an output instead of storing it (and clear what holds "
-            "it now).")
+            "it now)."
+        )
     return Trace(closed, signature, jax.tree.structure(out_shape), skeleton[0])
 
 
-def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
-          check_inputs: Optional[Sequence[Any]] = None,
-          check_tolerance: float = 1e-5) -> TracedFunction:
+def trace(
+    fn: Any,
+    example_inputs: Any,
+    *,
+    check_trace: bool = True,
+    check_inputs: Sequence[Any] | None = None,
+    check_tolerance: float = 1e-5,
+) -> TracedFunction:
     """Trace ``fn`` at ``example_inputs`` into a compiled, exportable program, and check it.
 
     ``example_inputs`` is a tuple of positional arguments (anything else stands for a 1-tuple);
@@ -160,14 +185,21 @@ def trace(fn: Any, example_inputs: Any, *, check_trace: bool = True,
         text = traced.graph       # the jaxpr as text
         blob = traced.export()    # tracing.load(blob)(x, w)
     """
-    primary, name = _trace_and_check(fn, example_inputs, check_inputs, check_tolerance,
-                                     run_checks=check_trace)
-    return TracedFunction(primary.closed, primary.signature, primary.out_tree, name,
-                          primary.out_template)
+    primary, name = _trace_and_check(
+        fn, example_inputs, check_inputs, check_tolerance, run_checks=check_trace
+    )
+    return TracedFunction(
+        primary.closed, primary.signature, primary.out_tree, name, primary.out_template
+    )
 
 
-def check_trace(fn: Any, example_inputs: Any, check_inputs: Optional[Sequence[Any]] = None, *,
-                check_tolerance: float = 1e-5) -> None:
+def check_trace(
+    fn: Any,
+    example_inputs: Any,
+    check_inputs: Sequence[Any] | None = None,
+    *,
+    check_tolerance: float = 1e-5,
+) -> None:
     """Only the checks of ``trace``: raises ``TracingCheckError`` or warns ``TracerWarning``.
 
     Example::
@@ -177,8 +209,13 @@ def check_trace(fn: Any, example_inputs: Any, check_inputs: Optional[Sequence[An
     _trace_and_check(fn, example_inputs, check_inputs, check_tolerance, run_checks=True)
 
 
-def _trace_and_check(fn: Any, example_inputs: Any, check_inputs: Optional[Sequence[Any]],
-                     tolerance: float, run_checks: bool) -> tuple[Trace, str]:
+def _trace_and_check(
+    fn: Any,
+    example_inputs: Any,
+    check_inputs: Sequence[Any] | None,
+    tolerance: float,
+    run_checks: bool,
+) -> tuple[Trace, str]:
     """The trace at the example inputs (with the PRNG-key check) and, if asked, the others."""
     fn, name = resolve_function(fn)
     example = as_inputs(example_inputs)
@@ -191,8 +228,14 @@ def _trace_and_check(fn: Any, example_inputs: Any, check_inputs: Optional[Sequen
     return primary, name
 
 
-def _run_checks(fn: Callable, name: str, primary: Trace, example: tuple,
-                check_inputs: Optional[Sequence[Any]], tolerance: float) -> None:
+def _run_checks(
+    fn: Callable,
+    name: str,
+    primary: Trace,
+    example: tuple,
+    check_inputs: Sequence[Any] | None,
+    tolerance: float,
+) -> None:
     checks = validate_check_inputs(check_inputs, primary.signature, len(example))
     # The example inputs are always traced again: that is what catches state read at trace time
     # (literals may be sizes, so they are only comparable between traces at the same avals).
@@ -202,12 +245,14 @@ def _run_checks(fn: Callable, name: str, primary: Trace, example: tuple,
         label = "the example inputs" if number == 0 else f"check_inputs[{number - 1}]"
         again = trace_once(fn, inputs, name)
         _compare_graphs(reference, graphs.canonicalize(again.closed), primary, again, label)
-        _compare_outputs(fn, name, primary if again.same_avals(primary) else again, inputs,
-                         tolerance)
+        _compare_outputs(
+            fn, name, primary if again.same_avals(primary) else again, inputs, tolerance
+        )
 
 
-def _compare_graphs(reference: graphs.Graph, other: graphs.Graph, primary: Trace, again: Trace,
-                    label: str) -> None:
+def _compare_graphs(
+    reference: graphs.Graph, other: graphs.Graph, primary: Trace, again: Trace, label: str
+) -> None:
     first_name = f"trace at the example inputs {primary.describe()}"
     other_name = f"trace at {label} {again.describe()}"
     diff = graphs.describe_difference(reference, other, first_name, other_name)
@@ -219,7 +264,8 @@ def _compare_graphs(reference: graphs.Graph, other: graphs.Graph, primary: Trace
                 "Constants differed in value across invocations. This often indicates that the "
                 "function read state at trace time (a Python counter, np.random, a global array) "
                 f"that changes between calls.\nCaptured constant #{i}: {graphs.shape_dtype(a)}, "
-                f"first used at {where}. Pass the value as an input instead.")
+                f"first used at {where}. Pass the value as an input instead."
+            )
     if not again.same_avals(primary):
         return
     for (a, dtype, where), (b, _, _) in zip(reference.literals, other.literals):
@@ -229,11 +275,13 @@ def _compare_graphs(reference: graphs.Graph, other: graphs.Graph, primary: Trace
                 "function read state at trace time (a Python counter, np.random, a global) that "
                 f"changes between calls.\nCaptured scalar {dtype}: {np.asarray(a).item()!r} in "
                 f"the first trace, {np.asarray(b).item()!r} when traced again for {label}; used "
-                f"at {where}. Pass it as an input instead.")
+                f"at {where}. Pass it as an input instead."
+            )
 
 
-def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
-                     check_tolerance: float) -> None:
+def _compare_outputs(
+    fn: Callable, name: str, traced: Trace, inputs: tuple, check_tolerance: float
+) -> None:
     """Warn for each output of the compiled program that disagrees with ``fn`` run op by op,
     beyond the tolerance of the precision it was computed in (``tolerance.py``)."""
     program = Program(traced.closed, traced.signature, traced.out_tree, name)  # leaves only
@@ -242,22 +290,31 @@ def _compare_outputs(fn: Callable, name: str, traced: Trace, inputs: tuple,
         expected = fn(*inputs)
     got_leaves, expected_leaves = jax.tree.leaves(got), jax.tree.leaves(expected)
     if len(got_leaves) != len(expected_leaves):
-        warnings.warn(f"{name}: the traced function returns {len(got_leaves)} outputs, the "
-                      f"Python function {len(expected_leaves)}", TracerWarning, stacklevel=5)
+        warnings.warn(
+            f"{name}: the traced function returns {len(got_leaves)} outputs, the "
+            f"Python function {len(expected_leaves)}",
+            TracerWarning,
+            stacklevel=5,
+        )
         return
-    tols = [tolerances.tolerance(d, check_tolerance)
-            for d in tolerances.path_dtypes(traced.closed)]
-    errors = [tolerances.mismatch(a, b, tol, check_tolerance)
-              for a, b, tol in zip(got_leaves, expected_leaves, tols)]
+    tols = [tolerances.tolerance(d, check_tolerance) for d in tolerances.path_dtypes(traced.closed)]
+    errors = [
+        tolerances.mismatch(a, b, tol, check_tolerance)
+        for a, b, tol in zip(got_leaves, expected_leaves, tols)
+    ]
     if any(errors):  # second pass: the magnitudes of the values the outputs were computed from
         involved = tolerances.accumulation_magnitudes(
-            traced.closed, traced.signature.flatten(inputs, name), default=0.0)
-        errors = [error and tolerances.mismatch(a, b, tol, check_tolerance, scale)
-                  for error, a, b, tol, scale in zip(errors, got_leaves, expected_leaves, tols,
-                                                     involved)]
+            traced.closed, traced.signature.flatten(inputs, name), default=0.0
+        )
+        errors = [
+            error and tolerances.mismatch(a, b, tol, check_tolerance, scale)
+            for error, a, b, tol, scale in zip(errors, got_leaves, expected_leaves, tols, involved)
+        ]
     for number, error in enumerate(errors, start=1):
         if error:
             warnings.warn(
                 f"Output nr {number}. of the traced function does not match the corresponding "
-                f"output of the Python function. Detailed error:\n{error}", TracerWarning,
-                stacklevel=5)
+                f"output of the Python function. Detailed error:\n{error}",
+                TracerWarning,
+                stacklevel=5,
+            )

@@ -4,9 +4,11 @@
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import _compat as compat
 from ..interpreter import F64, Hint, Step, is_float, register
@@ -21,7 +23,7 @@ def jit_rule(step: Step) -> Sequence[Any]:
     an enabled region its floating (non-float64) inputs are cast first (torch's custom_fwd).
     """
     args = step.args
-    hints: list[Optional[Hint]] = list(step.hints())
+    hints: list[Hint | None] = list(step.hints())
     dtype = cast_inputs_dtype(step.params.get("name", ""))
     if dtype is not None and step.state.enabled:
         targets = {i: dtype for i in step.floating() if step.aval(i).dtype != F64}
@@ -59,7 +61,9 @@ def custom_vmap_rule(step: Step) -> Sequence[Any]:
 
     def traced_dtypes_out(*operands: Any) -> list[Any]:
         outs = compat.eval_jaxpr(jaxpr, consts, operands)
-        return [compat.convert(x, d) if is_float(d) and compat.aval_of(x).dtype != d else x
-                for x, d in zip(outs, out_dtypes)]
+        return [
+            compat.convert(x, d) if is_float(d) and compat.aval_of(x).dtype != d else x
+            for x, d in zip(outs, out_dtypes)
+        ]
 
     return step.bind(args, call=compat.trace_to_closed(traced_dtypes_out, avals))

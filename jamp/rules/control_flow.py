@@ -6,9 +6,11 @@ the public ``lax`` functions, so version-specific params (``ft_in``/``ft_out``, 
 carry-out is cast back at the end of the body); branch outputs whose dtypes diverge across
 branches are cast to the traced dtypes.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jax import lax
 
@@ -17,14 +19,18 @@ from ..interpreter import Hint, Step, is_float, register
 
 
 def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
-    return [compat.convert(v, d) if is_float(d) and compat.aval_of(v).dtype != d else v
-            for v, d in zip(values, dtypes)]
+    return [
+        compat.convert(v, d) if is_float(d) and compat.aval_of(v).dtype != d else v
+        for v, d in zip(values, dtypes)
+    ]
 
 
 def _carry_in(step: Step, first: int, count: int) -> list[Any]:
     """The initial carry, cast to the traced carry dtypes where it arrives otherwise."""
-    return [step.cast(i, step.traced_aval(i).dtype) if i in set(step.floating()) else step.args[i]
-            for i in range(first, first + count)]
+    return [
+        step.cast(i, step.traced_aval(i).dtype) if i in set(step.floating()) else step.args[i]
+        for i in range(first, first + count)
+    ]
 
 
 @register("scan")
@@ -34,10 +40,10 @@ def scan_rule(step: Step) -> Sequence[Any]:
     consts = step.args[:n_consts]
     # Consts keep all they are known to be; slices of xs stay parameters if xs were (scanned layers).
     all_hints = step.hints()
-    xs_hints = [Hint(tags=h.tags & {"input_view"}) for h in all_hints[n_consts + n_carry:]]
+    xs_hints = [Hint(tags=h.tags & {"input_view"}) for h in all_hints[n_consts + n_carry :]]
     hints = [*all_hints[:n_consts], *([None] * n_carry), *xs_hints]
     init = _carry_in(step, n_consts, n_carry)
-    xs = step.args[n_consts + n_carry:]
+    xs = step.args[n_consts + n_carry :]
     carry_dtypes = [step.traced_aval(i).dtype for i in range(n_consts, n_consts + n_carry)]
     jaxpr, body_consts = compat.open_and_consts(params["jaxpr"])
     rewriter = step.rewriter.child(step.state)
@@ -47,8 +53,14 @@ def scan_rule(step: Step) -> Sequence[Any]:
         return _cast_to(outs[:n_carry], carry_dtypes), outs[n_carry:]
 
     with compat.equation_context(step.eqn):
-        carry, ys = lax.scan(body, init, xs, length=params["length"], reverse=params["reverse"],
-                             unroll=params["unroll"])
+        carry, ys = lax.scan(
+            body,
+            init,
+            xs,
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
     return [*carry, *ys]
 
 
@@ -57,7 +69,7 @@ def while_rule(step: Step) -> Sequence[Any]:
     params = step.params
     n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
     cond_consts = step.args[:n_cond]
-    body_consts = step.args[n_cond:n_cond + n_body]
+    body_consts = step.args[n_cond : n_cond + n_body]
     hints = step.hints()
     first = n_cond + n_body
     init = _carry_in(step, first, len(step.args) - first)
@@ -86,12 +98,18 @@ def _batched_while(step: Step, cond_fun: Any, body_fun: Any, init: Sequence[Any]
     scalar predicates only, so the primitive is bound again with the rewritten bodies."""
     avals = [compat.aval_of(x) for x in init]
     cond, cond_consts = compat.hoist_consts(
-        compat.trace_to_closed(lambda *carry: [cond_fun(list(carry))], avals))
+        compat.trace_to_closed(lambda *carry: [cond_fun(list(carry))], avals)
+    )
     body, body_consts = compat.hoist_consts(
-        compat.trace_to_closed(lambda *carry: body_fun(list(carry)), avals))
-    return step.bind([*cond_consts, *body_consts, *init], cond_jaxpr=compat.as_closed(cond),
-                     body_jaxpr=compat.as_closed(body), cond_nconsts=len(cond_consts),
-                     body_nconsts=len(body_consts))
+        compat.trace_to_closed(lambda *carry: body_fun(list(carry)), avals)
+    )
+    return step.bind(
+        [*cond_consts, *body_consts, *init],
+        cond_jaxpr=compat.as_closed(cond),
+        body_jaxpr=compat.as_closed(body),
+        cond_nconsts=len(cond_consts),
+        body_nconsts=len(body_consts),
+    )
 
 
 @register("cond")
@@ -101,8 +119,12 @@ def cond_rule(step: Step) -> Sequence[Any]:
     branches = [step.rewrite_sub(b, avals, hints) for b in step.params["branches"]]
     traced_out = [v.aval.dtype for v in step.eqn.outvars]
     # Where rewritten branches disagree on an output's dtype, all of them return the traced dtype.
-    targets = [dtypes.pop() if len(dtypes := {b.out_avals[i].dtype for b in branches}) == 1
-               else traced_out[i] for i in range(len(traced_out))]
+    targets = [
+        dtypes.pop()
+        if len(dtypes := {b.out_avals[i].dtype for b in branches}) == 1
+        else traced_out[i]
+        for i in range(len(traced_out))
+    ]
 
     def as_function(branch: Any) -> Any:
         jaxpr, consts = compat.open_and_consts(branch)
@@ -116,8 +138,9 @@ def cond_rule(step: Step) -> Sequence[Any]:
         return list(lax.switch(index, functions, *operands))
 
 
-def _platform_dependent(operands: Sequence[Any], functions: Sequence[Any],
-                        platforms: Sequence[Any]) -> Any:
+def _platform_dependent(
+    operands: Sequence[Any], functions: Sequence[Any], platforms: Sequence[Any]
+) -> Any:
     """Rebuild ``lax.platform_dependent`` from its ``branches_platforms`` (``None``: default).
 
     Its index comes from ``platform_index``, which it binds again itself.

@@ -24,11 +24,13 @@ rewritten counterpart (``Rewriter.outer_value``). That works wherever JAX runs t
 jamp rewrites (``jax.grad`` of the transformed function, also under ``jax.jit``); as in plain JAX,
 ``jax.grad(jax.jit(f))`` of such a function is not supported.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +50,7 @@ class RuleClosureError(RewriteError):
 
 # The traces of the users' functions (``transform.trace_call``): a tracer of one of them that
 # ``Rewriter.outer_value`` cannot map is a value of a finished trace.
-_USER_TRACES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_USER_TRACES: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def remember_user_trace(trace: Any) -> None:
@@ -65,7 +67,8 @@ def _rule_consts(rewriter: Any, consts: Sequence[Any], eqn: Any) -> list[Any]:
             "closes over a value the transformed function computed, and JAX ran it after jamp "
             "rewrote the function. jamp supports such rules where JAX runs them while it "
             "rewrites: jax.grad of the transformed function (also under jax.jit); as in plain "
-            "JAX, jax.grad(jax.jit(f)) of such a function is not supported")
+            "JAX, jax.grad(jax.jit(f)) of such a function is not supported"
+        )
     return mapped
 
 
@@ -76,6 +79,7 @@ def _original(step: Step) -> Callable[..., list[Any]]:
 
     def call(*args: Any) -> list[Any]:
         return list(primitive.bind(*args, **params))
+
     return call
 
 
@@ -88,8 +92,9 @@ def _primal(step: Step) -> tuple[Any, list[Any], RegionState, RegionState]:
     """The rewritten body, the dtypes the call returns (see the module docstring), and the states
     of the body and of the derivative rules."""
     state = dataclasses.replace(step.state, keep_compute_dtype=False)
-    closed = step.rewriter.rewrite_closed(step.params["call_jaxpr"], step.avals(), state,
-                                          step.hints())
+    closed = step.rewriter.rewrite_closed(
+        step.params["call_jaxpr"], step.avals(), state, step.hints()
+    )
     dtypes = [np.dtype(a.dtype) for a in closed.out_avals]
     narrowed = False
     if _returns_compute_dtype(step):
@@ -123,7 +128,8 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
         rule = compat.trace_to_closed(
             lambda *flat: [x for part in jax.jvp(original, flat[:n_in], flat[n_in:]) for x in part],
-            [*traced, *tangent_avals])
+            [*traced, *tangent_avals],
+        )
         jaxpr, consts = compat.open_and_consts(rule)
         outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *tangents])
         n_out = len(out_dtypes)
@@ -193,6 +199,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
                 for i, x in zip(at, diff):
                     full[i] = x
                 return original(*full)
+
             outs, vjp_fn = jax.vjp(of_perturbed, *(flat[i] for i in at))
             residuals, pullback["tree"] = jax.tree.flatten(vjp_fn)
             return [*outs, *residuals]
@@ -203,8 +210,10 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         primal_outs = _cast_to(outs[:n_out], out_dtypes)
         # A residual that is an output (fwd returning ``y, (y,)``) is kept as the returned output.
         position = {v: j for j, v in enumerate(jaxpr.outvars[:n_out]) if isinstance(v, compat.Var)}
-        residuals = [primal_outs[position[v]] if isinstance(v, compat.Var) and v in position else r
-                     for v, r in zip(jaxpr.outvars[n_out:], outs[n_out:])]
+        residuals = [
+            primal_outs[position[v]] if isinstance(v, compat.Var) and v in position else r
+            for v, r in zip(jaxpr.outvars[n_out:], outs[n_out:])
+        ]
         n_res = len(residuals)
 
         def backward(*flat: Any) -> Any:
@@ -214,10 +223,9 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             log_leaves, pullback["logs"] = jax.tree.flatten(logs)
             return [*jax.tree.leaves(cts), *log_leaves]
 
-        bwd_closed = compat.trace_to_closed(
-            backward, [*fwd_closed.out_avals[n_out:], *ct_avals])
+        bwd_closed = compat.trace_to_closed(backward, [*fwd_closed.out_avals[n_out:], *ct_avals])
         n_logs = pullback["logs"].num_leaves
-        log_dtypes = [a.dtype for a in bwd_closed.out_avals[len(bwd_closed.out_avals) - n_logs:]]
+        log_dtypes = [a.dtype for a in bwd_closed.out_avals[len(bwd_closed.out_avals) - n_logs :]]
         bwd_jaxpr, bwd_consts = compat.open_and_consts(bwd_closed)
         # Values the user's bwd closes over are known now, in the forward pass: pass them on.
         bwd_consts = _rule_consts(rewriter, bwd_consts, eqn)
@@ -227,13 +235,13 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
     def bwd(saved: tuple[Any, list[Any]], cotangents: Sequence[Any]) -> tuple[Any, ...]:
         backward, values = saved
         n_consts = len(backward.closed.constvars)
-        residuals, consts = values[:len(values) - n_consts], values[len(values) - n_consts:]
-        outs = rewriter.run(backward.closed, consts,
-                            [*residuals, *(_instantiate(c) for c in cotangents)])
+        residuals, consts = values[: len(values) - n_consts], values[len(values) - n_consts :]
+        outs = rewriter.run(
+            backward.closed, consts, [*residuals, *(_instantiate(c) for c in cotangents)]
+        )
         n_cts = len(outs) - len(backward.log_dtypes)
         cts = iter(_cast_to(outs[:n_cts], [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
-        logs = jax.tree.unflatten(backward.logs_tree,
-                                  _cast_to(outs[n_cts:], backward.log_dtypes))
+        logs = jax.tree.unflatten(backward.logs_tree, _cast_to(outs[n_cts:], backward.log_dtypes))
         return tuple(next(cts) if p else None for p in backward.perturbed), logs or None
 
     compat.defvjp_with_logs(primal, fwd, bwd, symbolic_zeros=True)
@@ -260,14 +268,20 @@ def optimized_remat_rule(step: Step) -> Sequence[Any]:
     out_dtypes = [a.dtype for a in fwd.out_avals[n_res:]]
     # Rewritten now, while values the function closes over can still be mapped (see
     # Rewriter.outer_value); JAX's own thunk is memoized, so this is its one trace.
-    fun_jaxpr, fun_consts = compat.open_and_consts(compat.close_jaxpr(
-        *step.params["fun_jaxpr_thunk"]()))
+    fun_jaxpr, fun_consts = compat.open_and_consts(
+        compat.close_jaxpr(*step.params["fun_jaxpr_thunk"]())
+    )
     rewriter = step.rewriter.child(step.state)
     fun = compat.trace_to_closed(
-        lambda *args: _cast_to(rewriter.run(fun_jaxpr, fun_consts, args, hints[n_consts:]),
-                               out_dtypes),
-        avals[n_consts:])
+        lambda *args: _cast_to(
+            rewriter.run(fun_jaxpr, fun_consts, args, hints[n_consts:]), out_dtypes
+        ),
+        avals[n_consts:],
+    )
     rewritten_fun = compat.open_and_consts(fun)
-    return step.bind([*fwd_consts, *step.args], num_consts=n_consts + len(fwd_consts),
-                     fwd_jaxpr=compat.as_closed(fwd_jaxpr),
-                     fun_jaxpr_thunk=lambda: rewritten_fun)
+    return step.bind(
+        [*fwd_consts, *step.args],
+        num_consts=n_consts + len(fwd_consts),
+        fwd_jaxpr=compat.as_closed(fwd_jaxpr),
+        fun_jaxpr_thunk=lambda: rewritten_fun,
+    )

@@ -23,10 +23,12 @@ come back in the operands' own dtypes. Every other op follows the bfloat16 table
 no state to carry, one max-reduction per operand. Under ``jax.vmap`` a tensor is one example's
 slice.
 """
+
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +38,8 @@ from .. import _compat as compat
 from ..interpreter import F32, F64, SCALED_FORMATS, Step, _output_type
 from ..policy import FLOAT8_COMPUTE
 
-FORWARD_FORMAT = FLOAT8_COMPUTE                 # activations and weights
-GRADIENT_FORMAT = np.dtype(jnp.float8_e5m2)     # cotangents: more range, less precision
+FORWARD_FORMAT = FLOAT8_COMPUTE  # activations and weights
+GRADIENT_FORMAT = np.dtype(jnp.float8_e5m2)  # cotangents: more range, less precision
 SCALED_PRIMITIVES = frozenset({"dot_general", "conv_general_dilated"})
 
 
@@ -101,13 +103,15 @@ gradient_qdq.defvjp(_gradient_fwd, _gradient_bwd)
 # with bfloat16 operands into the dot, stayed a bfloat16 GEMM). Flax's Fp8DirectDotGeneralOp has
 # this shape too.
 
+
 def _kept(ndim: int, *used: Sequence[int]) -> list[int]:
     taken = {d for dims in used for d in dims}
     return [d for d in range(ndim) if d not in taken]
 
 
-def _transpose_lhs(g: Any, lhs_ndim: int, rhs: Any, dims: Any, out_dtype: np.dtype,
-                   swap: bool = False) -> Any:
+def _transpose_lhs(
+    g: Any, lhs_ndim: int, rhs: Any, dims: Any, out_dtype: np.dtype, swap: bool = False
+) -> Any:
     """The cotangent of a dot_general's lhs, as a dot_general of ``g`` and ``rhs`` accumulating
     in ``out_dtype``. JAX's own transpose rule returns the primal operand's dtype (float8 here)
     and its helpers are private, so this re-derives the same dimension bookkeeping."""
@@ -115,15 +119,20 @@ def _transpose_lhs(g: Any, lhs_ndim: int, rhs: Any, dims: Any, out_dtype: np.dty
     lhs_kept = _kept(lhs_ndim, lhs_contract, lhs_batch)
     rhs_kept = _kept(rhs.ndim, rhs_contract, rhs_batch)
     n_batch = len(lhs_batch)
-    if swap:   # g's dims are (batch, rhs_kept..., lhs_kept...) when lhs is the dot's rhs
+    if swap:  # g's dims are (batch, rhs_kept..., lhs_kept...) when lhs is the dot's rhs
         g_rhs = list(range(n_batch, n_batch + len(rhs_kept)))
-    else:      # (batch, lhs_kept..., rhs_kept...)
+    else:  # (batch, lhs_kept..., rhs_kept...)
         g_rhs = list(range(n_batch + len(lhs_kept), n_batch + len(lhs_kept) + len(rhs_kept)))
-    out = jax.lax.dot_general(g, rhs, ((g_rhs, rhs_kept), (list(range(n_batch)), list(rhs_batch))),
-                              preferred_element_type=out_dtype)
+    out = jax.lax.dot_general(
+        g,
+        rhs,
+        ((g_rhs, rhs_kept), (list(range(n_batch)), list(rhs_batch))),
+        preferred_element_type=out_dtype,
+    )
     contract_in_rhs_order = list(np.take(lhs_contract, np.argsort(rhs_contract)))
-    return jax.lax.transpose(out, tuple(np.argsort(list(lhs_batch) + lhs_kept
-                                                   + contract_in_rhs_order)))
+    return jax.lax.transpose(
+        out, tuple(np.argsort(list(lhs_batch) + lhs_kept + contract_in_rhs_order))
+    )
 
 
 def _transpose_rhs(g: Any, lhs: Any, rhs_ndim: int, dims: Any, out_dtype: np.dtype) -> Any:
@@ -132,8 +141,9 @@ def _transpose_rhs(g: Any, lhs: Any, rhs_ndim: int, dims: Any, out_dtype: np.dty
     return _transpose_lhs(g, rhs_ndim, lhs, swapped, out_dtype, swap=True)
 
 
-def _scaled_dot_fwd_impl(a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype
-                         ) -> tuple[Any, tuple]:
+def _scaled_dot_fwd_impl(
+    a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype
+) -> tuple[Any, tuple]:
     sa, sb = scale_for(a, formats[0]), scale_for(b, formats[1])
     qa, qb = quantize(a, formats[0], sa), quantize(b, formats[1], sb)
     y = jax.lax.dot_general(qa, qb, dims, preferred_element_type=out_dtype)
@@ -141,19 +151,22 @@ def _scaled_dot_fwd_impl(a: Any, b: Any, dims: Any, formats: tuple, out_dtype: n
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
-def scaled_dot(a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype,
-               operand_dtypes: tuple) -> Any:
+def scaled_dot(
+    a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype, operand_dtypes: tuple
+) -> Any:
     """``dot_general(a, b)`` on per-tensor scaled float8 operands, output in ``out_dtype``."""
     return _scaled_dot_fwd_impl(a, b, dims, formats, out_dtype)[0]
 
 
-def _scaled_dot_fwd(a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype,
-                    operand_dtypes: tuple) -> tuple[Any, tuple]:
+def _scaled_dot_fwd(
+    a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype, operand_dtypes: tuple
+) -> tuple[Any, tuple]:
     return _scaled_dot_fwd_impl(a, b, dims, formats, out_dtype)
 
 
-def _scaled_dot_bwd(dims: Any, formats: tuple, out_dtype: np.dtype, operand_dtypes: tuple,
-                    res: tuple, g: Any) -> tuple[Any, Any]:
+def _scaled_dot_bwd(
+    dims: Any, formats: tuple, out_dtype: np.dtype, operand_dtypes: tuple, res: tuple, g: Any
+) -> tuple[Any, Any]:
     qa, sa, qb, sb = res
     sg = scale_for(g, GRADIENT_FORMAT)
     qg = quantize(g, GRADIENT_FORMAT, sg)
@@ -173,8 +186,12 @@ def _qualifies(step: Step) -> bool:
     an H100, benchmarks/README.md). A transposed dot of a ``jax.grad`` program (an operand that is
     a cotangent) follows the decision made at the forward dot of the same source line and scope."""
     floating = step.floating()
-    if not (step.eqn.primitive.name in SCALED_PRIMITIVES and len(step.args) == 2
-            and floating == [0, 1] and all(step.aval(i).dtype != F64 for i in floating)):
+    if not (
+        step.eqn.primitive.name in SCALED_PRIMITIVES
+        and len(step.args) == 2
+        and floating == [0, 1]
+        and all(step.aval(i).dtype != F64 for i in floating)
+    ):
         return False
     # JAX gives transposed equations tracebacks of their own: link them by the user's source
     # position and scope path instead (the same line in one layer is the same kind of product).
@@ -189,10 +206,15 @@ def _qualifies(step: Step) -> bool:
 
 def _float8_dot(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
     a, b = step.args
-    dims = tuple(tuple(tuple(int(d) for d in side) for side in pair)
-                 for pair in step.params["dimension_numbers"])
-    return [scaled_dot(a, b, dims, tuple(formats), np.dtype(out_dtype),
-                       (np.dtype(a.dtype), np.dtype(b.dtype)))]
+    dims = tuple(
+        tuple(tuple(int(d) for d in side) for side in pair)
+        for pair in step.params["dimension_numbers"]
+    )
+    return [
+        scaled_dot(
+            a, b, dims, tuple(formats), np.dtype(out_dtype), (np.dtype(a.dtype), np.dtype(b.dtype))
+        )
+    ]
 
 
 def _float8_qdq(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
@@ -207,13 +229,14 @@ def _float8_qdq(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
 FLOAT8_FORMS = {"dot_general": _float8_dot, "conv_general_dilated": _float8_qdq}
 
 
-def float8_rule(step: Step) -> Optional[Sequence[Any]]:
+def float8_rule(step: Step) -> Sequence[Any] | None:
     """A lower-table op on per-tensor scaled float8 operands; None where it does not qualify
     (no weight operand, an integer operand, ``ragged_dot_general``): it then runs in bfloat16."""
     if not _qualifies(step):
         return None
-    formats = [GRADIENT_FORMAT if step.has_tag(i, "cotangent") else FORWARD_FORMAT
-               for i in range(2)]
+    formats = [
+        GRADIENT_FORMAT if step.has_tag(i, "cotangent") else FORWARD_FORMAT for i in range(2)
+    ]
     default = step.policy.accumulate_dtype or step.state.value_dtype
     out_dtype = _output_type(step, default).get("preferred_element_type") or default
     step.flop_dtype = GRADIENT_FORMAT if GRADIENT_FORMAT in formats else FORWARD_FORMAT

@@ -4,9 +4,11 @@ A scatter's ``update_jaxpr`` param is the combiner traced at the original dtype;
 operands of another dtype would lower a mismatched reduction, so the equalized operands go through
 ``lax.scatter_add`` and friends, which trace a fresh one.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jax import lax
 
@@ -14,8 +16,12 @@ from .. import _compat as compat
 from ..interpreter import Step, equalize_targets, keep_traced_rule, register
 
 _PUBLIC = {
-    "scatter": lax.scatter, "scatter-add": lax.scatter_add, "scatter-sub": lax.scatter_sub,
-    "scatter-mul": lax.scatter_mul, "scatter-min": lax.scatter_min, "scatter-max": lax.scatter_max,
+    "scatter": lax.scatter,
+    "scatter-add": lax.scatter_add,
+    "scatter-sub": lax.scatter_sub,
+    "scatter-mul": lax.scatter_mul,
+    "scatter-min": lax.scatter_min,
+    "scatter-max": lax.scatter_max,
 }
 
 
@@ -26,7 +32,13 @@ def scatter_rule(step: Step) -> Sequence[Any]:
         return keep_traced_rule(step)  # x.at[i].apply(f): the combiner is user code
     operand, indices, updates = step.with_cast(equalize_targets(step))
     with compat.equation_context(step.eqn):
-        out = _PUBLIC[name](operand, indices, updates, params["dimension_numbers"],
-                            indices_are_sorted=params["indices_are_sorted"],
-                            unique_indices=params["unique_indices"], mode=params["mode"])
+        out = _PUBLIC[name](
+            operand,
+            indices,
+            updates,
+            params["dimension_numbers"],
+            indices_are_sorted=params["indices_are_sorted"],
+            unique_indices=params["unique_indices"],
+            mode=params["mode"],
+        )
     return [out]

@@ -4,9 +4,11 @@ The body is re-entered through the public ``jax.shard_map`` with the equation's 
 JAX binds the mesh axes for the body's collectives (``psum``, ``all_gather``, ...); collectives
 themselves run in the dtype their operands arrive in, like any other op.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import _compat as compat
 from ..interpreter import Step, register
@@ -22,9 +24,13 @@ def shard_map_rule(step: Step) -> Sequence[Any]:
     def body(*args: Any) -> tuple[Any, ...]:
         return tuple(rewriter.run(jaxpr, consts, args, hints))
 
-    mapped = compat.shard_map(body, mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
-                              out_specs=tuple(params["out_specs"]),
-                              axis_names=params.get("newly_manual_axes"),
-                              check_vma=params.get("check_vma", True))
+    mapped = compat.shard_map(
+        body,
+        mesh=params["mesh"],
+        in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]),
+        axis_names=params.get("newly_manual_axes"),
+        check_vma=params.get("check_vma", True),
+    )
     with compat.equation_context(step.eqn):
         return list(mapped(*step.args))

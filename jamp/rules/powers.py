@@ -10,9 +10,11 @@ arrives in, so the tanh-approximate ``gelu(x @ w)`` (``x**3``, an ``integer_pow`
 A ``mul`` of a value by itself is a square spelled ``x * x`` and is treated the same.
 Removing the names from ``Policy.fp32`` makes them ordinary ops again.
 """
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .. import _compat as compat
 from ..interpreter import CATEGORY_RULES, Step, default_rule, fp32_rule, register
@@ -34,7 +36,11 @@ def power_rule(step: Step) -> Sequence[Any]:
 def mul_rule(step: Step) -> Sequence[Any]:
     """``x * x`` follows ``square``'s entry in the policy; any other product its own."""
     a, b = step.eqn.invars
-    if (isinstance(a, compat.Var) and a is b and step.policy.category("square") == "fp32"
-            and _summed(step)):
+    if (
+        isinstance(a, compat.Var)
+        and a is b
+        and step.policy.category("square") == "fp32"
+        and _summed(step)
+    ):
         return fp32_rule(step)
     return CATEGORY_RULES.get(step.policy.category("mul"), default_rule)(step)

@@ -4,6 +4,7 @@
 - ``fold_batchnorm``: fold per-feature affine chains (inference BatchNorms) into the conv/dense.
 - ``dce``: drop equations and constants no output needs.
 """
+
 from .dce import dce
 from .fold_batchnorm import fold_batchnorm
 from .fold_constants import RANDOM_PRIMITIVES, fold_constants

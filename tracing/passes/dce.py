@@ -3,6 +3,7 @@
 JAX's own ``dce_jaxpr`` does the work (it has the rules for scan, while, cond and calls, and keeps
 equations with effects); the program is then traced again so it is an ordinary closed jaxpr.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -22,4 +23,5 @@ def dce(closed: Any) -> Any:
     dced, consts = compat.dce_closed(closed)
     in_avals = [v.aval for v in jaxpr.invars]
     return compat.trace_to_closed(
-        lambda *args: compat.eval_jaxpr(dced, [], [*consts, *args]), in_avals)
+        lambda *args: compat.eval_jaxpr(dced, [], [*consts, *args]), in_avals
+    )

@@ -13,10 +13,12 @@ whose output has other uses stays unfolded (its other readers need the unscaled 
 
 Which ops extend a chain (``STEPS``) and which equations start one (``BASES``) are registries.
 """
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ from .fold_constants import bind, with_aval
 @dataclasses.dataclass
 class Base:
     """What a conv/dense allows: its constant kernel, the output axes a scale may vary along."""
+
     kernel_index: int
     feature_axes: tuple[int, ...]
     scale_kernel: Callable[[np.ndarray, np.ndarray], np.ndarray]  # (kernel, s) -> kernel * s
@@ -38,23 +41,25 @@ class Base:
 @dataclasses.dataclass
 class Affine:
     """The chain so far, as ``y * scale + shift`` of the base output ``y`` (per feature)."""
+
     scale: np.ndarray
     shift: np.ndarray
     has_shift: bool = False
 
 
-ConstOf = Callable[[Any], Optional[Any]]
+ConstOf = Callable[[Any], Any | None]
 # name -> base(eqn, const_of) -> Base | None
-BASES: dict[str, Callable[[Any, ConstOf], Optional[Base]]] = {}
+BASES: dict[str, Callable[[Any, ConstOf], Base | None]] = {}
 # name -> step(position of the chain value among the invars, constant or None) -> update | None
 Update = Callable[[Affine], Affine]
-STEPS: dict[str, Callable[[int, Optional[np.ndarray]], Optional[Update]]] = {}
+STEPS: dict[str, Callable[[int, np.ndarray | None], Update | None]] = {}
 
 
 def base(name: str) -> Callable:
     def wrap(rule: Callable) -> Callable:
         BASES[name] = rule
         return rule
+
     return wrap
 
 
@@ -63,11 +68,12 @@ def step(*names: str) -> Callable:
         for name in names:
             STEPS[name] = rule
         return rule
+
     return wrap
 
 
 @base("conv_general_dilated")
-def conv_base(eqn: Any, const_of: ConstOf) -> Optional[Base]:
+def conv_base(eqn: Any, const_of: ConstOf) -> Base | None:
     lhs, rhs = eqn.invars
     if const_of(lhs) is not None or const_of(rhs) is None or eqn.params["batch_group_count"] != 1:
         return None
@@ -78,19 +84,22 @@ def conv_base(eqn: Any, const_of: ConstOf) -> Optional[Base]:
         shape = [1] * kernel.ndim
         shape[kernel_axis] = kernel.shape[kernel_axis]  # output features, also when grouped
         return kernel * s.reshape(shape)
+
     return Base(1, (out_axis,), scale_kernel)
 
 
 @base("dot_general")
-def dot_base(eqn: Any, const_of: ConstOf) -> Optional[Base]:
+def dot_base(eqn: Any, const_of: ConstOf) -> Base | None:
     known = tuple(const_of(v) is not None for v in eqn.invars)
     if known not in ((False, True), (True, False)):
         return None
     k = known.index(True)
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     contracting, batch = (lc, rc), (lb, rb)
-    free = [[d for d in range(eqn.invars[i].aval.ndim)
-             if d not in contracting[i] and d not in batch[i]] for i in (0, 1)]
+    free = [
+        [d for d in range(eqn.invars[i].aval.ndim) if d not in contracting[i] and d not in batch[i]]
+        for i in (0, 1)
+    ]
     # dot_general's output axes: batch dims, then lhs free dims, then rhs free dims.
     first = len(lb) + (len(free[0]) if k == 1 else 0)
     out_axes = tuple(range(first, first + len(free[k])))
@@ -100,52 +109,54 @@ def dot_base(eqn: Any, const_of: ConstOf) -> Optional[Base]:
         for dim, axis in zip(free[k], out_axes):
             shape[dim] = s.shape[axis]
         return kernel * s.reshape(shape)
+
     return Base(k, out_axes, scale_kernel)
 
 
 @step("add")
-def add_step(position: int, c: Optional[np.ndarray]) -> Update:
+def add_step(position: int, c: np.ndarray | None) -> Update:
     return lambda a: Affine(a.scale, a.shift + c, True)
 
 
 @step("sub")
-def sub_step(position: int, c: Optional[np.ndarray]) -> Update:
+def sub_step(position: int, c: np.ndarray | None) -> Update:
     if position == 0:  # y - c
         return lambda a: Affine(a.scale, a.shift - c, True)
     return lambda a: Affine(-a.scale, c - a.shift, True)  # c - y
 
 
 @step("mul")
-def mul_step(position: int, c: Optional[np.ndarray]) -> Update:
+def mul_step(position: int, c: np.ndarray | None) -> Update:
     return lambda a: Affine(a.scale * c, a.shift * c, a.has_shift)
 
 
 @step("div")
-def div_step(position: int, c: Optional[np.ndarray]) -> Optional[Update]:
+def div_step(position: int, c: np.ndarray | None) -> Update | None:
     if position != 0:  # c / y is not affine in y
         return None
     return lambda a: Affine(a.scale / c, a.shift / c, a.has_shift)
 
 
 @step("neg")
-def neg_step(position: int, c: Optional[np.ndarray]) -> Update:
+def neg_step(position: int, c: np.ndarray | None) -> Update:
     return lambda a: Affine(-a.scale, -a.shift, a.has_shift)
 
 
 @step("convert_element_type")
-def convert_step(position: int, c: Optional[np.ndarray]) -> Update:
+def convert_step(position: int, c: np.ndarray | None) -> Update:
     return lambda a: a  # the dtype is tracked by the chain; the value is unchanged
 
 
 @dataclasses.dataclass
 class Fold:
     """A planned rewrite: the base equation with a new kernel, then a convert and a bias add."""
+
     kernel_index: int
     kernel: Any
-    bias: Any            # None when the chain adds nothing
-    end: Any             # the chain's last variable, defined by the rewrite
-    last: Any            # the chain's last equation (its source info goes on the bias add)
-    skipped: list[Any]   # the chain's equations
+    bias: Any  # None when the chain adds nothing
+    end: Any  # the chain's last variable, defined by the rewrite
+    last: Any  # the chain's last equation (its source info goes on the bias add)
+    skipped: list[Any]  # the chain's equations
 
 
 def _is_float(dtype: Any) -> bool:
@@ -164,12 +175,12 @@ class _Planner:
                     self.consumer[var] = eqn
         self.outputs = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
 
-    def const_of(self, var: Any) -> Optional[Any]:
+    def const_of(self, var: Any) -> Any | None:
         if isinstance(var, compat.Literal):
             return var.val
         return self.consts.get(var)
 
-    def plan(self, eqn: Any) -> Optional[Fold]:
+    def plan(self, eqn: Any) -> Fold | None:
         rule = BASES.get(eqn.primitive.name)
         info = rule(eqn, self.const_of) if rule else None
         if info is None:
@@ -177,9 +188,10 @@ class _Planner:
         var = eqn.outvars[0]
         if not _is_float(var.aval.dtype):
             return None
-        shape = tuple(n if axis in info.feature_axes else 1
-                      for axis, n in enumerate(var.aval.shape))
-        chain: list[tuple[Any, int, Optional[Any]]] = []
+        shape = tuple(
+            n if axis in info.feature_axes else 1 for axis, n in enumerate(var.aval.shape)
+        )
+        chain: list[tuple[Any, int, Any | None]] = []
         while self.uses.get(var, 0) == 1 and var not in self.outputs:
             link = self._link(self.consumer[var], var, info.feature_axes)
             if link is None:
@@ -194,12 +206,16 @@ class _Planner:
             return None
         return self._fold(eqn, info, chain, shape, var)
 
-    def _link(self, consumer: Any, var: Any, feature_axes: tuple[int, ...]) -> Optional[tuple]:
+    def _link(self, consumer: Any, var: Any, feature_axes: tuple[int, ...]) -> tuple | None:
         """(equation, position of ``var``, constant operand) if ``consumer`` extends the chain."""
         name = consumer.primitive.name
         out = consumer.outvars
-        if name not in STEPS or len(out) != 1 or out[0].aval.shape != var.aval.shape or \
-                not _is_float(out[0].aval.dtype):
+        if (
+            name not in STEPS
+            or len(out) != 1
+            or out[0].aval.shape != var.aval.shape
+            or not _is_float(out[0].aval.dtype)
+        ):
             return None
         position = next(i for i, v in enumerate(consumer.invars) if v is var)
         others = [v for i, v in enumerate(consumer.invars) if i != position]
@@ -211,18 +227,21 @@ class _Planner:
         if c is None or not _is_float(others[0].aval.dtype):
             return None
         c_shape = np.shape(c)
-        if c_shape and (len(c_shape) != var.aval.ndim or any(
-                n != 1 and axis not in feature_axes for axis, n in enumerate(c_shape))):
+        if c_shape and (
+            len(c_shape) != var.aval.ndim
+            or any(n != 1 and axis not in feature_axes for axis, n in enumerate(c_shape))
+        ):
             return None  # varies along a non-feature axis: not a per-feature affine op
         return (consumer, position, c)
 
-    def _fold(self, eqn: Any, info: Base, chain: list, shape: tuple, end: Any) -> Optional[Fold]:
+    def _fold(self, eqn: Any, info: Base, chain: list, shape: tuple, end: Any) -> Fold | None:
         kernel_var = eqn.invars[info.kernel_index]
         kernel = self.const_of(kernel_var)
         if not _is_float(kernel_var.aval.dtype):
             return None  # e.g. an int8 kernel: a per-feature scale cannot be stored in it
         dtypes = [kernel_var.aval.dtype, end.aval.dtype] + [
-            v.aval.dtype for e, _, _ in chain for v in e.invars]
+            v.aval.dtype for e, _, _ in chain for v in e.invars
+        ]
         acc = np.float64 if any(np.dtype(d) == np.float64 for d in dtypes) else np.float32
         affine = Affine(np.ones(shape, acc), np.zeros(shape, acc))
         for consumer, position, c in chain:
@@ -232,11 +251,13 @@ class _Planner:
                 return None
             affine = update(affine)
         new_kernel = info.scale_kernel(np.asarray(kernel).astype(acc), affine.scale)
-        new_kernel = with_aval(jnp.asarray(new_kernel.astype(kernel_var.aval.dtype)),
-                               kernel_var.aval)
+        new_kernel = with_aval(
+            jnp.asarray(new_kernel.astype(kernel_var.aval.dtype)), kernel_var.aval
+        )
         bias = jnp.asarray(affine.shift.astype(end.aval.dtype)) if affine.has_shift else None
-        return Fold(info.kernel_index, new_kernel, bias, end, chain[-1][0],
-                    [e for e, _, _ in chain])
+        return Fold(
+            info.kernel_index, new_kernel, bias, end, chain[-1][0], [e for e, _, _ in chain]
+        )
 
 
 def fold_batchnorm(closed: Any) -> Any:

@@ -16,10 +16,12 @@ Two details keep the folded program faithful and lean:
   folding but re-emitted as the cheap equation when the program reads them, not stored as a
   large constant (XLA builds them inside fusions for free).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -27,10 +29,20 @@ import numpy as np
 from jamp import _compat as compat
 
 # Never evaluated at freeze time: a frozen sampler draws on every call, as the original did.
-RANDOM_PRIMITIVES = frozenset({
-    "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_split",
-    "random_fold_in", "random_clone", "threefry2x32", "rng_bit_generator", "rng_uniform",
-})
+RANDOM_PRIMITIVES = frozenset(
+    {
+        "random_bits",
+        "random_seed",
+        "random_wrap",
+        "random_unwrap",
+        "random_split",
+        "random_fold_in",
+        "random_clone",
+        "threefry2x32",
+        "rng_bit_generator",
+        "rng_uniform",
+    }
+)
 
 Rule = Callable[["Folder", Any, list], list]
 # Primitive name -> rule(folder, eqn, values) -> output values. The default is fold_or_bind.
@@ -42,6 +54,7 @@ def register(*names: str) -> Callable[[Rule], Rule]:
         for name in names:
             RULES[name] = rule
         return rule
+
     return wrap
 
 
@@ -53,10 +66,10 @@ class Folder:
     """Walks a jaxpr with known values and traced unknowns; see the module docstring."""
 
     def __init__(self) -> None:
-        self._impure: dict[int, bool] = {}    # id(jaxpr) -> holds random or effectful eqns
+        self._impure: dict[int, bool] = {}  # id(jaxpr) -> holds random or effectful eqns
         self._generators: dict[int, tuple[Any, list]] = {}  # id(value) -> (eqn, its inputs)
-        self._staged: dict[int, Any] = {}     # id(value) -> the tracer it was re-emitted as
-        self._alive: list[Any] = []           # keeps ids above unique while the walk runs
+        self._staged: dict[int, Any] = {}  # id(value) -> the tracer it was re-emitted as
+        self._alive: list[Any] = []  # keeps ids above unique while the walk runs
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
         env: dict[Any, Any] = {}
@@ -171,9 +184,11 @@ def fold_constants(closed: Any, known: Sequence[Any]) -> Any:
     """
     jaxpr, consts = compat.open_and_consts(closed)
     if len(known) > len(jaxpr.invars):
-        raise ValueError(f"fold_constants: {len(known)} known values for a program with "
-                         f"{len(jaxpr.invars)} inputs")
-    unknown_avals = [v.aval for v in jaxpr.invars[len(known):]]
+        raise ValueError(
+            f"fold_constants: {len(known)} known values for a program with "
+            f"{len(jaxpr.invars)} inputs"
+        )
+    unknown_avals = [v.aval for v in jaxpr.invars[len(known) :]]
     folder = Folder()
 
     def folded(*args: Any) -> list[Any]:
