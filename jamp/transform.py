@@ -214,8 +214,9 @@ class SubJaxprCache(MutableMapping):
     it computed is rewritten again on every call (see ``_transform_arrays``). JAX caches compiled
     ``jit``/``scan``/... equations on their jaxpr objects, so an inner ``jax.jit`` whose
     rewritten body were a new object on every call would compile on every call. Keys are
-    ``(sub-jaxpr, avals, region state, tags)`` (``Rewriter.rewrite_closed``); the store holds the sub-jaxprs weakly, so rewrites of jaxprs
-    traced afresh in one call (a custom rule's JVP) go with them. A rewrite whose constants hold
+    ``(sub-jaxpr, avals, region state, tags)`` (``Rewriter.rewrite_closed``); the store holds the
+    sub-jaxprs weakly, so rewrites of jaxprs traced afresh in one call (a custom rule's JVP) go
+    with them. A rewrite whose constants hold
     tracers (values of this call's trace) is kept for this call only.
     """
 
