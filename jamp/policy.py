@@ -521,8 +521,8 @@ class Policy:
 
     @property
     def value_dtype(self) -> np.dtype:
-        """The dtype of values between lower-table ops: the compute dtype, or bfloat16 under
-        float8."""
+        """The dtype values take between lower-table ops (bfloat16 under a float8 compute
+        dtype, else the compute dtype)."""
         return value_dtype(self.compute_dtype)
 
     def category(self, primitive_name: str) -> str | None:
