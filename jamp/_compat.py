@@ -408,3 +408,21 @@ def current_trace() -> Any:
 def trace_of(x: Any) -> Any:
     """The trace ``x`` is a tracer of, else None."""
     return getattr(x, "_trace", None) if isinstance(x, _core.Tracer) else None
+
+
+# --- custom_vjp under vmap (jax >= 0.12): the batched bwd of a custom_vjp refuses a nonzero
+# cotangent for an output shared across the batch (``batching.shared_cotangent_error``). ---
+
+
+def is_shared_cotangent_error(error: Exception) -> bool:
+    """Whether ``error`` is JAX's refusal of a nonzero cotangent for a vmapped custom_vjp's
+    unbatched output (JAX passes a symbolic zero there itself)."""
+    return isinstance(error, ValueError) and "shared across the batch" in str(error)
+
+
+def zero_cotangent(aval: Any) -> Any:
+    """A symbolic zero cotangent of type ``aval``, as a ``jax.vjp`` pullback accepts it (both
+    versions skip ``ad.Zero`` leaves)."""
+    from jax._src.interpreters import ad
+
+    return ad.Zero(aval)

@@ -291,6 +291,79 @@ def test_custom_vjp_with_symbolic_zeros_and_an_unused_output():
                                rtol=5e-2, atol=5e-2)
 
 
+def test_custom_jvp_with_symbolic_zeros_sees_the_zero_tangents_jax_gives():
+    """``equinox.filter_custom_jvp`` (diffrax's solver state): a rule with ``symbolic_zeros``
+    sees a symbolic zero for an input JAX does not perturb, under jamp as without it."""
+    seen = []
+
+    @jax.custom_jvp
+    def scale(x, y):
+        return x @ y
+
+    def scale_jvp(primals, tangents):
+        (x, y), (tx, ty) = primals, tangents
+        seen.append((isinstance(tx, SymbolicZero), isinstance(ty, SymbolicZero)))
+        out = x @ y
+        tangent = jnp.zeros_like(out) if isinstance(tx, SymbolicZero) else tx @ y
+        if not isinstance(ty, SymbolicZero):
+            tangent = tangent + x @ ty
+        return out, tangent
+
+    scale.defjvp(scale_jvp, symbolic_zeros=True)
+
+    def loss(x, y):
+        return jnp.sum(jnp.tanh(scale(x, lax.stop_gradient(y))))
+
+    x, y = _rand(4, 4), _rand(4, 4, key=1)
+    got = jax.grad(jamp.autocast_transform(loss))(x, y)
+    assert seen and set(seen) == {(False, True)}, seen
+    seen.clear()
+    want = jax.grad(loss)(x, y)
+    assert set(seen) == {(False, True)}
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+
+
+def _shared_output_vjp():
+    """A custom_vjp returning its weight unchanged beside the product: under ``vmap`` over ``x``
+    the second output is shared across the batch (unbatched), as diffrax's solver state is."""
+
+    @jax.custom_vjp
+    def apply(x, w):
+        return x @ w, w
+
+    def fwd(x, w):
+        return apply(x.value, w.value), (x.value, w.value)
+
+    def bwd(res, gs):
+        x, w = res
+        g, g_w = gs
+        g = jnp.zeros((x.shape[0], w.shape[1])) if isinstance(g, SymbolicZero) else g
+        g_w = 0 if isinstance(g_w, SymbolicZero) else g_w
+        return g @ w.T, x.T @ g + g_w
+
+    apply.defvjp(fwd, bwd, symbolic_zeros=True)
+    return apply
+
+
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_vmapped_custom_vjp_with_an_output_shared_across_the_batch(wrap):
+    """jax >= 0.12 refuses a nonzero cotangent for a vmapped custom_vjp's unbatched output;
+    JAX passes a symbolic zero there when the output is unused, and so must jamp (a diffrax
+    neural ODE under vmap failed with "shared across the batch" in jamp's own custom_vjp)."""
+    apply = _shared_output_vjp()
+
+    def loss(w, xs):
+        out, _ = jax.vmap(apply, in_axes=(0, None))(xs, w)
+        return jnp.sum(jnp.tanh(out))
+
+    w, xs = _rand(4, 4), _rand(3, 2, 4, key=1)
+    for policy in (jamp.Policy(F32), jamp.Policy()):
+        got = wrap(jax.grad(jamp.autocast_transform(loss, policy)))(w, xs)
+        assert got.dtype == F32
+        np.testing.assert_allclose(got, jax.grad(loss)(w, xs), rtol=5e-2, atol=5e-2)
+
+
 def _closing_vjp(a, x):
     b = jnp.sin(a)  # a computed value of the traced function, closed over by fwd and bwd
 

@@ -124,17 +124,33 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
     def primal(*args: Any) -> list[Any]:
         return _evaluate(primal_closed, args, out_dtypes)
 
-    @primal.defjvp
     def jvp(primals: Sequence[Any], tangents: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+        # Differentiate the original only where JAX passes a tangent: a user's rule with
+        # ``symbolic_zeros=True`` (``equinox.filter_custom_jvp``) then sees the same symbolic
+        # zeros as without jamp, and its output tangents depend on the same inputs.
+        at = [i for i, t in enumerate(tangents) if not isinstance(t, SymbolicZero)]
+
+        def primals_and_tangents(*flat: Any) -> list[Any]:
+            def of_perturbed(*diff: Any) -> list[Any]:
+                full = list(flat[:n_in])
+                for i, x in zip(at, diff):
+                    full[i] = x
+                return original(*full)
+
+            outs, out_tangents = jax.jvp(of_perturbed, [flat[i] for i in at], list(flat[n_in:]))
+            return [*outs, *out_tangents]
+
         rule = compat.trace_to_closed(
-            lambda *flat: [x for part in jax.jvp(original, flat[:n_in], flat[n_in:]) for x in part],
-            [*traced, *tangent_avals],
+            primals_and_tangents, [*traced, *(tangent_avals[i] for i in at)]
         )
         jaxpr, consts = compat.open_and_consts(rule)
-        outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *tangents])
+        outs = rewriter.run(
+            jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *(tangents[i] for i in at)]
+        )
         n_out = len(out_dtypes)
         return _cast_to(outs[:n_out], out_dtypes), _cast_to(outs[n_out:], out_dtypes)
 
+    primal.defjvp(jvp, symbolic_zeros=True)
     with compat.equation_context(step.eqn):
         return primal(*step.args)
 
@@ -148,6 +164,9 @@ class _Backward:
     closed: Any  # an open jaxpr: hashed and compared by identity
     logs_tree: Any  # the user's backward-pass logs (``defvjp_with_logs``), the last outputs
     log_dtypes: tuple[Any, ...]  # ... cast back to the dtypes the user's bwd traced them in
+    # Where ``closed`` is None: traces the backward program in bwd, for the cotangents that are
+    # symbolic zeros there (see ``custom_vjp_rule``).
+    retrace: Callable[[tuple[bool, ...]], tuple[Any, list[Any], Any, tuple]] | None = None
 
 
 jax.tree_util.register_static(_Backward)
@@ -215,30 +234,60 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             for v, r in zip(jaxpr.outvars[n_out:], outs[n_out:])
         ]
         n_res = len(residuals)
+        res_avals = fwd_closed.out_avals[n_out:]
 
-        def backward(*flat: Any) -> Any:
-            vjp_fn = jax.tree.unflatten(pullback["tree"], flat[:n_res])
-            cts, logs = compat.pullback_with_logs(vjp_fn, list(flat[n_res:]))
-            # The user's backward-pass logs (defvjp_with_logs) follow the cotangents.
-            log_leaves, pullback["logs"] = jax.tree.flatten(logs)
-            return [*jax.tree.leaves(cts), *log_leaves]
+        def trace_backward(zero_cts: tuple[bool, ...]) -> tuple[Any, list[Any], Any, tuple]:
+            """The original call's pullback, traced for cotangents of which those flagged in
+            ``zero_cts`` are symbolic zeros: (jaxpr, its consts, logs tree, log dtypes)."""
+            info: dict[str, Any] = {}
 
-        bwd_closed = compat.trace_to_closed(backward, [*fwd_closed.out_avals[n_out:], *ct_avals])
-        n_logs = pullback["logs"].num_leaves
-        log_dtypes = [a.dtype for a in bwd_closed.out_avals[len(bwd_closed.out_avals) - n_logs :]]
-        bwd_jaxpr, bwd_consts = compat.open_and_consts(bwd_closed)
+            def backward(*flat: Any) -> Any:
+                vjp_fn = jax.tree.unflatten(pullback["tree"], flat[:n_res])
+                given = iter(flat[n_res:])
+                cts_in = [compat.zero_cotangent(a) if z else next(given)
+                          for a, z in zip(ct_avals, zero_cts)]
+                cts, logs = compat.pullback_with_logs(vjp_fn, cts_in)
+                # The user's backward-pass logs (defvjp_with_logs) follow the cotangents.
+                log_leaves, info["logs"] = jax.tree.flatten(logs)
+                return [*jax.tree.leaves(cts), *log_leaves]
+
+            given_avals = [a for a, z in zip(ct_avals, zero_cts) if not z]
+            closed = compat.trace_to_closed(backward, [*res_avals, *given_avals])
+            n_logs = info["logs"].num_leaves
+            log_dtypes = tuple(a.dtype for a in closed.out_avals[len(closed.out_avals) - n_logs:])
+            jaxpr, consts = compat.open_and_consts(closed)
+            return jaxpr, consts, info["logs"], log_dtypes
+
+        try:
+            bwd_jaxpr, bwd_consts, logs_tree, log_dtypes = trace_backward((False,) * n_out)
+        except ValueError as error:
+            if not compat.is_shared_cotangent_error(error):
+                raise
+            # Under vmap (jax >= 0.12), the original's bwd refuses a nonzero cotangent for an
+            # output shared across the batch; JAX itself passes a symbolic zero there, known
+            # only in bwd. Trace the pullback there, for the zeros JAX passes (its consts are
+            # then mapped late: see _rule_consts).
+            saved = _Backward(perturbed, None, None, (), retrace=trace_backward)
+            return primal_outs, (saved, residuals)
         # Values the user's bwd closes over are known now, in the forward pass: pass them on.
         bwd_consts = _rule_consts(rewriter, bwd_consts, eqn)
-        saved = _Backward(perturbed, bwd_jaxpr, pullback["logs"], tuple(log_dtypes))
+        saved = _Backward(perturbed, bwd_jaxpr, logs_tree, log_dtypes)
         return primal_outs, (saved, [*residuals, *bwd_consts])
 
     def bwd(saved: tuple[Any, list[Any]], cotangents: Sequence[Any]) -> tuple[Any, ...]:
         backward, values = saved
-        n_consts = len(backward.closed.constvars)
-        residuals, consts = values[: len(values) - n_consts], values[len(values) - n_consts :]
-        outs = rewriter.run(
-            backward.closed, consts, [*residuals, *(_instantiate(c) for c in cotangents)]
-        )
+        if backward.retrace is not None:  # traced here, for the cotangents that are zeros
+            residuals = values
+            zero_cts = tuple(isinstance(c, SymbolicZero) for c in cotangents)
+            jaxpr, consts, logs_tree, log_dtypes = backward.retrace(zero_cts)
+            backward = _Backward(backward.perturbed, jaxpr, logs_tree, log_dtypes)
+            consts = _rule_consts(rewriter, consts, eqn)
+            given = [c for c in cotangents if not isinstance(c, SymbolicZero)]
+        else:
+            n_consts = len(backward.closed.constvars)
+            residuals, consts = values[: len(values) - n_consts], values[len(values) - n_consts :]
+            given = [_instantiate(c) for c in cotangents]
+        outs = rewriter.run(backward.closed, consts, [*residuals, *given])
         n_cts = len(outs) - len(backward.log_dtypes)
         cts = iter(_cast_to(outs[:n_cts], [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
         logs = jax.tree.unflatten(backward.logs_tree, _cast_to(outs[n_cts:], backward.log_dtypes))
