@@ -508,7 +508,8 @@ def test_checkpoint_with_static_argnums_over_a_closure_is_not_a_leak():
         return jax.checkpoint(block, static_argnums=(1,))(x, 2)
 
     traced = tracing.trace(net, (X,), check_inputs=[(jnp.ones((5, 4)),)])
-    chex.assert_trees_all_close(traced(X), net(X), atol=1e-6)
+    # compiled vs op by op: sin and tanh may round differently in the last few bits
+    chex.assert_trees_all_close(traced(X), net(X), rtol=1e-5, atol=1e-5)
 
 
 def test_flax_remat_with_static_argnums_is_not_a_leak():

@@ -8,8 +8,12 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras
 
+import gc
+
+import jax
 import pytest
 
+from . import harness
 from .harness import ZooRun
 from .models import MODELS
 
@@ -19,18 +23,24 @@ _RUNS: dict[tuple[str, str], ZooRun] = {}
 @pytest.fixture
 def zoo_run(request):
     """The (model, policy) run shared by that pair's checks (computed once per process)."""
-    model, policy = request.node.callspec.params["model"], request.node.callspec.params["policy"]
+    model, policy = request.cls.zoo_model, request.node.callspec.params["policy"]
     key = (model.name, policy)
+    if any(name != model.name for name, _ in _RUNS):
+        _forget_other_models(model.name)
     if key not in _RUNS:
         _RUNS[key] = ZooRun(model, policy)
     return _RUNS[key]
 
 
-def pytest_collection_modifyitems(items):
-    # One xdist worker per model: its checks share its runs and float32 references (--dist loadgroup).
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        if "model" in params and "policy" in params:
-            item.add_marker(pytest.mark.xdist_group(params["model"].name))
-            if params["model"].slow:
-                item.add_marker(pytest.mark.slow)
+def _forget_other_models(name):
+    """A worker runs one model's checks together (``--dist loadscope``, see test_zoo.py): when the next model
+    starts, drop the last one's runs, float32 references and JAX's compiled programs. Kept, they
+    pile up across the worker's models and every garbage collection walks them all (checks
+    that took 0.1 s alone took 13 s late in a worker's run)."""
+    for key in [k for k in _RUNS if k[0] != name]:
+        del _RUNS[key]
+    for other in [k for k in harness._FLOAT32_RUNS if k != name]:
+        del harness._FLOAT32_RUNS[other]
+    jax.clear_caches()
+    gc.collect()
+

@@ -417,7 +417,7 @@ def keras_cnn() -> ZooCase:
 
 MODELS = [
     ZooModel("flax_resnet", flax_resnet, slow=True),
-    ZooModel("flax_lm1b", flax_lm1b),
+    ZooModel("flax_lm1b", flax_lm1b, slow=True),
     ZooModel("flax_sst2", flax_sst2),
     ZooModel("flax_vae", flax_vae),
     ZooModel("nnx_scan_mlp", nnx_scan_mlp),
@@ -426,7 +426,7 @@ MODELS = [
     ZooModel("eqx_attention", eqx_attention),
     ZooModel("eqx_lstm_scan", eqx_lstm_scan),
     ZooModel("eqx_custom_vjp", eqx_custom_vjp),
-    ZooModel("diffrax_neural_ode", diffrax_neural_ode),
+    ZooModel("diffrax_neural_ode", diffrax_neural_ode, slow=True),
     ZooModel("haiku_resnet18", haiku_resnet18, slow=True),
     ZooModel("haiku_lstm", haiku_lstm),
     ZooModel("keras_cnn", keras_cnn),
