@@ -364,6 +364,35 @@ def test_vmapped_custom_vjp_with_an_output_shared_across_the_batch(wrap):
         np.testing.assert_allclose(got, jax.grad(loss)(w, xs), rtol=5e-2, atol=5e-2)
 
 
+def test_custom_vjp_bwd_returning_float32_for_a_bfloat16_input_keeps_it_as_jax_does():
+    """JAX lets a bwd return a float32 cotangent for a bfloat16 input ("excess precision": JAX's
+    ``test_excess_precision_hell``); jamp keeps it where it did not cast that input, so an
+    identity policy changes no gradient dtype."""
+
+    @jax.custom_vjp
+    def f(x, w):
+        return jnp.sin(x) * w
+
+    def bwd(res, g):
+        x, w = res
+        g32 = g.astype(F32)
+        return jnp.cos(x.astype(F32)) * g32 * w.astype(F32), jnp.sin(x.astype(F32)) * g32
+
+    f.defvjp(lambda x, w: (f(x, w), (x, w)), bwd)
+
+    def loss(x, w):
+        return jnp.sum(f(x, w).astype(F32))
+
+    x, w = jnp.ones(4, BF16), jnp.full(4, 0.5, BF16)
+    want = jax.grad(loss, argnums=(0, 1))(x, w)
+    assert [g.dtype for g in want] == [F32, F32]
+    for policy in (jamp.Policy(F32), jamp.Policy()):
+        got = jax.grad(jamp.autocast_transform(loss, policy), argnums=(0, 1))(x, w)
+        assert [g.dtype for g in got] == [F32, F32], policy
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=1e-2)
+
+
 def _closing_vjp(a, x):
     b = jnp.sin(a)  # a computed value of the traced function, closed over by fwd and bwd
 

@@ -289,7 +289,14 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             given = [_instantiate(c) for c in cotangents]
         outs = rewriter.run(backward.closed, consts, [*residuals, *given])
         n_cts = len(outs) - len(backward.log_dtypes)
-        cts = iter(_cast_to(outs[:n_cts], [d for d, p in zip(in_dtypes, backward.perturbed) if p]))
+        # A cotangent keeps the dtype the user's bwd gives it where jamp left its input's dtype
+        # alone (JAX lets a bwd return float32 for a bfloat16 input: "excess precision"), and
+        # takes the input's dtype where jamp changed it.
+        kept = [(d, d == t.dtype) for d, t, p in zip(in_dtypes, traced, backward.perturbed) if p]
+        ct_dtypes = [
+            v.aval.dtype if same else d for (d, same), v in zip(kept, backward.closed.outvars)
+        ]
+        cts = iter(_cast_to(outs[:n_cts], ct_dtypes))
         logs = jax.tree.unflatten(backward.logs_tree, _cast_to(outs[n_cts:], backward.log_dtypes))
         return tuple(next(cts) if p else None for p in backward.perturbed), logs or None
 
