@@ -244,8 +244,10 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             def backward(*flat: Any) -> Any:
                 vjp_fn = jax.tree.unflatten(pullback["tree"], flat[:n_res])
                 given = iter(flat[n_res:])
-                cts_in = [compat.zero_cotangent(a) if z else next(given)
-                          for a, z in zip(ct_avals, zero_cts)]
+                cts_in = [
+                    compat.zero_cotangent(a) if z else next(given)
+                    for a, z in zip(ct_avals, zero_cts)
+                ]
                 cts, logs = compat.pullback_with_logs(vjp_fn, cts_in)
                 # The user's backward-pass logs (defvjp_with_logs) follow the cotangents.
                 log_leaves, info["logs"] = jax.tree.flatten(logs)
@@ -254,7 +256,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             given_avals = [a for a, z in zip(ct_avals, zero_cts) if not z]
             closed = compat.trace_to_closed(backward, [*res_avals, *given_avals])
             n_logs = info["logs"].num_leaves
-            log_dtypes = tuple(a.dtype for a in closed.out_avals[len(closed.out_avals) - n_logs:])
+            log_dtypes = tuple(a.dtype for a in closed.out_avals[len(closed.out_avals) - n_logs :])
             jaxpr, consts = compat.open_and_consts(closed)
             return jaxpr, consts, info["logs"], log_dtypes
 
