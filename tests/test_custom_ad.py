@@ -393,6 +393,36 @@ def test_custom_vjp_bwd_returning_float32_for_a_bfloat16_input_keeps_it_as_jax_d
                                    rtol=1e-2)
 
 
+def test_a_wider_cotangent_reaching_a_custom_vjp_comes_back_as_wide():
+    """JAX's ``test_excess_precision_hell``: a float32 cotangent from one custom bwd reaches a
+    second custom_vjp whose bwd passes it on, for a bfloat16 input: JAX returns float32."""
+
+    @jax.custom_vjp
+    def square(x):
+        return x @ x
+
+    square.defvjp(lambda x: (square(x), None), lambda _, g: (g,))
+
+    @jax.custom_vjp
+    def widen(x):
+        return x.astype(F32)
+
+    widen.defvjp(lambda x: (widen(x), x), lambda x, _: (x.astype(F32),))
+
+    def f(x):
+        return widen(square(x))
+
+    x = (jnp.bfloat16(1) + jnp.finfo(BF16).eps) * jnp.eye(2, dtype=BF16)
+    y, vjp = jax.vjp(f, x)
+    assert vjp(jnp.ones_like(y))[0].dtype == F32
+    for wrap in (lambda g: g, jax.jit):
+        y, vjp = jax.vjp(wrap(jamp.autocast_transform(f, jamp.Policy(F32))), x)
+        (got,) = vjp(jnp.ones_like(y))
+        # the cotangent is widen's float32 residual, passed through: y itself, not a rounding
+        assert got.dtype == F32
+        np.testing.assert_array_equal(got, y)
+
+
 def _closing_vjp(a, x):
     b = jnp.sin(a)  # a computed value of the traced function, closed over by fwd and bwd
 

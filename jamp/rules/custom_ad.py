@@ -172,6 +172,13 @@ class _Backward:
 jax.tree_util.register_static(_Backward)
 
 
+def _wider(traced: Any, rewritten: Any) -> Any:
+    """``rewritten`` where it is a wider float than ``traced``, else ``traced``."""
+    floats = all(jnp.issubdtype(d, jnp.floating) for d in (traced, rewritten))
+    wider = floats and np.dtype(rewritten).itemsize > np.dtype(traced).itemsize
+    return rewritten if wider else traced
+
+
 def _instantiate(ct: Any) -> Any:
     """A cotangent as an array (``symbolic_zeros`` hands the backward pass symbolic zeros)."""
     if not isinstance(ct, SymbolicZero):
@@ -291,12 +298,14 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             given = [_instantiate(c) for c in cotangents]
         outs = rewriter.run(backward.closed, consts, [*residuals, *given])
         n_cts = len(outs) - len(backward.log_dtypes)
-        # A cotangent keeps the dtype the user's bwd gives it where jamp left its input's dtype
-        # alone (JAX lets a bwd return float32 for a bfloat16 input: "excess precision"), and
-        # takes the input's dtype where jamp changed it.
+        # Where jamp left an input's dtype alone, its cotangent keeps the dtype the user's bwd
+        # gives it (JAX lets a bwd return float32 for a bfloat16 input: "excess precision"),
+        # also where a wider cotangent reached the bwd than its output's dtype; where jamp cast
+        # the input, the cotangent takes the input's dtype.
         kept = [(d, d == t.dtype) for d, t, p in zip(in_dtypes, traced, backward.perturbed) if p]
         ct_dtypes = [
-            v.aval.dtype if same else d for (d, same), v in zip(kept, backward.closed.outvars)
+            _wider(v.aval.dtype, out.dtype) if same else d
+            for (d, same), v, out in zip(kept, backward.closed.outvars, outs)
         ]
         cts = iter(_cast_to(outs[:n_cts], ct_dtypes))
         logs = jax.tree.unflatten(backward.logs_tree, _cast_to(outs[n_cts:], backward.log_dtypes))
