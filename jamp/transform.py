@@ -169,7 +169,8 @@ def autocast_transform(
     Eager calls (outside any JAX transformation) compile the rewritten program with
     ``jax.jit`` once per argument structure, shapes/dtypes, static values and JAX context
     (``jax.default_matmul_precision``, ``jax.enable_x64``, named axes...), and reuse the
-    executable; under ``jax.disable_jit()`` they run op by op. Their outputs are what
+    executable; under ``jax.disable_jit()`` they run op by op, and ``fn``'s Python runs on every
+    call (as ``jax.jit``'s function does there). Their outputs are what
     ``jax.jit`` of the same function returns (jax Arrays, canonical dtypes).
 
     Errors raised while tracing ``fn`` name ``fn``, its file and line and the parameter (or
@@ -405,10 +406,13 @@ def _transform_arrays(
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
         key, flat, tracer = trace_call(fn, policy, args, kwargs, source=source, signature=signature)
-        traced = cache.get(key)
+        # Under jax.disable_jit() the function's Python runs on every call, as jax.jit's does
+        # there (prints, counters, breakpoints): traced anew, not taken from the cache.
+        debugging = bool(jax.config.jax_disable_jit)
+        traced = None if debugging else cache.get(key)
         if traced is None:
             traced = tracer()
-            if traced.cacheable:
+            if traced.cacheable and not debugging:
                 cache[key] = traced
         eager = not compat.under_transformation()
         if (

@@ -240,6 +240,24 @@ def test_disable_jit_runs_the_rewrite_op_by_op_with_the_same_results():
     assert compiled[0].dtype == BF16
 
 
+def test_under_disable_jit_the_functions_python_runs_on_every_call():
+    """As jax.jit's function does under jax.disable_jit() (JAX's ``test_disable_jit``): a
+    counter, a print or a breakpoint in the function fires on every call, not only the first."""
+    calls = []
+
+    def f(x, w):
+        calls.append(1)
+        return x @ w
+
+    for g in (jamp.autocast_transform(f), jax.jit(jamp.autocast_transform(f))):
+        calls.clear()
+        with jax.disable_jit():
+            g(X, W), g(X, W)
+        assert len(calls) == 2
+        g(X, W), g(X, W)  # compiled: traced once more, then cached
+        assert len(calls) == 3
+
+
 def test_closure_over_an_outer_tracer_is_not_cached_under_jit():
     @jax.jit
     def outer(w):
