@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
@@ -183,8 +184,7 @@ def autocast_transform(
         f16 = jamp.autocast_transform(loss_fn, jnp.float16)       # same as dtype=jnp.float16
         unrolled = jamp.autocast_transform(g, static_argnames="n_steps")   # g(x, n_steps=3)
     """
-    if not callable(fn):
-        raise TypeError(f"autocast_transform expects a callable, got {type(fn).__name__}")
+    _check_transformable(fn)
     policy = resolve_policy(policy, dtype)
     signature = CallSignature.of(fn, static_argnums, static_argnames)
     on_arrays = _transform_arrays(signature.call_unmarked, policy, source=fn, signature=signature)
@@ -380,6 +380,23 @@ def trace_call(
         )
 
     return key, traced_flat, tracer
+
+
+def _check_transformable(fn: Any) -> None:
+    """A clear error, as ``jax.jit``'s, for what cannot be transformed: a generator function
+    (its "output" would be a generator, returned untouched) and a ``staticmethod`` or
+    ``classmethod`` object (in a class body, the transformed function would be a plain method)."""
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    if isinstance(fn, (staticmethod, classmethod)):
+        raise TypeError(
+            f"autocast_transform: {type(fn).__name__} arguments are not supported ({name}); "
+            f"apply @{type(fn).__name__} outside: @{type(fn).__name__} above "
+            "@jamp.autocast_transform(...)"
+        )
+    if not callable(fn):
+        raise TypeError(f"autocast_transform expects a callable, got {type(fn).__name__}")
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        raise TypeError(f"autocast_transform expects a function, got a generator function: {name}")
 
 
 def _debug_info(

@@ -137,6 +137,36 @@ def test_autocast_jaxpr_rewrites_a_closed_jaxpr():
     jamp._compat.check_closed_jaxpr(mixed)
 
 
+def test_generator_functions_and_method_descriptors_are_refused_as_jax_jit_refuses_them():
+    """JAX's ``test_jit_of_generator`` and ``test_staticmethod_is_not_supported``: a generator
+    function would "return" a generator untouched, and a transformed staticmethod would become a
+    plain method of its class: both are refused, naming the function."""
+
+    def steps(x):
+        yield x
+
+    with pytest.raises(TypeError, match="got a generator function: .*steps"):
+        jamp.autocast_transform(steps)
+    with pytest.raises(TypeError, match="staticmethod arguments are not supported"):
+
+        class Model:
+            @jamp.autocast_transform
+            @staticmethod
+            def apply(x):
+                return x
+
+    with pytest.raises(TypeError, match="classmethod arguments are not supported"):
+        jamp.autocast_transform(classmethod(lambda cls, x: x))
+
+    class Fine:  # the supported order: the descriptor outside
+        @staticmethod
+        @jamp.autocast_transform
+        def apply(x, w):
+            return x @ w
+
+    assert Fine.apply(X, X.T).dtype == BF16
+
+
 def test_bad_arguments_get_clear_errors():
     with pytest.raises(TypeError, match="expects a callable, got int"):
         jamp.autocast_transform(3)
