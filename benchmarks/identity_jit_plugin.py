@@ -20,7 +20,6 @@ import functools
 import inspect
 import json
 import os
-import weakref
 from typing import Any
 
 import pytest
@@ -38,7 +37,10 @@ def _install() -> None:
 
     real_jit = jax.jit
     policy = jamp.Policy(jnp.float32)
-    wrappers: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()
+    # One wrapper per jitted function for the whole run (each holds its function, so the id
+    # stays unique): JAX keys its trace cache on the function, and `jit(f)(2); jit(f)(3)` must
+    # find the first trace (a weak dictionary dropped the wrapper with the first jit object).
+    wrappers: dict[Any, Any] = {}
 
     def static_positions(fun: Any, kw: dict) -> tuple[tuple[int, ...], tuple[str, ...]]:
         nums, names = kw.get("static_argnums"), kw.get("static_argnames")
