@@ -37,10 +37,11 @@ def _install() -> None:
 
     real_jit = jax.jit
     policy = jamp.Policy(jnp.float32)
-    # One wrapper per jitted function for the whole run (each holds its function, so the id
-    # stays unique): JAX keys its trace cache on the function, and `jit(f)(2); jit(f)(3)` must
-    # find the first trace (a weak dictionary dropped the wrapper with the first jit object).
-    wrappers: dict[Any, Any] = {}
+    # One wrapper per jitted function and static arguments, kept on the function itself
+    # (``fun.__dict__``): JAX keys its trace cache on the function, so `jit(f)(2); jit(f)(3)` must
+    # find the first wrapper, and the wrapper must live no longer than ``f`` (JAX's tests check
+    # that jit keeps no reference alive).
+    attribute = "_jamp_identity_wrappers"
 
     def static_positions(fun: Any, kw: dict) -> tuple[tuple[int, ...], tuple[str, ...]]:
         nums, names = kw.get("static_argnums"), kw.get("static_argnames")
@@ -55,8 +56,8 @@ def _install() -> None:
 
     def identity_wrap(fun: Any, kw: dict) -> Any:
         nums, names = static_positions(fun, kw)
-        key = (id(fun), nums, names)
-        cached = wrappers.get(key)
+        key = (nums, names)
+        cached = getattr(fun, "__dict__", {}).get(attribute, {}).get(key)
         if cached is not None:
             return cached
         if nums or names:
@@ -97,11 +98,8 @@ def _install() -> None:
                     per_static[skey] = inner
             return inner(*dyn_args, **dyn_kw)
 
-        wrapper._jamp_fun = fun  # keeps fun alive as long as the wrapper (the id key stays unique)
-        try:
-            wrappers[key] = wrapper
-        except TypeError:
-            pass
+        if isinstance(getattr(fun, "__dict__", None), dict):  # not bound methods, slotted objects
+            fun.__dict__.setdefault(attribute, {})[key] = wrapper
         return wrapper
 
     @functools.wraps(real_jit)
