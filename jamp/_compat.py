@@ -335,6 +335,11 @@ def trace_context() -> Any:
     return _config.trace_context()
 
 
+def jit_disabled() -> bool:
+    """Whether ``jax.disable_jit()`` is in effect (its thread-local value included)."""
+    return bool(_config.disable_jit.value)
+
+
 def under_staging() -> bool:
     """Whether an enclosing transformation is building a jaxpr (``jax.jit``, ``make_jaxpr``, a
     ``scan`` body...), possibly below ``grad``/``vmap`` traces; false for eager ``grad``/``vmap``."""

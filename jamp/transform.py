@@ -425,7 +425,7 @@ def _transform_arrays(
         key, flat, tracer = trace_call(fn, policy, args, kwargs, source=source, signature=signature)
         # Under jax.disable_jit() the function's Python runs on every call, as jax.jit's does
         # there (prints, counters, breakpoints): traced anew, not taken from the cache.
-        debugging = bool(jax.config.jax_disable_jit)
+        debugging = compat.jit_disabled()
         traced = None if debugging else cache.get(key)
         if traced is None:
             traced = tracer()
