@@ -304,7 +304,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         # the input, the cotangent takes the input's dtype.
         kept = [(d, d == t.dtype) for d, t, p in zip(in_dtypes, traced, backward.perturbed) if p]
         ct_dtypes = [
-            _wider(v.aval.dtype, out.dtype) if same else d
+            _wider(v.aval.dtype, compat.aval_of(out).dtype) if same else d
             for (d, same), v, out in zip(kept, backward.closed.outvars, outs)
         ]
         cts = iter(_cast_to(outs[:n_cts], ct_dtypes))
