@@ -33,10 +33,9 @@ def zoo_run(request):
 
 
 def _forget_other_models(name):
-    """A worker runs one model's checks together (``--dist loadscope``, see test_zoo.py): when the next model
-    starts, drop the last one's runs, float32 references and JAX's compiled programs. Kept, they
-    pile up across the worker's models and every garbage collection walks them all (checks
-    that took 0.1 s alone took 13 s late in a worker's run)."""
+    """A worker runs one model's checks together (``--dist loadscope``, see test_zoo.py): when
+    the next model starts, drop the last one's runs, float32 references and JAX's compiled
+    programs, so that a worker holds one model's programs at a time, not all it has run."""
     for key in [k for k in _RUNS if k[0] != name]:
         del _RUNS[key]
     for other in [k for k in harness._FLOAT32_RUNS if k != name]:
