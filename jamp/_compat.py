@@ -33,8 +33,14 @@ JaxprTypeError = _core.JaxprTypeError
 # jax < 0.12 has a separate ClosedJaxpr; from 0.12 a Jaxpr carries its consts itself.
 _ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
 _JAXPR_TYPES = tuple(t for t in (_core.Jaxpr, _ClosedJaxpr) if t is not None)
-# jax < 0.12: ClosedJaxpr(jaxpr, consts); from 0.12 Jaxpr(jaxpr, consts) attaches them.
-_close_jaxpr: Any = _ClosedJaxpr or _core.Jaxpr
+
+
+def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
+    """A closed jaxpr from an open one with constvars and their values: jax < 0.12 wraps it in a
+    ``ClosedJaxpr``; from 0.12 the consts are attached to the ``Jaxpr`` itself."""
+    if _ClosedJaxpr is not None:
+        return _ClosedJaxpr(jaxpr, list(consts))
+    return jaxpr.with_consts(list(consts))
 
 
 # Pure call wrappers (a body and nothing else). jax 0.12 folds ``closed_call``/``call`` into one
@@ -151,7 +157,7 @@ def trace_to_closed(fn: Any, in_avals: list[ShapedArray]) -> Any:
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(
         _lu.wrap_init(flat_fn, debug_info=debug), list(in_avals)
     )
-    return _close_jaxpr(jaxpr, consts)
+    return close_jaxpr(jaxpr, consts)
 
 
 def is_tracer(x: Any) -> bool:
@@ -324,7 +330,7 @@ def trace_user_function(flat_fn: Any, in_avals: Sequence[ShapedArray], debug: An
         )
     if skip_debug_info_check:
         _core.check_jaxpr(jaxpr)
-    return _close_jaxpr(jaxpr, consts)
+    return close_jaxpr(jaxpr, consts)
 
 
 def trace_context() -> Any:
@@ -393,13 +399,6 @@ _remat_opt_p = getattr(_custom_derivatives, "remat_opt_p", None)
 OPTIMIZED_REMAT_PRIMITIVES: tuple[str, ...] = (
     (_remat_opt_p.name,) if _remat_opt_p is not None else ()
 )
-
-
-def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
-    """A closed jaxpr from an open one with constvars and their values (any JAX version)."""
-    if _ClosedJaxpr is not None:
-        return _ClosedJaxpr(jaxpr, list(consts))
-    return jaxpr.with_consts(list(consts))
 
 
 # --- Which trace a tracer belongs to (custom rules closing over the user's traced values). ---
