@@ -207,6 +207,11 @@ def autocast_transform(
     return transformed
 
 
+def _holds_tracers(closed: Any) -> bool:
+    """Whether a closed jaxpr's constants are tracers (values of a trace it cannot outlive)."""
+    return any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
+
+
 class SubJaxprCache(MutableMapping):
     """The ``Rewriter``'s cache of rewritten sub-jaxprs, for one call of a traced program, backed
     by a store kept across its calls.
@@ -245,7 +250,7 @@ class SubJaxprCache(MutableMapping):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         self.local[key] = value
-        if any(compat.is_tracer(c) for c in compat.open_and_consts(value)[1]):
+        if _holds_tracers(value):
             return
         try:
             self.store.setdefault(key[0], {})[key[1:]] = value
@@ -369,7 +374,7 @@ def trace_call(
         with tracing_under(True, policy.compute_dtype), softmax:
             closed = compat.trace_user_function(flat_fn, avals, debug)
         # A function closing over an outer trace's values captures tracers: never cache those.
-        cacheable = not any(compat.is_tracer(c) for c in compat.open_and_consts(closed)[1])
+        cacheable = not _holds_tracers(closed)
         return _Traced(
             closed,
             outs_store["tree"],
