@@ -12,6 +12,7 @@ and ``pjit``, the primitive's name before 0.10.) ``partial_eval.trace_to_jaxpr_d
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -430,3 +431,58 @@ def zero_cotangent(aval: Any) -> Any:
     from jax._src.interpreters import ad
 
     return ad.Zero(aval)
+
+
+# --- The region trace (regions.py, region_trace.py): a JAX ``Trace`` that jamp pushes for a
+# ``with jamp.autocast():`` block, the pattern of JAX's own ``JVPTrace`` and of quax. The trace
+# protocol (``process_primitive``, ``process_custom_jvp_call``/``_vjp_call``, ``bind_with_trace``
+# with ``subfuns`` in the params, the current trace in ``trace_ctx``) is the same in 0.10 and 0.12.
+
+Trace = _core.Trace
+set_current_trace = _core.set_current_trace
+_NO_NAMES = _siu.NameStack()
+_JNP_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
+
+
+def current_scope_names() -> tuple[str, ...]:
+    """Names of the ``jax.named_scope``/Flax module scopes being traced under now."""
+    return tuple(s.name for s in _siu.current_name_stack().stack if isinstance(s, _siu.Scope))
+
+
+# jamp's own frames are library frames in the source lines JAX reports (as JAX's own are): an
+# operation a region re-binds is reported at the user's line, not at the region trace.
+_siu.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+def region_source_info() -> Any:
+    """The source info of an operation bound now, with an empty name stack: re-binding it under
+    ``equation_context`` must not repeat the scopes that are current anyway."""
+    return _siu.current().replace(name_stack=_NO_NAMES)
+
+
+def is_inline_jit(primitive: Any, params: dict[str, Any]) -> bool:
+    """A ``jax.jit(..., inline=True)`` call (jnp's functions), which tracing inlines."""
+    return primitive.name in ("jit", "pjit") and bool(params.get("inline"))
+
+
+def abstract_outputs(primitive: Any, avals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """The output avals ``primitive`` gives for operand avals ``avals``."""
+    out, _ = primitive.abstract_eval(*avals, **params)
+    return list(out) if primitive.multiple_results else [out]
+
+
+def bind_custom(primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict) -> Any:
+    """Bind a ``custom_jvp_call``/``custom_vjp_call`` (given its functions) on the current trace."""
+    avals = [aval_of(a) for a in args]
+    return primitive.bind_with_trace(
+        _core.trace_ctx.trace, list(args), avals, {**params, "subfuns": subfuns}
+    )
+
+
+def traced_in_jnp_reduction(eqn: Any) -> bool:
+    """Whether ``eqn`` was traced inside ``jnp``'s reductions module (``sum``, ``mean``,
+    ``var``...), which converts a 16-bit input up, reduces, and converts the result back."""
+    traceback = eqn.source_info.traceback
+    if traceback is None:
+        return False
+    return any(f.file_name.endswith(_JNP_REDUCTIONS) for f in traceback.frames)

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _compat as compat
 from .policy import Policy, RegionState, ScopeLog, report_unmatched_rules
-from .regions import apply_marker
+from .region_stack import apply_marker
 
 Rule = Callable[["Step"], Sequence[Any]]
 RULES: dict[str, Rule] = {}
@@ -51,6 +51,14 @@ def register(*names: str) -> Callable[[Rule], Rule]:
 
 def is_float(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
+
+
+def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
+    """Each value converted to the floating dtype beside it (non-floating targets: unchanged)."""
+    return [
+        compat.convert(v, d) if is_float(d) and compat.aval_of(v).dtype != d else v
+        for v, d in zip(values, dtypes)
+    ]
 
 
 def widest(*dtypes: Any) -> np.dtype:
@@ -148,6 +156,10 @@ class Env:
         self.expanded: set[Any] = set()
         self.input_view: set[Any] = set()
         self._cotangent: set[Any] | None = None
+        # Region mode only (``Rewriter.region``, see region_trace.py): values in a 16-bit dtype
+        # because of the policy, and jnp's float32 promotions of them (-> the 16-bit value).
+        self.lowered: set[Any] = set()
+        self.upcast_of: dict[Any, Any] = {}
 
     @property
     def cotangent(self) -> set[Any]:
@@ -191,6 +203,15 @@ class Step:
     def __init__(self, rewriter: Rewriter, env: Env, eqn: Any, state: RegionState):
         self.rewriter, self.env, self.eqn, self.state = rewriter, env, eqn, state
         self.args: list[Any] = [env.read(v) for v in eqn.invars]
+        # In a region, an operand that is jnp's float32 promotion of a lowered value arrives as
+        # that value, traced as float32, as it does under autocast_transform (region_trace.py).
+        self.substituted = False
+        if env.upcast_of:
+            for i, atom in enumerate(eqn.invars):
+                original = env.upcast_of.get(atom)
+                if original is not None:
+                    env.casts.setdefault((atom, F32), self.args[i])
+                    self.args[i], self.substituted = original, True
         self.bound_args: Sequence[Any] = self.args
         # The format a scaled lower-table op computed in (float8), for jamp.explain's FLOPs:
         # its bound operands are the dequantized values XLA folds into the float8 GEMM.
@@ -292,8 +313,11 @@ class Rewriter:
         recorder: Any = None,
         scope_log: ScopeLog | None = None,
         active: list[Env] | None = None,
+        region: bool = False,
     ):
         self.policy = policy
+        # Rewriting for a jamp.autocast region (region_trace.py) rather than a transform.
+        self.region = region
         self.base = state
         self.recorder = recorder  # report.Recorder for jamp.explain, else None
         # Scope paths entered anywhere in this program, for the rules that matched none of them;
@@ -314,7 +338,13 @@ class Rewriter:
     def child(self, state: RegionState) -> Rewriter:
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
         sub = Rewriter(
-            self.policy, state, self._rewritten, self.recorder, self.scope_log, self._active
+            self.policy,
+            state,
+            self._rewritten,
+            self.recorder,
+            self.scope_log,
+            self._active,
+            self.region,
         )
         sub.site_decisions = self.site_decisions
         return sub
@@ -330,7 +360,10 @@ class Rewriter:
         return value
 
     def state_for(self, eqn: Any) -> RegionState:
-        scopes = compat.scope_names(eqn)
+        return self.state_for_scopes(compat.scope_names(eqn))
+
+    def state_for_scopes(self, scopes: tuple[str, ...]) -> RegionState:
+        """The state under the named scopes ``scopes`` (region markers, module paths)."""
         state = self._states.get(scopes)
         if state is None:
             state = self.base
@@ -385,18 +418,18 @@ class Rewriter:
         try:
             for eqn in jaxpr.eqns:
                 step = Step(self, env, eqn, self.state_for(eqn))
-                outs = self._apply(step)
+                outs = self.apply(step)
                 for var, value in zip(eqn.outvars, outs):
                     if not isinstance(var, compat.DropVar):
                         env.values[var] = value
-                _track_derived(step, outs)
+                track_derived(step, outs)
         finally:
             self._active.pop()
         if self._owns_scope_log and self.policy.rules:
             report_unmatched_rules(self, jaxpr)
         return [env.read(v) for v in jaxpr.outvars]
 
-    def _apply(self, step: Step) -> Sequence[Any]:
+    def apply(self, step: Step) -> Sequence[Any]:
         name = step.eqn.primitive.name
         rule = RULES.get(name) or CATEGORY_RULES.get(self.policy.category(name)) or default_rule
         try:
@@ -440,9 +473,11 @@ def _raised_in_jamp(err: BaseException) -> bool:
     )
 
 
-def _track_derived(step: Step, outs: Sequence[Any]) -> None:
+def track_derived(step: Step, outs: Sequence[Any]) -> None:
     """Remember what later promotions need to know about this equation's outputs."""
     name, env = step.eqn.primitive.name, step.env
+    if step.rewriter.region:
+        _track_lowered(step, outs)
     if step.policy.category(name) == "lower" and step.state.enabled:
         env.lower_outputs.update(step.eqn.outvars)
     if len(step.args) != 1 or len(outs) != 1:
@@ -470,6 +505,36 @@ def _track_derived(step: Step, outs: Sequence[Any]) -> None:
         )
     elif name == "convert_element_type" and not source.steps:
         env.known[out_var] = ConstSource(saturating_cast(source.base, step.params["new_dtype"]))
+
+
+SIXTEEN_BIT = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
+
+
+def _track_lowered(step: Step, outs: Sequence[Any]) -> None:
+    """Region mode: which outputs are 16-bit because of the policy (a lower-table op's, one
+    computed from such a value, a call's whose traced type was wider), and which converts are
+    jnp's float32 promotions of such a value (the float32 program has none: region_trace.py)."""
+    env, eqn = step.env, step.eqn
+    compute = step.state.value_dtype
+    atom = eqn.invars[0] if eqn.invars else None
+    if eqn.primitive.name == "convert_element_type" and _is_lowered(env, atom):
+        new = np.dtype(eqn.params["new_dtype"])
+        if is_float(new) and new.itemsize > compute.itemsize:
+            env.upcast_of[eqn.outvars[0]] = step.args[0]
+            if atom in env.lower_outputs:  # a matmul's output still, for the bias-add rule
+                env.lower_outputs.add(eqn.outvars[0])
+        return
+    from_lowered = step.substituted or any(_is_lowered(env, v) for v in eqn.invars)
+    is_lower = step.state.enabled and step.policy.category(eqn.primitive.name) == "lower"
+    for var, value in zip(eqn.outvars, outs):
+        if isinstance(var, compat.DropVar) or compat.aval_of(value).dtype != compute:
+            continue
+        if from_lowered or is_lower or np.dtype(var.aval.dtype) != compute:
+            env.lowered.add(var)
+
+
+def _is_lowered(env: Env, atom: Any) -> bool:
+    return isinstance(atom, compat.Var) and atom in env.lowered
 
 
 def _adds_broadcast_dims(name: str, before: Any, after: Any) -> bool:
@@ -667,6 +732,26 @@ def has_subprograms(params: dict[str, Any]) -> bool:
         return compat.is_jaxpr_like(value)
 
     return any(is_sub(v) for v in params.values())
+
+
+@register("convert_element_type")
+def convert_rule(step: Step) -> Sequence[Any]:
+    """A convert runs as the program says, except in a region, where jnp's rounding of a
+    reduction's float32 result back to a 16-bit input's dtype is left out: the result stays
+    float32, as the fp32 table (and torch) say and as ``autocast_transform`` gives it."""
+    if step.rewriter.region and _rounds_reduction_result(step):
+        return [step.args[0]]
+    return default_rule(step)
+
+
+def _rounds_reduction_result(step: Step) -> bool:
+    new = np.dtype(step.params["new_dtype"])
+    return (
+        step.state.enabled
+        and new in SIXTEEN_BIT
+        and step.aval(0).dtype == F32
+        and compat.traced_in_jnp_reduction(step.eqn)
+    )
 
 
 CATEGORY_RULES: dict[str | None, Rule] = {

@@ -28,7 +28,7 @@ from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
 from .call_args import CallSignature, short_repr, split_leaves, static_key
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
-from .regions import tracing_under
+from .region_stack import tracing_under
 from .rules import custom_ad
 
 PolicyLike = Policy | Any | None  # a Policy, a floating dtype (meaning Policy(dtype)) or None

@@ -12,7 +12,7 @@ from typing import Any
 
 from .. import _compat as compat
 from ..interpreter import F64, Hint, Step, is_float, register
-from ..regions import cast_inputs_dtype
+from ..region_stack import cast_inputs_dtype
 
 
 @register("jit", "pjit")

@@ -15,14 +15,7 @@ from typing import Any
 from jax import lax
 
 from .. import _compat as compat
-from ..interpreter import Hint, Step, is_float, register
-
-
-def _cast_to(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
-    return [
-        compat.convert(v, d) if is_float(d) and compat.aval_of(v).dtype != d else v
-        for v, d in zip(values, dtypes)
-    ]
+from ..interpreter import Hint, Step, cast_all, is_float, register
 
 
 def _carry_in(step: Step, first: int, count: int) -> list[Any]:
@@ -50,7 +43,7 @@ def scan_rule(step: Step) -> Sequence[Any]:
 
     def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         outs = rewriter.run(jaxpr, body_consts, [*consts, *carry, *x], hints)
-        return _cast_to(outs[:n_carry], carry_dtypes), outs[n_carry:]
+        return cast_all(outs[:n_carry], carry_dtypes), outs[n_carry:]
 
     with compat.equation_context(step.eqn):
         carry, ys = lax.scan(
@@ -83,7 +76,7 @@ def while_rule(step: Step) -> Sequence[Any]:
 
     def body_fun(carry: list[Any]) -> list[Any]:
         outs = rewriter.run(body_jaxpr, body_inner, [*body_consts, *carry], hints[n_cond:first])
-        return _cast_to(outs, carry_dtypes)
+        return cast_all(outs, carry_dtypes)
 
     with compat.equation_context(step.eqn):
         if compat.open_and_consts(params["cond_jaxpr"])[0].outvars[0].aval.shape:
@@ -128,7 +121,7 @@ def cond_rule(step: Step) -> Sequence[Any]:
 
     def as_function(branch: Any) -> Any:
         jaxpr, consts = compat.open_and_consts(branch)
-        return lambda *ops: _cast_to(compat.eval_jaxpr(jaxpr, consts, ops), targets)
+        return lambda *ops: cast_all(compat.eval_jaxpr(jaxpr, consts, ops), targets)
 
     functions = [as_function(b) for b in branches]
     platforms = step.params.get("branches_platforms")

@@ -38,9 +38,16 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import _compat as compat
-from ..interpreter import F32, RewriteError, Step, in_compute_dtype, keep_traced_rule, register
+from ..interpreter import (
+    F32,
+    RewriteError,
+    Step,
+    cast_all,
+    in_compute_dtype,
+    keep_traced_rule,
+    register,
+)
 from ..policy import RegionState
-from .control_flow import _cast_to
 
 
 class RuleClosureError(RewriteError):
@@ -107,7 +114,7 @@ def _primal(step: Step) -> tuple[Any, list[Any], RegionState, RegionState]:
 
 def _evaluate(closed: Any, args: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
     jaxpr, consts = compat.open_and_consts(closed)
-    return _cast_to(compat.eval_jaxpr(jaxpr, consts, args), dtypes)
+    return cast_all(compat.eval_jaxpr(jaxpr, consts, args), dtypes)
 
 
 @register("custom_jvp_call")
@@ -148,7 +155,7 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
             jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *(tangents[i] for i in at)]
         )
         n_out = len(out_dtypes)
-        return _cast_to(outs[:n_out], out_dtypes), _cast_to(outs[n_out:], out_dtypes)
+        return cast_all(outs[:n_out], out_dtypes), cast_all(outs[n_out:], out_dtypes)
 
     primal.defjvp(jvp, symbolic_zeros=True)
     with compat.equation_context(step.eqn):
@@ -233,7 +240,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
         jaxpr, consts = compat.open_and_consts(fwd_closed)
         outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, eqn), args)
-        primal_outs = _cast_to(outs[:n_out], out_dtypes)
+        primal_outs = cast_all(outs[:n_out], out_dtypes)
         # A residual that is an output (fwd returning ``y, (y,)``) is kept as the returned output.
         position = {v: j for j, v in enumerate(jaxpr.outvars[:n_out]) if isinstance(v, compat.Var)}
         residuals = [
@@ -307,8 +314,8 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             _wider(v.aval.dtype, compat.aval_of(out).dtype) if same else d
             for (d, same), v, out in zip(kept, backward.closed.outvars, outs)
         ]
-        cts = iter(_cast_to(outs[:n_cts], ct_dtypes))
-        logs = jax.tree.unflatten(backward.logs_tree, _cast_to(outs[n_cts:], backward.log_dtypes))
+        cts = iter(cast_all(outs[:n_cts], ct_dtypes))
+        logs = jax.tree.unflatten(backward.logs_tree, cast_all(outs[n_cts:], backward.log_dtypes))
         return tuple(next(cts) if p else None for p in backward.perturbed), logs or None
 
     compat.defvjp_with_logs(primal, fwd, bwd, symbolic_zeros=True)
@@ -340,7 +347,7 @@ def optimized_remat_rule(step: Step) -> Sequence[Any]:
     )
     rewriter = step.rewriter.child(step.state)
     fun = compat.trace_to_closed(
-        lambda *args: _cast_to(
+        lambda *args: cast_all(
             rewriter.run(fun_jaxpr, fun_consts, args, hints[n_consts:]), out_dtypes
         ),
         avals[n_consts:],

@@ -1,0 +1,112 @@
+"""What a region leaves behind, below every front end: the name-stack markers the rewriter reads
+back, the thread-local stack of region states that answers :func:`jamp.is_autocast_enabled`, and
+the name of a ``cast_inputs`` call.
+
+This module imports nothing of jamp's but the policy, so the interpreter, the rules and the front
+ends (``transform``, ``regions``) can all use it without import circles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from collections.abc import Iterator
+
+import jax.numpy as jnp
+import numpy as np
+
+from .policy import RegionState
+
+_MARKER = re.compile(r"^jamp\.autocast\[(on|off)(?::(\w+))?\]$")
+_CAST_INPUTS = re.compile(r"^jamp_cast_inputs_(\w+)$")
+_tls = threading.local()
+
+
+def marker(enabled: bool, dtype: np.dtype | None) -> str:
+    """The ``jax.named_scope`` name a region enters."""
+    suffix = ":" + dtype.name if dtype is not None else ""
+    return f"jamp.autocast[{'on' if enabled else 'off'}{suffix}]"
+
+
+def apply_marker(name: str, state: RegionState) -> RegionState | None:
+    """The state inside a scope called ``name`` if it is a region marker, else None."""
+    match = _MARKER.match(name)
+    if match is None:
+        return None
+    dtype = np.dtype(match.group(2)) if match.group(2) else state.dtype
+    return RegionState(
+        enabled=match.group(1) == "on",
+        dtype=dtype,
+        path=state.path,
+        matched=state.matched,
+        decided_by="region",
+    )
+
+
+def cast_inputs_name(dtype: np.dtype) -> str:
+    """The jit name of a ``@jamp.autocast(cast_inputs=dtype)`` call (``rules/calls.py``)."""
+    return f"jamp_cast_inputs_{dtype.name}"
+
+
+def cast_inputs_dtype(jit_name: str) -> np.dtype | None:
+    """The dtype a ``@jamp.autocast(cast_inputs=...)`` call casts to, from its jit's name."""
+    match = _CAST_INPUTS.match(jit_name or "")
+    return np.dtype(match.group(1)) if match else None
+
+
+def _stack() -> list[tuple[bool, np.dtype]]:
+    if not hasattr(_tls, "stack"):
+        _tls.stack = []
+    return _tls.stack
+
+
+@contextlib.contextmanager
+def entered(enabled: bool, dtype: np.dtype) -> Iterator[None]:
+    """Push a region state for the trace-time queries (per thread, as torch's autocast state)."""
+    stack = _stack()
+    stack.append((enabled, dtype))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def transform_depth() -> int:
+    """How many ``autocast_transform`` traces are running in this thread."""
+    return getattr(_tls, "transforms", 0)
+
+
+@contextlib.contextmanager
+def tracing_under(enabled: bool, dtype: np.dtype) -> Iterator[None]:
+    """Used by ``autocast_transform`` while it traces the user's function: regions inside only
+    leave markers, which its rewriter reads."""
+    _tls.transforms = transform_depth() + 1
+    try:
+        with entered(enabled, dtype):
+            yield
+    finally:
+        _tls.transforms -= 1
+
+
+def inside_transform() -> bool:
+    return transform_depth() > 0
+
+
+def is_autocast_enabled() -> bool:
+    """True inside an enabled ``jamp.autocast`` region (eagerly, or while tracing), or while
+    tracing an ``autocast_transform``-ed function outside a disabled region.
+
+    Example::
+
+        with jamp.autocast():
+            assert jamp.is_autocast_enabled()
+    """
+    stack = _stack()
+    return bool(stack) and stack[-1][0]
+
+
+def get_autocast_dtype() -> np.dtype:
+    """Compute dtype of the current region (the default ``bfloat16`` outside any region)."""
+    stack = _stack()
+    return stack[-1][1] if stack else np.dtype(jnp.bfloat16)

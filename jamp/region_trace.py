@@ -1,0 +1,250 @@
+"""Front end 2: a JAX trace that a ``with jamp.autocast():`` block pushes, so the ops bound inside
+run under the policy wherever the block is: eagerly, or inside ``jax.jit``, ``grad``, ``vmap``,
+``scan`` bodies, ``checkpoint`` and ``shard_map``.
+
+:class:`RegionTrace` is the pattern of JAX's own ``JVPTrace`` and of quax: every primitive bound
+while it is the current trace comes to :meth:`RegionTrace.process_primitive`, which hands it to
+the same rules the rewriter uses (``interpreter.RULES`` and the policy's categories) as a one-
+equation :class:`~jamp.interpreter.Step`, and the rule binds the result on the trace below (the
+parent). Values are never boxed: the user's code sees the dtypes the policy chose, as torch's
+does. Primitives that carry jaxprs (``jit``, ``scan``, ``cond``, ``while``, ``checkpoint``,
+``shard_map``) reach their rules with those jaxprs, which the rewriter rewrites; ``custom_jvp`` and
+``custom_vjp`` calls are staged to their equation first and rewritten the same way.
+
+What the rewriter learns from the whole jaxpr, the trace learns as the values go by (a
+:class:`RegionEnv`): which values came from outside (parameters, a batch: a bias is one of them
+broadcast), which a lower-table op produced. Two things differ because a region sees the
+program one operation at a time, with ``jnp`` reacting to the dtypes the policy chose (listed in
+docs/reference/dtypes.md, "Regions"):
+
+- ``jnp`` promotes a 16-bit matmul output to float32 before adding a float32 bias or residual.
+  The float32 program (what ``autocast_transform`` rewrites) has no such convert, so the region
+  reads one as the program's own float32 view of the value: the ops using it see the 16-bit value
+  as arriving and the float32 type as traced, and decide as the rewriter does (a bias add stays
+  16-bit). The convert itself is bound and left for XLA to drop.
+- ``jnp``'s reductions round their float32 result back to a 16-bit input's dtype; in a region the
+  result stays float32, as the fp32 table (and torch) say. Squares run in float32 whether or not
+  their result is summed later (the rewriter looks ahead; a region cannot).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _compat as compat
+from .interpreter import (
+    F32,
+    ConstSource,
+    Env,
+    Rewriter,
+    Step,
+    has_subprograms,
+    is_float,
+    track_derived,
+)
+from .policy import Policy, RegionState
+from .transform import SubJaxprCache
+
+_tls = threading.local()
+# Rewritten sub-jaxprs per policy, kept across regions: an eager loop entering a region every
+# step calls the same jitted function, which must not be rewritten (and compiled) every time.
+_STORES: dict[Policy, weakref.WeakKeyDictionary] = {}
+
+
+def active() -> bool:
+    """Whether a region trace is pushed in this thread (a nested region only leaves a marker)."""
+    return getattr(_tls, "depth", 0) > 0
+
+
+class RegionEquation:
+    """The one-equation view of a bind that a rule reads (``Step.eqn``)."""
+
+    __slots__ = ("primitive", "params", "invars", "source_info", "_outvars")
+
+    ctx = type("NoContext", (), {"manager": contextlib.nullcontext()})()  # already current
+
+    def __init__(self, primitive: Any, params: dict, invars: list, source_info: Any):
+        self.primitive, self.params, self.invars = primitive, params, invars
+        self.source_info = source_info
+        self._outvars: list | None = None
+
+    @property
+    def outvars(self) -> list:
+        if self._outvars is None:
+            avals = [v.aval for v in self.invars]
+            self._outvars = [
+                compat.Var(a) for a in compat.abstract_outputs(self.primitive, avals, self.params)
+            ]
+        return self._outvars
+
+    def set_outputs(self, outs: Sequence[Any]) -> list:
+        """Variables for the values the rule returned (their avals are what ran)."""
+        if self._outvars is None or any(
+            v.aval.dtype != compat.aval_of(x).dtype for v, x in zip(self._outvars, outs)
+        ):
+            self._outvars = [compat.Var(compat.aval_of(x)) for x in outs]
+        return self._outvars
+
+
+class RegionEnv(Env):
+    """The environment of one region: a variable per value that passed through it, the tags the
+    rules read, and the casts already made. Entries go with their values (weak references), so an
+    eager loop inside one region does not keep every step's arrays alive."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self._vars: dict[int, tuple[Any, Any]] = {}  # id(value) -> (weakref, Var)
+        self._cotangent = set()
+
+    def accumulated(self, var: Any) -> bool:
+        return True  # no lookahead in a region: a square runs in float32 (torch's pow)
+
+    def var_for(self, value: Any) -> tuple[Any, bool]:
+        """(the variable standing for ``value``, whether it is new to this region)."""
+        entry = self._vars.get(id(value))
+        if entry is not None and entry[0]() is value:
+            return entry[1], False
+        var = compat.Var(compat.aval_of(value))
+        self.remember(value, var)
+        return var, True
+
+    def remember(self, value: Any, var: Any) -> None:
+        key = id(value)
+        try:
+            ref = weakref.ref(value, lambda _, key=key, var=var: self._forget(key, var))
+        except TypeError:  # numpy values and Python scalars: a fresh variable each time
+            return
+        self._vars[key] = (ref, var)
+
+    def _forget(self, key: int, var: Any) -> None:
+        entry = self._vars.get(key)
+        if entry is not None and entry[1] is var:
+            del self._vars[key]
+        for tags in (self.lower_outputs, self.expanded, self.input_view, self.scalar_like):
+            tags.discard(var)
+        self.lowered.discard(var)
+        self.known.pop(var, None)
+        self.upcast_of.pop(var, None)
+        for cast_key in [k for k in self.casts if k[0] is var]:
+            del self.casts[cast_key]
+
+
+class RegionTrace(compat.Trace):
+    """The trace of one ``jamp.autocast`` region: applies ``policy`` and binds on ``parent``."""
+
+    def __init__(self, parent: Any, policy: Policy):
+        super().__init__()
+        self.parent = parent
+        self.policy = policy
+        rewritten = SubJaxprCache(_STORES.setdefault(policy, weakref.WeakKeyDictionary()))
+        self.rewriter = Rewriter(
+            policy, RegionState(True, policy.compute_dtype), rewritten, region=True
+        )
+        self.env = RegionEnv()
+
+    # -- ordinary primitives ------------------------------------------------------------------
+
+    def process_primitive(self, primitive: Any, args: Sequence[Any], params: dict) -> Any:
+        if compat.is_inline_jit(primitive, params):
+            # jnp's functions are jits JAX inlines into the program being traced (autocast_transform
+            # sees their equations): the region sees them one by one too, eagerly as well.
+            jaxpr, consts = compat.open_and_consts(params["jaxpr"])
+            with compat.set_current_trace(self):
+                outs = compat.eval_jaxpr(jaxpr, consts, args)
+            return outs
+        state = self.rewriter.state_for_scopes(compat.current_scope_names())
+        if not self._needs_rule(state, args, params):
+            with compat.set_current_trace(self.parent):
+                return primitive.bind(*args, **params)
+        env = self.env
+        invars = []
+        for value in args:
+            var, new = env.var_for(value)
+            if new:
+                self._adopt_input(var, value)
+            invars.append(var)
+        eqn = RegionEquation(primitive, params, invars, compat.region_source_info())
+        env.values = dict(zip(invars, args))
+        step = Step(self.rewriter, env, eqn, state)
+        try:
+            with compat.set_current_trace(self.parent):
+                outs = list(self.rewriter.apply(step))
+        finally:
+            env.values = {}
+            if step.substituted:  # the seeded casts would keep the promoted values alive
+                for var in invars:
+                    if var in env.upcast_of:
+                        env.casts.pop((var, F32), None)
+        # What a call would have returned without the policy (its body's traced types).
+        traced = [v.aval.dtype for v in eqn.outvars] if has_subprograms(params) else []
+        outvars = eqn.set_outputs(outs)
+        for value, var in zip(outs, outvars):
+            env.remember(value, var)
+        track_derived(step, outs)
+        compute = state.value_dtype
+        env.lowered.update(
+            v for v, t in zip(outvars, traced) if v.aval.dtype == compute and t != compute
+        )
+        return outs if primitive.multiple_results else outs[0]
+
+    def _needs_rule(self, state: RegionState, args: Sequence[Any], params: dict) -> bool:
+        """Whether the policy can change anything: an enabled state and a floating operand, or
+        a sub-program (whose regions may differ from this one)."""
+        if has_subprograms(params):
+            return True
+        return state.enabled and any(
+            is_float(getattr(compat.aval_of(a), "dtype", np.int32)) for a in args
+        )
+
+    def _adopt_input(self, var: Any, value: Any) -> None:
+        """A value the region did not compute: a parameter or a batch, or a constant."""
+        env = self.env
+        env.input_view.add(var)
+        aval = compat.aval_of(value)
+        if not compat.is_tracer(value) and (getattr(aval, "weak_type", False) or not aval.shape):
+            env.known[var] = ConstSource(value)  # cast once, saturating, as the rewriter does
+
+    # -- calls with functions (custom derivatives) ---------------------------------------------
+
+    def process_custom_jvp_call(
+        self, primitive: Any, fun: Any, jvp: Any, tracers: Sequence[Any], /, **params: Any
+    ) -> Any:
+        return self._staged(primitive, (fun, jvp), tracers, params)
+
+    def process_custom_vjp_call(
+        self, primitive: Any, fun: Any, fwd: Any, bwd: Any, tracers: Sequence[Any], /, **params: Any
+    ) -> Any:
+        return self._staged(primitive, (fun, fwd, bwd), tracers, params)
+
+    def _staged(self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict) -> Any:
+        """Stage the call to its jaxpr equation and rewrite that, as ``autocast_transform``
+        rewrites the same equation in a traced program."""
+        closed = compat.trace_to_closed(
+            lambda *xs: compat.bind_custom(primitive, subfuns, xs, params),
+            [compat.aval_of(a) for a in args],
+        )
+        jaxpr, consts = compat.open_and_consts(closed)
+        state = self.rewriter.state_for_scopes(compat.current_scope_names())
+        with compat.set_current_trace(self.parent):
+            return self.rewriter.child(state).run(jaxpr, consts, list(args))
+
+
+@contextlib.contextmanager
+def pushed(policy: Policy) -> Iterator[None]:
+    """Make a region trace the current trace for the block (one per thread: regions nested in
+    it, in any transformation below it, leave markers that it reads)."""
+    trace = RegionTrace(compat.current_trace(), policy)
+    _tls.depth = getattr(_tls, "depth", 0) + 1
+    try:
+        with compat.set_current_trace(trace):
+            yield
+    finally:
+        _tls.depth -= 1
+        trace.invalidate()
+
