@@ -479,6 +479,30 @@ def bind_custom(primitive: Any, subfuns: tuple, args: Sequence[Any], params: dic
     )
 
 
+@contextlib.contextmanager
+def staged_once(subfuns: Sequence[Any]) -> Iterator[None]:
+    """For a custom-derivative call a region stages to its equation: JAX reads each function's
+    output-structure store once after the bind (``lu.merge_linear_aux``), expecting exactly one
+    of ``fun``'s and ``jvp``'s filled. Staging fills ``fun``'s; a JVP of the rewritten call fills
+    the rule's. Emptied after staging, ``fun``'s values are put back if nothing else filled one."""
+    saved = [[(st, st.val) for st in f.stores if _filled(st)] for f in subfuns[:1]]
+    for pairs in saved:
+        for st, _ in pairs:
+            st.reset()
+    try:
+        yield
+    finally:
+        if not any(_filled(st) for f in subfuns for st in f.stores):
+            for pairs in saved:
+                for st, val in pairs:
+                    st.store(val)
+
+
+def _filled(store: Any) -> bool:
+    inner = getattr(store, "_store", store)  # an EqualStore wraps a Store
+    return store is not None and inner._val is not _lu._EMPTY_STORE_VALUE
+
+
 def traced_in_jnp_reduction(eqn: Any) -> bool:
     """Whether ``eqn`` was traced inside ``jnp``'s reductions module (``sum``, ``mean``,
     ``var``...), which converts a 16-bit input up, reduces, and converts the result back."""

@@ -671,9 +671,12 @@ def equalize_targets(step: Step) -> dict[int, np.dtype]:
     include) take the dtype of the others, unless every operand of the group adapts.
     float64 is never narrowed.
     """
-    groups: dict[np.dtype, list[int]] = {}
+    groups: dict[Any, list[int]] = {}
     for i in step.floating():
-        groups.setdefault(np.dtype(step.traced_aval(i).dtype), []).append(i)
+        # A region binds each operation as it comes: the operands JAX's own rules (a JVP, a
+        # transpose) combine must agree whatever the policy made of them, so they form one group.
+        key = "region" if step.rewriter.region else np.dtype(step.traced_aval(i).dtype)
+        groups.setdefault(key, []).append(i)
     targets: dict[int, np.dtype] = {}
     for members in groups.values():
         if len(members) < 2:

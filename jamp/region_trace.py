@@ -210,6 +210,10 @@ class RegionTrace(compat.Trace):
         if not compat.is_tracer(value) and (getattr(aval, "weak_type", False) or not aval.shape):
             env.known[var] = ConstSource(value)  # cast once, saturating, as the rewriter does
 
+    def stage_value(self, value: Any) -> Any:
+        with compat.set_current_trace(self.parent):
+            return self.parent.stage_value(value)
+
     # -- calls with functions (custom derivatives) ---------------------------------------------
 
     def process_custom_jvp_call(
@@ -231,7 +235,7 @@ class RegionTrace(compat.Trace):
         )
         jaxpr, consts = compat.open_and_consts(closed)
         state = self.rewriter.state_for_scopes(compat.current_scope_names())
-        with compat.set_current_trace(self.parent):
+        with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
 
 

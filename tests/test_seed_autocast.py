@@ -17,6 +17,7 @@ Each test names the torch test it ports.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import chex
@@ -119,18 +120,18 @@ def test_linear_region_dtype(abcd, outer, region):
     assert (x.dtype, y.dtype) == (region, F32)
 
 
-# ports test_minimal_cpu: autocast for "another device" has no effect. JAX has no global autocast
-# state, so a `with jamp.autocast():` block in an untransformed function does nothing -- and warns.
-def test_region_outside_transform_has_no_effect_and_warns(abcd):
+# ports test_minimal_cpu: `with autocast():` in a plain function runs its matmul in the compute
+# dtype, eagerly and under jax.jit, as torch's region does (no wrapper needed).
+def test_region_in_a_plain_function_takes_effect(abcd):
     a, b, *_ = abcd
 
     def fn(a, b):
         with jamp.autocast():
             return a @ b
 
-    with pytest.warns(jamp.AutocastWarning, match="autocast_transform"):
-        result = fn(a, b)
-    assert result.dtype == F32
+    assert fn(a, b).dtype == BF16
+    assert jax.jit(fn)(a, b).dtype == BF16
+    chex.assert_trees_all_close(fn(a, b), transform(lambda a, b: a @ b)(a, b))
 
 
 # ports test_minimal_off
@@ -1141,13 +1142,14 @@ def test_autocast_disabled_with_fp32_dtype():
     assert transform(fn)(rand(0, (10, 10))).dtype == F32
 
 
-# ports test_cpu_autocast_deprecated_warning: the misuse warns and says what to do instead.
-def test_autocast_outside_transform_warning_says_what_to_do():
-    with pytest.warns(jamp.AutocastWarning) as record:
+# ports test_cpu_autocast_deprecated_warning: what used to be a misuse (a region outside a
+# transform) is now the main use; it warns about nothing and takes effect.
+def test_region_outside_a_transform_warns_nothing_and_takes_effect():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         with jamp.autocast():
-            _ = jnp.ones(10)
-    message = str(record[0].message)
-    assert "autocast_transform" in message and "no effect" in message
+            y = jnp.ones((4, 4)) @ jnp.ones((4, 4))
+    assert y.dtype == BF16
 
 
 # ==============================================================================================

@@ -1,0 +1,311 @@
+"""`with jamp.autocast():` anywhere (issue 21): eagerly, inside jit/grad/vmap/scan/checkpoint,
+around jitted callees, control flow, custom derivatives and Flax apply, with the same decisions
+as autocast_transform."""
+import threading
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jamp
+from tests.jaxpr_utils import eqns_named, iter_eqns
+
+BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
+KEY = jax.random.PRNGKey(0)
+X = jax.random.normal(KEY, (8, 16))
+W = jax.random.normal(jax.random.PRNGKey(1), (16, 16)) * 0.25
+B = jnp.linspace(-1.0, 1.0, 16)
+
+
+def block(x, w, b):
+    h = jnp.tanh(x @ w + b)
+    return h, jnp.exp(h), jnp.sum(h)
+
+
+def in_region(fn, **region):
+    def wrapped(*args):
+        with jamp.autocast(**region):
+            return fn(*args)
+
+    return wrapped
+
+
+def dtypes(tree):
+    return [np.dtype(x.dtype) for x in jax.tree.leaves(tree)]
+
+
+# --- eagerly at top level -------------------------------------------------------------------
+
+
+def test_eager_region_runs_the_policy_and_returns_its_dtypes():
+    with jamp.autocast():
+        y = X @ W
+        e = jnp.exp(y)
+        assert jamp.is_autocast_enabled() and jamp.get_autocast_dtype() == BF16
+    assert (y.dtype, e.dtype) == (BF16, F32)
+    assert not jamp.is_autocast_enabled()
+    assert (X @ W).dtype == F32  # the state is gone after the block
+
+
+def test_float64_integers_and_explicit_float32_blocks_are_untouched():
+    with jax.enable_x64(True):
+        x64 = jnp.ones((4, 4), jnp.float64)
+        ints = jnp.arange(16).reshape(4, 4)
+        with jamp.autocast():
+            assert (x64 @ x64).dtype == F64
+            assert (ints @ ints).dtype == ints.dtype
+            with jamp.autocast(enabled=False):
+                assert (X @ W).dtype == F32
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_eager_region_equals_autocast_transform(dtype):
+    expected = jamp.autocast_transform(block, dtype)(X, W, B)
+    got = in_region(block, dtype=dtype)(X, W, B)
+    assert dtypes(got) == dtypes(expected)
+    # Eagerly each op rounds to its dtype; the transform's compiled program fuses them.
+    chex.assert_trees_all_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+# --- inside transformations, with no wrapper ---------------------------------------------------
+
+
+def test_inside_jit_same_program_decisions_as_autocast_transform():
+    region = jax.make_jaxpr(in_region(block))(X, W, B)
+    transform = jax.make_jaxpr(jamp.autocast_transform(block))(X, W, B)
+    for name in ("dot_general", "tanh", "exp", "reduce_sum", "add"):
+        got = [tuple(v.aval.dtype for v in e.outvars) for e in eqns_named(region, name)]
+        want = [tuple(v.aval.dtype for v in e.outvars) for e in eqns_named(transform, name)]
+        assert got == want, name
+    chex.assert_trees_all_close(jax.jit(in_region(block))(X, W, B), jamp.autocast_transform(block)(X, W, B))
+
+
+def test_bias_add_after_a_matmul_stays_in_the_compute_dtype():
+    """jnp promotes the bf16 matmul output to add the float32 bias; the region reads that as the
+    float32 program's view (a bias add, as torch's linear), so the add runs in bfloat16."""
+    with jamp.autocast():
+        y = X @ W + B
+        residual = X @ W + X  # a full-size float32 operand promotes, as under autocast_transform
+    assert y.dtype == BF16
+    assert residual.dtype == F32
+
+
+def test_jnp_reductions_return_float32_in_a_region():
+    with jamp.autocast():
+        h = X @ W
+        assert (jnp.sum(h).dtype, jnp.mean(h).dtype) == (F32, F32)
+    assert jnp.sum(h).dtype == BF16  # jnp's own rule outside the region
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [jax.vmap, lambda f: jax.jit(jax.vmap(f)), lambda f: jax.checkpoint(f)],
+    ids=["vmap", "jit-vmap", "checkpoint"],
+)
+def test_region_inside_vmap_and_checkpoint(transform):
+    def f(x):
+        with jamp.autocast():
+            return jnp.exp(x @ W)
+
+    out = transform(f)(X)
+    assert out.dtype == F32
+    expected = jax.vmap(jamp.autocast_transform(lambda x: jnp.exp(x @ W)))(X)
+    chex.assert_trees_all_close(out, expected, rtol=2e-2)
+
+
+def test_region_inside_a_scan_body():
+    def body(carry, x):
+        with jamp.autocast():
+            y = x @ W
+        return carry + y.astype(F32), y
+
+    carry, ys = lax.scan(body, jnp.zeros(16), X)
+    assert ys.dtype == BF16 and carry.dtype == F32
+
+
+def test_grad_of_a_function_with_a_region():
+    def loss(w, x):
+        with jamp.autocast():
+            return jnp.mean((x @ w) ** 2)
+
+    grads = jax.grad(loss)(W, X)
+    assert grads.dtype == F32
+    program = jax.make_jaxpr(jax.grad(loss))(W, X)
+    assert {v.aval.dtype for e in eqns_named(program, "dot_general") for v in e.outvars} == {BF16}
+    chex.assert_trees_all_close(
+        grads, jax.grad(jamp.autocast_transform(lambda w, x: jnp.mean((x @ w) ** 2)))(W, X), rtol=2e-2
+    )
+
+
+def test_grad_called_inside_a_region_runs_forward_and_backward_under_the_policy():
+    def loss(w):
+        return jnp.sum(jnp.tanh(X @ w))
+
+    with jamp.autocast():
+        grads = jax.grad(loss)(W)
+    assert grads.dtype == F32
+    chex.assert_trees_all_close(grads, jax.grad(jamp.autocast_transform(loss))(W), atol=3e-2)
+    # (jax.make_jaxpr inside a region traces with a trace of its own, as jax.jit does: it shows
+    # the program before the region's rewrite. The region around the traced function shows it.)
+    program = jax.make_jaxpr(in_region(jax.grad(loss)))(W)
+    assert {v.aval.dtype for e in eqns_named(program, "dot_general") for v in e.outvars} == {BF16}
+
+
+# --- around calls that carry programs ----------------------------------------------------------
+
+
+def test_already_jitted_callee_follows_the_region():
+    matmul = jax.jit(lambda x, w: x @ w)
+    assert matmul(X, W).dtype == F32  # compiled once outside
+    with jamp.autocast():
+        assert matmul(X, W).dtype == BF16
+        with jamp.autocast(enabled=False):
+            assert matmul(X, W).dtype == F32
+    assert matmul(X, W).dtype == F32  # the cached float32 program is still what runs outside
+
+
+def test_control_flow_bodies_follow_the_region():
+    with jamp.autocast():
+        c = lax.cond(True, lambda x: x @ W, lambda x: x @ W * 2, X)
+        w = lax.while_loop(lambda s: s[0] < 2, lambda s: (s[0] + 1, jnp.tanh(s[1] @ W)), (0, X))
+        _, s = lax.scan(lambda c, x: (c, x @ W), 0.0, X)
+    assert c.dtype == BF16
+    assert w[1].dtype == F32  # a loop carry keeps its traced type
+    assert s.dtype == BF16
+
+
+def test_custom_jvp_and_custom_vjp_functions_follow_the_region():
+    @jax.custom_jvp
+    def f(x, w):
+        return x @ w
+
+    f.defjvp(lambda p, t: (f(*p), t[0] @ p[1] + p[0] @ t[1]))
+
+    @jax.custom_vjp
+    def g(x, w):
+        return jnp.tanh(x @ w)
+
+    g.defvjp(lambda x, w: (g(x, w), (x, w)), lambda r, ct: (ct @ r[1].T, r[0].T @ ct))
+
+    def loss(w):
+        with jamp.autocast():
+            return jnp.sum(f(X, w)) + jnp.sum(g(X, w))
+
+    with jamp.autocast():
+        assert f(X, W).dtype == BF16
+    assert jax.grad(loss)(W).dtype == F32
+    # Sums of 128 bf16 products that nearly cancel: compare at the scale of the terms.
+    expected = jamp.autocast_transform(lambda w: jnp.sum(f(X, w)) + jnp.sum(g(X, w)))(W)
+    chex.assert_trees_all_close(loss(W), expected, atol=0.1)
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(32)(x))
+        x = nn.LayerNorm()(x)
+        return nn.Dense(4)(x)
+
+
+def test_flax_apply_in_a_region_equals_autocast_transform_inside_jit():
+    model = MLP()
+    params = model.init(KEY, X)
+
+    @jax.jit
+    def region(params, x):
+        with jamp.autocast():
+            return model.apply(params, x)
+
+    transform = jax.jit(jamp.autocast_transform(model.apply))
+    a, b = jax.make_jaxpr(region)(params, X), jax.make_jaxpr(transform)(params, X)
+    decisions = lambda p: [  # noqa: E731
+        (e.primitive.name, tuple(v.aval.dtype for v in e.outvars))
+        for e in iter_eqns(p)
+        if e.primitive.name in ("dot_general", "reduce_sum", "rsqrt", "add")
+    ]
+    assert decisions(a) == decisions(b)
+    chex.assert_trees_all_close(region(params, X), transform(params, X), rtol=0, atol=0)
+    assert region(params, X).dtype == BF16
+
+
+def test_flax_rules_match_module_paths_in_a_region():
+    model = MLP()
+    params = model.init(KEY, X)
+    policy = jamp.Policy(jnp.bfloat16, rules=(("*/Dense_1", None),))
+    with jamp.autocast(policy):
+        out = model.apply(params, X)
+    assert out.dtype == F32  # the last layer is kept in float32 by the rule
+
+
+# --- state: nesting, exceptions, threads, decorator ---------------------------------------------
+
+
+def test_nesting_and_exceptions_restore_the_state():
+    with jamp.autocast():
+        with jamp.autocast(dtype=jnp.float16):
+            assert (X @ W).dtype == F16 and jamp.get_autocast_dtype() == F16
+            with jamp.autocast(enabled=False):
+                assert (X @ W).dtype == F32 and not jamp.is_autocast_enabled()
+        with pytest.raises(RuntimeError):
+            with jamp.autocast(enabled=False):
+                raise RuntimeError("boom")
+        assert (X @ W).dtype == BF16 and jamp.is_autocast_enabled()
+    assert not jamp.is_autocast_enabled() and (X @ W).dtype == F32
+
+
+def test_state_is_per_thread():
+    seen = {}
+    entered, release = threading.Event(), threading.Event()
+
+    def other():
+        entered.wait()
+        seen["other"] = ((X @ W).dtype, jamp.is_autocast_enabled())
+        release.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with jamp.autocast():
+        entered.set()
+        release.wait(timeout=60)
+        seen["main"] = ((X @ W).dtype, jamp.is_autocast_enabled())
+    thread.join()
+    assert seen == {"main": (BF16, True), "other": (F32, False)}
+
+
+def test_decorator_on_a_plain_function_and_inside_a_region():
+    @jamp.autocast(dtype=jnp.float16)
+    def half(x, w):
+        return x @ w
+
+    assert half(X, W).dtype == F16
+    with jamp.autocast():
+        assert half(X, W).dtype == F16
+        assert jax.jit(half)(X, W).dtype == F16
+
+
+def test_squares_run_in_float32_in_a_region():
+    """A region cannot see whether a square is summed later (autocast_transform can): squares
+    of a 16-bit value run in float32, torch's rule for pow (docs/reference/dtypes.md)."""
+    with jamp.autocast():
+        h = X @ W
+        assert (h**2).dtype == F32 and jnp.square(h).dtype == F32
+    gelu = jamp.autocast_transform(lambda x: (x @ W) ** 3)(X)
+    assert gelu.dtype == BF16  # not summed: the transform keeps the cube in bfloat16
+
+
+def test_eager_loop_reuses_the_rewritten_jitted_callee():
+    calls = []
+
+    @jax.jit
+    def step(x, w):
+        calls.append(1)  # runs once per trace
+        return x @ w
+
+    for _ in range(3):
+        with jamp.autocast():
+            step(X, W)
+    assert len(calls) <= 2  # traced for the region once, not once per entry
