@@ -50,6 +50,8 @@ nitpick_ignore_regex = [
     # pyupgrade rules write for typing.Callable, Sequence and Iterable.)
     ("py:class", r"(numpy|jax|jaxlib|inspect|collections\.abc)\..*"),
     ("py:class", r"Signature"),
+    # jax.typing.DTypeLike, imported by name: autodoc prints the bare alias.
+    ("py:class", r"DTypeLike"),
     # Report.unmatched_rules holds these; the class is not public (not in jamp.__all__).
     ("py:class", r"jamp\.policy\.UnmatchedRule"),
     # NonFinite.remedies and Ranges.entries hold these records; they are not public either.

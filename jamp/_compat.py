@@ -440,6 +440,23 @@ def zero_cotangent(aval: Any) -> Any:
 
 Trace = _core.Trace
 set_current_trace = _core.set_current_trace
+
+
+def is_loop_carry_type_error(error: BaseException) -> bool:
+    """Whether ``error`` is JAX's refusal of a loop whose body returns a carry of another type
+    than it received (``lax.scan``/``while_loop``/``fori_loop``; the wording is JAX's)."""
+    text = str(error)
+    return isinstance(error, TypeError) and (
+        "carry input and carry output must have" in text or "must have identical types" in text
+    )
+
+
+def share_trace_identity(trace: Any, parent: Any) -> None:
+    """Make ``trace`` answer to ``parent``'s identity where JAX and libraries ask which trace is
+    current: ``get_opaque_trace_state`` (Flax NNX's check that a Variable is updated at the trace
+    level it was made at) and the ``trace_state`` part of the jit cache key both read the trace's
+    ``_weakref``. (The jit key still tells a region apart: see region_trace.REGION_KEY.)"""
+    trace._weakref = parent._weakref
 _NO_NAMES = _siu.NameStack()
 _JNP_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
 

@@ -30,11 +30,13 @@ docs/reference/dtypes.md, "Regions"):
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from . import _compat as compat
@@ -47,11 +49,17 @@ from .interpreter import (
     has_subprograms,
     is_float,
     track_derived,
+    widest,
 )
 from .policy import Policy, RegionState
 from .transform import SubJaxprCache
 
 _tls = threading.local()
+# A region looks like its parent trace to JAX and to Flax NNX (compat.share_trace_identity): this
+# jit-cache-key context, set to the region's policy while a region is pushed, is what makes a
+# jitted function called in a region trace and compile again (under the policy) rather than run
+# the program it cached outside. Public API, made once at import (JAX asks for that).
+REGION_KEY = jax.make_user_context(None)
 # Rewritten sub-jaxprs per policy, kept across regions: an eager loop entering a region every
 # step calls the same jitted function, which must not be rewritten (and compiled) every time.
 _STORES: dict[Policy, weakref.WeakKeyDictionary] = {}
@@ -77,7 +85,7 @@ class RegionEquation:
     @property
     def outvars(self) -> list:
         if self._outvars is None:
-            avals = [v.aval for v in self.invars]
+            avals = _program_view([v.aval for v in self.invars])
             self._outvars = [
                 compat.Var(a) for a in compat.abstract_outputs(self.primitive, avals, self.params)
             ]
@@ -90,6 +98,17 @@ class RegionEquation:
         ):
             self._outvars = [compat.Var(compat.aval_of(x)) for x in outs]
         return self._outvars
+
+
+def _program_view(avals: list) -> list:
+    """Operand types as the float32 program has them: floating operands that arrive in
+    different dtypes (a value the policy made 16-bit, moved by a shape op after jnp promoted it,
+    beside a float32 bias) are typed in the widest of them, as jnp's promotion typed them."""
+    floating = [a for a in avals if is_float(getattr(a, "dtype", np.int32))]
+    if len({a.dtype for a in floating}) < 2:
+        return avals
+    wide = widest(*(a.dtype for a in floating))
+    return [a.update(dtype=wide, weak_type=False) if a in floating else a for a in avals]
 
 
 class RegionEnv(Env):
@@ -117,12 +136,12 @@ class RegionEnv(Env):
     def remember(self, value: Any, var: Any) -> None:
         key = id(value)
         try:
-            ref = weakref.ref(value, lambda _, key=key, var=var: self._forget(key, var))
+            ref = weakref.ref(value, functools.partial(self._forget, key, var))
         except TypeError:  # numpy values and Python scalars: a fresh variable each time
             return
         self._vars[key] = (ref, var)
 
-    def _forget(self, key: int, var: Any) -> None:
+    def _forget(self, key: int, var: Any, _ref: Any = None) -> None:
         entry = self._vars.get(key)
         if entry is not None and entry[1] is var:
             del self._vars[key]
@@ -147,6 +166,7 @@ class RegionTrace(compat.Trace):
             policy, RegionState(True, policy.compute_dtype), rewritten, region=True
         )
         self.env = RegionEnv()
+        compat.share_trace_identity(self, parent)
 
     # -- ordinary primitives ------------------------------------------------------------------
 
@@ -239,6 +259,17 @@ class RegionTrace(compat.Trace):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
 
 
+# JAX traces a loop body (with the types its initial carry has) before the loop reaches the
+# region; a carry the region made 16-bit then meets a body traced without the policy.
+LOOP_CARRY_NOTE = (
+    "(inside a jamp.autocast region: the loop's initial carry is {dtype} because the region "
+    "computed it, while JAX traced the loop body without the policy. Cast the initial carry to "
+    "its float32 type before the loop (x.astype(jnp.float32)), enter the region inside the loop "
+    "body, or use jamp.autocast_transform(fn), which rewrites the whole program; see "
+    "docs/reference/dtypes.md, 'Regions')"
+)
+
+
 @contextlib.contextmanager
 def pushed(policy: Policy) -> Iterator[None]:
     """Make a region trace the current trace for the block (one per thread: regions nested in
@@ -246,9 +277,14 @@ def pushed(policy: Policy) -> Iterator[None]:
     trace = RegionTrace(compat.current_trace(), policy)
     _tls.depth = getattr(_tls, "depth", 0) + 1
     try:
-        with compat.set_current_trace(trace):
+        with REGION_KEY(policy), compat.set_current_trace(trace):
             yield
+    except TypeError as err:
+        dtype = policy.compute_dtype.name
+        if compat.is_loop_carry_type_error(err) and dtype in str(err) and hasattr(err, "add_note"):
+            # (add_note: Python 3.11+)
+            err.add_note(LOOP_CARRY_NOTE.format(dtype=dtype))
+        raise
     finally:
         _tls.depth -= 1
         trace.invalidate()
-

@@ -16,11 +16,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from jax.typing import DTypeLike
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from . import region_trace
 from .policy import Policy
@@ -79,6 +78,12 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 f"got {type(enabled).__name__}; use lax.cond for data-dependent choices"
             )
         self.policy = dtype if isinstance(dtype, Policy) else None
+        if self.policy is not None and self.policy.cast_inputs:
+            raise ValueError(
+                "jamp.autocast(policy): Policy(cast_inputs=True) casts the inputs of a transformed "
+                "function, and a region has none; use jamp.autocast_transform(fn, policy), or "
+                "cast explicitly with x.astype(...) in the block"
+            )
         self.dtype = self.policy.compute_dtype if self.policy else _region_dtype(dtype, "dtype")
         self.enabled = bool(enabled)
         self.cast_inputs = _region_dtype(cast_inputs, "cast_inputs")
@@ -95,7 +100,8 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._entered.pop().close()
+        # The exception goes through the region's contexts (the region trace notes loop errors).
+        self._entered.pop().__exit__(*exc)
 
     def __call__(self, fn: Callable) -> Callable:
         if not callable(fn):

@@ -12,7 +12,7 @@ import pytest
 from jax import lax
 
 import jamp
-from tests.jaxpr_utils import eqns_named, iter_eqns
+from tests.jaxpr_utils import eqns_named, iter_eqns, operand_dtypes
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 KEY = jax.random.PRNGKey(0)
@@ -311,3 +311,98 @@ def test_eager_loop_reuses_the_rewritten_jitted_callee():
         with jamp.autocast():
             step(X, W)
     assert len(calls) <= 2  # traced for the region once, not once per entry
+
+
+# --- what the zoo found: vmapped bias adds, NNX state, loop carries, an explicit float32 cast ----
+
+
+def test_vmapped_layer_bias_add_stays_in_the_compute_dtype():
+    """Under vmap, jnp promotes ``x @ w`` (bfloat16) to float32 for the bias add and the batching
+    rule moves the promoted value before the add: the add still runs as the float32 program's
+    bias add does, in bfloat16 (Equinox's Linear, applied with jax.vmap)."""
+
+    def layer(x, w, b):
+        return w @ x + b
+
+    def in_vmap(x, w, b):
+        with jamp.autocast():
+            return jax.vmap(layer, in_axes=(0, None, None))(x, w, b)
+
+    got = jax.jit(in_vmap)(X, W, B)
+    expected = jax.jit(jamp.autocast_transform(jax.vmap(layer, in_axes=(0, None, None))))(X, W, B)
+    assert got.dtype == expected.dtype == BF16
+    chex.assert_trees_all_close(got, expected, rtol=0, atol=0)
+
+
+def test_nnx_batchnorm_updates_its_statistics_inside_a_region_under_nnx_jit():
+    """A region looks like the trace it runs in to Flax NNX, which refuses to update a Variable
+    from another trace level: BatchNorm's statistics update in place as without the region,
+    and an already-jitted function called in the region is still traced again under it."""
+    from flax import nnx
+
+    model = nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), nnx.BatchNorm(16, rngs=nnx.Rngs(0)))
+    reference = nnx.clone(model)
+
+    @nnx.jit
+    def forward(model, x):
+        with jamp.autocast():
+            return model(x)
+
+    out = forward(model, X)
+    expected = reference(X)  # float32, eagerly: the statistics it sets are float32's
+    assert out.dtype == F32  # BatchNorm normalises in float32 (rsqrt, mean: the fp32 table)
+    stats, ref_stats = model.layers[1].mean.value, reference.layers[1].mean.value
+    assert stats.dtype == F32 and not np.allclose(stats, 0.0)
+    chex.assert_trees_all_close(stats, ref_stats, atol=0.05)
+    chex.assert_trees_all_close(out, expected, atol=0.1)
+
+
+def test_a_loop_carry_the_region_made_16_bit_gets_an_error_that_says_what_to_do():
+    """JAX traces a loop body with its initial carry's type before jamp sees the loop: a carry
+    the region computed in bfloat16 meets a body traced without the policy. The error says why
+    and what to do; casting the carry to float32 first runs the body under the policy."""
+
+    def carried(x, cast):
+        with jamp.autocast():
+            h = x @ W
+            h = h.astype(jnp.float32) if cast else h
+            return lax.scan(lambda c, _: (c @ W, None), h, None, length=2)[0]
+
+    for fn in (carried, jax.jit(carried, static_argnums=1)):
+        with pytest.raises(TypeError) as raised:
+            fn(X, False)
+        notes = "".join(getattr(raised.value, "__notes__", ()))
+        assert "inside a jamp.autocast region: the loop's initial carry is bfloat16" in notes
+        assert "x.astype(jnp.float32)" in notes
+    jaxpr = jax.make_jaxpr(carried, static_argnums=1)(X, True)
+    assert [d for d in operand_dtypes(jaxpr, "dot_general")] == [("bfloat16", "bfloat16")] * 2
+    assert jax.jit(carried, static_argnums=1)(X, True).dtype == F32  # the carry keeps its type
+
+
+def test_an_unrelated_loop_type_error_gets_no_region_note():
+    def wrong(x):
+        with jamp.autocast(enabled=True):
+            return lax.scan(lambda c, _: (c.astype(jnp.int32), None), x, None, length=2)[0]
+
+    with pytest.raises(TypeError) as raised:
+        wrong(X)
+    assert not any("jamp.autocast region" in n for n in getattr(raised.value, "__notes__", ()))
+
+
+def test_an_explicit_float32_cast_of_the_result_is_honoured_in_a_region():
+    """A model that ends with ``jnp.asarray(x, jnp.float32)`` (Flax's ResNet) returns float32
+    from a region, as torch does; autocast_transform traced that cast as a no-op of a float32
+    value and returns bfloat16 (docs/reference/dtypes.md, "Regions")."""
+
+    def model(x, w):
+        return jnp.asarray(x @ w, jnp.float32)
+
+    def in_region(x, w):
+        with jamp.autocast():
+            return model(x, w)
+
+    region, transform = jax.jit(in_region)(X, W), jax.jit(jamp.autocast_transform(model))(X, W)
+    assert (region.dtype, transform.dtype) == (F32, BF16)
+    assert operand_dtypes(jax.make_jaxpr(in_region)(X, W), "dot_general") == [("bfloat16",) * 2]
+    # (XLA may keep the bfloat16 product unrounded before the cast: equal to bfloat16's precision)
+    chex.assert_trees_all_close(region, transform.astype(F32), rtol=2.0**-8)

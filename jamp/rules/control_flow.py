@@ -15,7 +15,7 @@ from typing import Any
 from jax import lax
 
 from .. import _compat as compat
-from ..interpreter import Hint, Step, cast_all, is_float, register
+from ..interpreter import Hint, Step, cast_all, register
 
 
 def _carry_in(step: Step, first: int, count: int) -> list[Any]:

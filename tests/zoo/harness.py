@@ -6,6 +6,7 @@ it), and each function in :data:`CHECKS` asserts one property of the run against
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ from flax import nnx
 
 import jamp
 import jamp.interpreter
+from tests.jaxpr_utils import iter_eqns
 
 F32 = jnp.float32
 
@@ -57,6 +59,9 @@ class ZooModel:
     name: str
     build: Callable[[], ZooCase]
     slow: bool = False
+    # The model feeds a value the region computes (16-bit) into a loop as its initial carry:
+    # JAX refuses that before jamp sees the loop (docs/reference/dtypes.md, "Regions").
+    region_carry_limit: bool = False
 
 
 POLICIES = {
@@ -179,8 +184,9 @@ def stage(method):
             self.seconds[name] = time.perf_counter() - start
         ok, value = self._stages[name]
         if not ok:
+            notes = "".join("\n" + n for n in getattr(value, "__notes__", ()))
             raise StageFailed(f"{self.label}: stage {name!r} raised "
-                              f"{type(value).__name__}: {value}") from value
+                              f"{type(value).__name__}: {value}{notes}") from value
         return value
     return property(wrapper)
 
@@ -299,6 +305,23 @@ class ZooRun:
         fn = self.case.jit(jamp.autocast_transform(self.case.grad(self.loss),
                                              self.policy.replace(output_dtype=F32)))
         return self._call("autocast(grad(f))", fn, self.case.grad_args)
+
+    @functools.cached_property
+    def region_function(self) -> Callable:
+        """``forward`` with ``with jamp.autocast(policy):`` around its body, no wrapper."""
+        forward, policy = self.case.forward, self.policy
+
+        def in_region(*args):
+            with jamp.autocast(policy):
+                return forward(*args)
+
+        return in_region
+
+    @stage
+    def region(self):
+        """The region form inside the user's jit."""
+        return self._call("region", self.case.jit(self.region_function), self.case.args,
+                          self.reference[1])
 
     @stage
     def report(self):
@@ -446,6 +469,80 @@ def check_inputs_unchanged(run: ZooRun) -> None:
     assert not bad, "\n".join(bad)
 
 
+def check_region_equals_transform(run: ZooRun) -> None:
+    """The region form (``with jamp.autocast(policy):`` around the call, inside the user's jit)
+    makes the decisions ``jit(autocast_transform(f, policy))`` makes: the same operand and result
+    dtypes for every matmul/conv and fp32-table equation of the two programs, and the same outputs
+    (values within one unit in the last place of the compute dtype at the output's scale: the two
+    programs differ in converts jamp leaves for XLA to drop, so XLA fuses them differently and a
+    float32 statistic of 16-bit values may round in another order). One output dtype may differ, as docs/reference/dtypes.md
+    ("Regions") says: a model that ends by casting to float32 (Flax's ``jnp.asarray(x, dtype)``)
+    returns float32 from a region, as torch does, where ``autocast_transform`` sees no cast (the
+    value was traced float32) and returns the compute dtype. ``cast_inputs=True`` casts a
+    function's inputs, which a region does not have: it is refused with an error that says so."""
+    if run.policy.cast_inputs:
+        try:
+            run.region
+        except StageFailed as e:
+            assert "cast_inputs" in str(e), str(e)
+            return
+        raise AssertionError("a region accepted Policy(cast_inputs=True)")
+    if run.model.region_carry_limit:
+        try:
+            run.region
+        except StageFailed as e:
+            assert "inside a jamp.autocast region: the loop's initial carry" in str(e), str(e)
+            return
+        raise AssertionError("the region form now runs this model: drop region_carry_limit")
+    region, transform = array_leaves(run.region), array_leaves(run.jitted)
+    assert [p for p, _ in region] == [p for p, _ in transform]
+    bad = []
+    for (path, a), (_, b) in zip(region, transform):
+        if a.dtype != b.dtype and not (a.dtype == F32 and b.dtype == run.policy.compute_dtype):
+            bad.append(f"{path}: region {a.dtype}, autocast_transform {b.dtype}")
+            continue
+        if not is_float(a):
+            if not np.array_equal(np.asarray(a), np.asarray(b)):
+                bad.append(f"{path}: integer outputs differ")
+            continue
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        compute = run.policy.compute_dtype
+        scale = max(float(np.max(np.abs(b64))), float(jnp.finfo(compute).tiny))
+        ulp = float(jnp.finfo(compute).eps) * scale
+        worst = float(np.max(np.abs(a64 - b64))) if a64.size else 0.0
+        if worst > ulp:
+            bad.append(f"{path}: max difference {worst:.3g} > 1 ulp ({ulp:.3g}) of {compute}")
+    decisions = {}
+    for form, fn in (("region", run.region_function), ("autocast_transform", run.transformed)):
+        decisions[form] = table_decisions(fn, run.case.args, run.policy)
+    missing = decisions["autocast_transform"] - decisions["region"]
+    extra = decisions["region"] - decisions["autocast_transform"]
+    if missing or extra:
+        bad.append(f"table equations only autocast_transform has: {dict(missing)}; "
+                   f"only the region has: {dict(extra)}")
+    assert not bad, "\n".join(bad)
+
+
+def table_decisions(fn: Callable, args: tuple, policy: jamp.Policy) -> collections.Counter:
+    """(primitive, operand dtypes, result dtypes) of every lower- and fp32-table equation of the
+    program ``fn(*args)`` traces to, sub-jaxprs included, counted."""
+    flat, tree = jax.tree.flatten(fresh_copy(args))
+    at = [i for i, x in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray))]
+
+    def traced(*arrays):
+        leaves = list(flat)
+        for i, x in zip(at, arrays):
+            leaves[i] = x
+        return fn(*jax.tree.unflatten(tree, leaves))
+
+    closed = jax.make_jaxpr(traced)(*(flat[i] for i in at))
+    table = policy.lower | policy.fp32
+    return collections.Counter(
+        (e.primitive.name, tuple(str(v.aval.dtype) for v in e.invars),
+         tuple(str(v.aval.dtype) for v in e.outvars))
+        for e in iter_eqns(closed) if e.primitive.name in table)
+
+
 def check_explain_share(run: ZooRun) -> None:
     share = run.report.low_precision_flop_share
     assert share >= 0.99, (f"16-bit share of matmul/conv FLOPs {share:.4f} < 0.99: "
@@ -463,4 +560,5 @@ CHECKS = {
     "enable_checks": check_enable_checks,
     "inputs_unchanged": check_inputs_unchanged,
     "explain_share": check_explain_share,
+    "region_eq_transform": check_region_equals_transform,
 }

@@ -420,7 +420,7 @@ MODELS = [
     ZooModel("flax_lm1b", flax_lm1b, slow=True),
     ZooModel("flax_sst2", flax_sst2),
     ZooModel("flax_vae", flax_vae),
-    ZooModel("nnx_scan_mlp", nnx_scan_mlp),
+    ZooModel("nnx_scan_mlp", nnx_scan_mlp, region_carry_limit=True),
     ZooModel("eqx_mlp", eqx_mlp),
     ZooModel("eqx_cnn_batchnorm", eqx_cnn_batchnorm),
     ZooModel("eqx_attention", eqx_attention),
