@@ -457,6 +457,8 @@ def share_trace_identity(trace: Any, parent: Any) -> None:
     level it was made at) and the ``trace_state`` part of the jit cache key both read the trace's
     ``_weakref``. (The jit key still tells a region apart: see region_trace.REGION_KEY.)"""
     trace._weakref = parent._weakref
+
+
 _NO_NAMES = _siu.NameStack()
 _JNP_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
 
