@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from .program import Signature
+from .signature import Signature
 
 _REGISTERED: set[type] = set()
 _BUILTIN_NODES = (tuple, list, dict, type(None))

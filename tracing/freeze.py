@@ -28,7 +28,8 @@ from jamp.policy import Policy
 
 from . import passes
 from .passes.fold_constants import with_aval
-from .program import Program, Signature, callable_name, leaf_aval
+from .program import Program, callable_name
+from .signature import Signature, leaf_aval
 
 _NO_RNGS = object()  # the frozen function has no rngs input
 

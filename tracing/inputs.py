@@ -14,7 +14,7 @@ import jax
 
 from jamp import _compat as compat
 
-from .program import Signature
+from .signature import Signature
 
 _CHECK_INPUTS_FORM = (
     "check_inputs is a list with one tuple of positional arguments per check, "

@@ -26,7 +26,8 @@ from . import leaks, randomness
 from . import tolerance as tolerances
 from .errors import TracerWarning, TracingCheckError
 from .inputs import as_inputs, check_binds, reject_tracers, validate_check_inputs
-from .program import Program, Signature, callable_name, keep_dict_order, order_skeleton
+from .program import Program, callable_name, keep_dict_order, order_skeleton
+from .signature import Signature
 
 
 @dataclasses.dataclass

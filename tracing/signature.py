@@ -1,0 +1,109 @@
+"""The input signature of a traced program: each leaf's path (``inputs[0]['x']``) and aval, and
+the checks that name a wrong input by its path. Shared by ``program`` (calls) and ``export``
+(loaded functions), below both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jamp import _compat as compat
+
+
+def input_path(path: Sequence[Any]) -> str:
+    """``inputs[0]['x']``: how errors name a leaf of the positional inputs tuple."""
+    return "inputs" + jax.tree_util.keystr(tuple(path))
+
+
+def leaf_aval(leaf: Any, where: str) -> Any:
+    """The aval an input leaf is traced at; a clear TypeError for leaves that are not arrays."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        return compat.ShapedArray(leaf.shape, leaf.dtype, weak_type=leaf.weak_type)
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic, bool, int, float, complex)):
+        return compat.aval_of(leaf)
+    raise TypeError(
+        f"{where} is a {type(leaf).__name__}, not an array: traced functions take arrays (and "
+        "pytrees of arrays) only; bind other arguments with functools.partial before tracing"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """The input tree of a program, with each leaf's path and aval."""
+
+    in_tree: Any
+    paths: tuple[str, ...]
+    avals: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, inputs: tuple) -> Signature:
+        with_paths, in_tree = jax.tree_util.tree_flatten_with_path(inputs)
+        paths = tuple(input_path(p) for p, _ in with_paths)
+        avals = tuple(leaf_aval(leaf, where) for where, (_, leaf) in zip(paths, with_paths))
+        return cls(in_tree, paths, avals)
+
+    @classmethod
+    def from_avals(cls, in_tree: Any, avals: Sequence[Any]) -> Signature:
+        tree = jax.tree.unflatten(in_tree, list(range(len(avals))))
+        paths = tuple(input_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+        return cls(in_tree, paths, tuple(avals))
+
+    def specs(self) -> Any:
+        """The inputs as a pytree of ``jax.ShapeDtypeStruct``."""
+        return jax.tree.unflatten(
+            self.in_tree,
+            [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self.avals],
+        )
+
+    def flatten(self, inputs: tuple, name: str) -> list[Any]:
+        """The leaves of ``inputs`` after checking them against the signature.
+
+        Raises TypeError for another tree structure or dtype, ValueError for another shape, each
+        naming the first mismatching leaf by its path.
+        """
+        with_paths, tree = jax.tree_util.tree_flatten_with_path(inputs)
+        if tree != self.in_tree:
+            raise TypeError(f"{name}: {self.structure_mismatch(with_paths, tree)}")
+        leaves = []
+        for where, aval, (_, leaf) in zip(self.paths, self.avals, with_paths):
+            got = leaf_aval(leaf, where)
+            if got.dtype != aval.dtype:
+                raise TypeError(
+                    f"{name}: {where} has dtype {got.dtype}, but the function was "
+                    f"traced for {aval.dtype} (shape {aval.shape})"
+                )
+            if got.shape != aval.shape:
+                raise ValueError(
+                    f"{name}: {where} has shape {got.shape}, but the function was "
+                    f"traced for shape {aval.shape}; trace it again for new shapes"
+                )
+            leaves.append(leaf)
+        return leaves
+
+    def structure_mismatch(self, with_paths: list, tree: Any) -> str:
+        got_paths = [input_path(p) for p, _ in with_paths]
+        for expected, got in zip(self.paths, got_paths):
+            if expected != got:
+                return (
+                    f"the inputs differ in structure from the traced ones at {got}: expected "
+                    f"a leaf at {expected}. Traced with {self.in_tree}, called with {tree}"
+                )
+        if len(got_paths) != len(self.paths):
+            where = (
+                f"missing {self.paths[len(got_paths)]}"
+                if len(got_paths) < len(self.paths)
+                else f"unexpected {got_paths[len(self.paths)]}"
+            )
+            return (
+                f"the inputs differ in structure from the traced ones: {where}. Traced with "
+                f"{self.in_tree}, called with {tree}"
+            )
+        return (
+            f"the inputs differ in container types from the traced ones. Traced with "
+            f"{self.in_tree}, called with {tree}"
+        )
