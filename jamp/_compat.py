@@ -459,6 +459,14 @@ def share_trace_identity(trace: Any, parent: Any) -> None:
     trace._weakref = parent._weakref
 
 
+def lower_high_primitives_as(trace: Any, parent: Any) -> None:
+    """Make ``trace`` take JAX's "high" primitives (``custom_vjp`` under ``jax_custom_vjp3``,
+    ``hijax`` types) as ``parent`` takes them: a base ``Trace`` asks ``bind`` to expand them to
+    their low-level body first (``requires_low``), which would drop a ``custom_vjp``'s rule
+    under a jit, ``grad`` or ``vmap`` (whose traces take them whole); eagerly both expand."""
+    trace.requires_low = getattr(parent, "requires_low", True)
+
+
 _NO_NAMES = _siu.NameStack()
 _JNP_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
 
@@ -488,6 +496,25 @@ def abstract_outputs(primitive: Any, avals: Sequence[Any], params: dict[str, Any
     """The output avals ``primitive`` gives for operand avals ``avals``."""
     out, _ = primitive.abstract_eval(*avals, **params)
     return list(out) if primitive.multiple_results else [out]
+
+
+def runs_custom_calls_inline(trace: Any, args: Sequence[Any]) -> bool:
+    """Whether ``trace`` calls a ``custom_jvp``/``custom_vjp`` function's body itself with
+    ``args`` instead of staging or differentiating the call: the eval trace (eager code), a
+    lowering jaxpr trace, and a jaxpr trace under ``jax.ensure_compile_time_eval`` with no
+    traced operand (``EvalTrace``/``DynamicJaxprTrace.process_custom_*_call``, the same in 0.10
+    and 0.12)."""
+    from jax._src import config
+
+    if isinstance(trace, _core.EvalTrace):
+        return True
+    return isinstance(trace, _pe.DynamicJaxprTrace) and (
+        trace.requires_low
+        or (
+            config.eager_constant_folding.value
+            and not any(isinstance(x, _core.Tracer) for x in args)
+        )
+    )
 
 
 def bind_custom(primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict) -> Any:

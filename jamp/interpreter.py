@@ -1,10 +1,14 @@
 """The rewriting evaluator: walks a jaxpr and re-binds every equation under the caller's trace,
 inserting casts where the policy says so.
 
-Rules live in ``RULES`` (primitive name -> rule), as in JAX's own interpreters; primitives without
-a registered rule go through the policy's category (lower / fp32 / promote) or the default rule.
-A rule receives a :class:`Step` (the equation, its operands as they arrive, the region state) and
-returns the equation's outputs.
+Rules live in one registry, ``RULES`` (primitive name -> :class:`PrimitiveRules`), as in JAX's
+own interpreters, and every front end reads it: the rewriter (``autocast_transform``), the region
+trace (``jamp.autocast`` anywhere) and the instrumented evaluator of ``find_nonfinite`` and
+``value_ranges`` (``probe.py``). A rewrite rule receives a :class:`Step` (the equation, its
+operands as they arrive, the region state) and returns the equation's outputs; primitives
+without one go through the policy's category (lower / fp32 / promote) or the default rule. A
+primitive that carries programs also says how the instrumented evaluator walks into them
+(:func:`register_walk`), next to its rewrite rule.
 """
 
 from __future__ import annotations
@@ -25,7 +29,26 @@ from .policy import Policy, RegionState, ScopeLog, report_unmatched_rules
 from .region_stack import apply_marker
 
 Rule = Callable[["Step"], Sequence[Any]]
-RULES: dict[str, Rule] = {}
+# (probe's context for the equation, its operands, the observer's state) -> (outputs, state)
+Walk = Callable[[Any, Sequence[Any], Any], tuple[list[Any], Any]]
+
+
+@dataclasses.dataclass
+class PrimitiveRules:
+    """What jamp does with one primitive, in every front end."""
+
+    rewrite: Rule | None = None  # the rewriter's and the region trace's rule
+    # How probe.py's instrumented evaluation enters the programs the primitive carries: ``walk``
+    # evaluates the equation, ``bodies`` lists the open jaxprs it enters (in site-numbering
+    # order), ``loop`` says whether they run once per iteration. ``walk=None`` with
+    # ``opaque=True``: the evaluator runs the equation whole, as one site (see register_walk).
+    walk: Walk | None = None
+    bodies: Callable[[Any], list[Any]] | None = None
+    loop: bool = False
+    opaque: bool = False
+
+
+RULES: dict[str, PrimitiveRules] = {}
 F32 = np.dtype(np.float32)
 F64 = np.dtype(np.float64)
 
@@ -39,14 +62,63 @@ class UnsupportedPrimitiveWarning(UserWarning):
 
 
 def register(*names: str) -> Callable[[Rule], Rule]:
-    """Register a rule for primitives by name: ``@register("scan")``."""
+    """Register a rewrite rule for primitives by name: ``@register("scan")``."""
 
     def wrap(rule: Rule) -> Rule:
         for name in names:
-            RULES[name] = rule
+            RULES.setdefault(name, PrimitiveRules()).rewrite = rule
         return rule
 
     return wrap
+
+
+def register_walk(
+    *names: str, bodies: Callable[[Any], list[Any]], loop: bool = False
+) -> Callable[[Walk], Walk]:
+    """Register how the instrumented evaluator (``probe.py``) walks into the programs these
+    primitives carry: ``@register_walk("scan", bodies=..., loop=True)``."""
+
+    def wrap(walk: Walk) -> Walk:
+        for name in names:
+            entry = RULES.setdefault(name, PrimitiveRules())
+            entry.walk, entry.bodies, entry.loop = walk, bodies, loop
+        return walk
+
+    return wrap
+
+
+def register_opaque(*names: str) -> None:
+    """Primitives whose programs the instrumented evaluator does not enter: each runs whole, as
+    one site (a ``shard_map`` body needs its mesh; a linear solve's jaxprs are callbacks)."""
+    for name in names:
+        RULES.setdefault(name, PrimitiveRules()).opaque = True
+
+
+def rewrite_rule(name: str) -> Rule | None:
+    entry = RULES.get(name)
+    return entry.rewrite if entry is not None else None
+
+
+def walk_rules(name: str) -> PrimitiveRules | None:
+    """The registry entry of ``name`` if the instrumented evaluator walks into it."""
+    entry = RULES.get(name)
+    return entry if entry is not None and entry.walk is not None else None
+
+
+def call_body(eqn: Any) -> Any:
+    """The closed or open jaxpr of a call-like equation (``jaxpr`` or ``call_jaxpr``)."""
+    params = eqn.params
+    return params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+
+
+def walk_call(ctx: Any, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
+    """The instrumented walk of a call (jit, remat, a custom-derivative call): its body, inline
+    (no derivative is taken while walking)."""
+    return ctx.run(call_body(ctx.eqn), invals, state)
+
+
+def call_bodies(eqn: Any) -> list[Any]:
+    return [compat.open_and_consts(compat.as_closed(call_body(eqn)))[0]]
 
 
 def is_float(dtype: Any) -> bool:
@@ -431,7 +503,7 @@ class Rewriter:
 
     def apply(self, step: Step) -> Sequence[Any]:
         name = step.eqn.primitive.name
-        rule = RULES.get(name) or CATEGORY_RULES.get(self.policy.category(name)) or default_rule
+        rule = rewrite_rule(name) or CATEGORY_RULES.get(self.policy.category(name)) or default_rule
         try:
             outs = rule(step)
             if self.recorder is not None:

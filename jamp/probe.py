@@ -4,8 +4,11 @@
 The program is ``autocast_transform(fn, policy)`` (or its ``jax.value_and_grad``, so backward
 equations are there too), traced once to a jaxpr. A :class:`Walker` evaluates that jaxpr equation
 by equation and hands every leaf equation's outputs to an *observer*, which folds them into a
-small state (a flag, maxima, counts). scan/while/cond bodies are rebuilt with ``lax`` and thread
-the state through their carries; jit, remat and custom-derivative bodies are entered inline. Under
+small state (a flag, maxima, counts). How it enters the programs a primitive carries comes from
+the engine's one rule registry (``interpreter.RULES``; the walks sit beside the rewrite rules in
+``rules/``): scan/while/cond bodies are rebuilt with ``lax`` and thread the state through their
+carries; jit, remat and custom-derivative bodies are entered inline; ``shard_map`` and the other
+primitives registered opaque run whole, as one site. Under
 ``jax.jit`` this is one compiled pass; under ``jax.disable_jit()`` the same walk runs op by op
 (loops become Python loops), which is how a failure is drilled down to concrete operands.
 
@@ -26,11 +29,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from . import _compat as compat
 from .call_args import split_leaves, static_key
-from .interpreter import Rewriter, is_float
+from .interpreter import Rewriter, is_float, walk_rules
 from .policy import Policy, RegionState
 
 # XLA may otherwise keep a chain of 16-bit ops in float32 inside a fusion (CPUs do): the check
@@ -248,29 +250,15 @@ def _argument_name(path: tuple) -> str:
 # --- higher-order equations: how to count and walk their bodies ---------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Kind:
-    bodies: Callable[[Any], list[Any]]  # eqn -> the open jaxprs walked, in numbering order
-    loop: bool
-    walk: Callable[..., Any]
-
-
-KINDS: dict[str, Kind] = {}
-
-
-def _open(value: Any) -> Any:
-    return compat.open_and_consts(compat.as_closed(value))[0]
-
-
 @functools.lru_cache(maxsize=4096)
 def _count_cached(jaxpr: Any) -> tuple[int, int]:
     sites, depth = 0, 0
     for eqn in jaxpr.eqns:
-        kind = KINDS.get(eqn.primitive.name)
+        kind = walk_rules(eqn.primitive.name)
         if kind is None:
             sites += 1
             continue
-        for body in kind.bodies(eqn):
+        for body in kind.bodies(eqn):  # type: ignore[misc]  # set with every walk
             n, d = _count_cached(body)
             sites += n
             depth = max(depth, d + int(kind.loop))
@@ -280,11 +268,6 @@ def _count_cached(jaxpr: Any) -> tuple[int, int]:
 def count_sites(jaxpr: Any) -> tuple[int, int]:
     """(number of leaf equations, deepest loop nesting) of a jaxpr, bodies included."""
     return _count_cached(jaxpr)
-
-
-def _body_of(eqn: Any) -> list[Any]:
-    params = eqn.params
-    return [_open(params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"])]
 
 
 class Walker:
@@ -339,7 +322,7 @@ class Walker:
 
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
-            kind = KINDS.get(eqn.primitive.name)
+            kind = walk_rules(eqn.primitive.name)
             is_backward = backward or self.is_derivative(eqn)
             if kind is not None:
                 state = fold(state)  # earlier sites first: the body's fold comes after them
@@ -352,8 +335,8 @@ class Walker:
                     is_backward,
                     regions.child(regions.state_for(eqn)),
                 )
-                outs, state = kind.walk(ctx, invals, state)
-                index += sum(count_sites(b)[0] for b in kind.bodies(eqn))
+                outs, state = kind.walk(ctx, invals, state)  # type: ignore[misc]
+                index += sum(count_sites(b)[0] for b in kind.bodies(eqn))  # type: ignore[misc]
             else:
                 outs = bind(eqn, invals)
                 site = Site(index, eqn, jaxpr, regions.state_for(eqn), loops, is_backward)
@@ -407,109 +390,20 @@ class Context:
             self.regions,
         )
 
+    def bind(self, invals: Sequence[Any]) -> list[Any]:
+        """The equation itself, uninstrumented."""
+        return bind(self.eqn, invals)
 
-def register_kind(*names: str, bodies: Callable[[Any], list[Any]], loop: bool = False):
-    def wrap(walk: Callable[..., Any]) -> Callable[..., Any]:
-        for name in names:
-            KINDS[name] = Kind(bodies, loop, walk)
-        return walk
+    @staticmethod
+    def sites_in(jaxpr: Any) -> int:
+        return count_sites(jaxpr)[0]
 
-    return wrap
-
-
-@register_kind(
-    "jit",
-    "pjit",
-    "closed_call",
-    "core_call",
-    "checkpoint",
-    "remat",
-    "remat2",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-    bodies=_body_of,
-)
-def _inline(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
-    """Calls and custom-derivative calls: the body, inline (no derivative is taken here)."""
-    params = ctx.eqn.params
-    body = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
-    return ctx.run(body, invals, state)
-
-
-@register_kind("scan", bodies=lambda eqn: [_open(eqn.params["jaxpr"])], loop=True)
-def _scan(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
-    params = ctx.eqn.params
-    if params["length"] == 0:  # no iteration runs (and disable_jit refuses empty scans)
-        return bind(ctx.eqn, invals), state
-    n_consts, n_carry = compat.scan_counts(params, len(invals))
-    consts, init, xs = (
-        invals[:n_consts],
-        invals[n_consts : n_consts + n_carry],
-        invals[n_consts + n_carry :],
-    )
-
-    def body(carry: Any, x: Any) -> Any:
-        values, st, it = carry
-        outs, st = ctx.run(params["jaxpr"], [*consts, *values, *x], st, iteration=it)
-        return (outs[:n_carry], st, it + 1), outs[n_carry:]
-
-    with compat.equation_context(ctx.eqn):
-        (carry, state, _), ys = lax.scan(
-            body,
-            (list(init), state, _zero()),
-            list(xs),
-            length=params["length"],
-            reverse=params["reverse"],
-            unroll=params["unroll"],
-        )
-    return [*carry, *ys], state
-
-
-@register_kind("while", bodies=lambda eqn: [_open(eqn.params["body_jaxpr"])], loop=True)
-def _while(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
-    """The loop body is walked; the (scalar) condition is evaluated as is."""
-    params = ctx.eqn.params
-    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
-    cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
-    init = list(invals[n_cond + n_body :])
-    cond_jaxpr, cond_inner = compat.open_and_consts(params["cond_jaxpr"])
-
-    def cond_fun(carry: Any) -> Any:
-        return compat.eval_jaxpr(cond_jaxpr, cond_inner, [*cond_consts, *carry[0]])[0]
-
-    def body_fun(carry: Any) -> Any:
-        values, st, it = carry
-        outs, st = ctx.run(params["body_jaxpr"], [*body_consts, *values], st, iteration=it)
-        return outs, st, it + 1
-
-    with compat.equation_context(ctx.eqn):
-        values, state, _ = lax.while_loop(cond_fun, body_fun, (init, state, _zero()))
-    return list(values), state
-
-
-def _branches(eqn: Any) -> list[Any]:
-    return [_open(b) for b in eqn.params["branches"]]
-
-
-@register_kind("cond", bodies=_branches)
-def _cond(ctx: Context, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
-    index, operands = invals[0], list(invals[1:])
-    offsets = np.cumsum([0] + [count_sites(b)[0] for b in _branches(ctx.eqn)]).tolist()
-
-    def branch(k: int, closed: Any) -> Callable[..., Any]:
-        return lambda ops, st: tuple(ctx.run(closed, ops, st, offset=offsets[k]))
-
-    fns = [branch(k, b) for k, b in enumerate(ctx.eqn.params["branches"])]
-    with compat.equation_context(ctx.eqn):
-        outs, state = lax.switch(index, fns, operands, state)
-    return list(outs), state
-
-
-def _zero() -> Any:
-    # Concrete under disable_jit (Python loops index with it); an int32 scalar under jit.
-    # jax.config's options are typed as attributes from jax 0.12 on, dynamic before
-    return 0 if jax.config.jax_disable_jit else jnp.int32(0)  # type: ignore[attr-defined, unused-ignore]
+    @staticmethod
+    def zero() -> Any:
+        """An iteration counter's start: concrete under ``disable_jit`` (Python loops index with
+        it), an int32 scalar under jit. (jax.config's options are typed as attributes from jax
+        0.12 on, dynamic before.)"""
+        return 0 if jax.config.jax_disable_jit else jnp.int32(0)  # type: ignore[attr-defined, unused-ignore]
 
 
 # --- observers ----------------------------------------------------------------------------------

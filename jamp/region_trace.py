@@ -9,7 +9,8 @@ equation :class:`~jamp.interpreter.Step`, and the rule binds the result on the t
 parent). Values are never boxed: the user's code sees the dtypes the policy chose, as torch's
 does. Primitives that carry jaxprs (``jit``, ``scan``, ``cond``, ``while``, ``checkpoint``,
 ``shard_map``) reach their rules with those jaxprs, which the rewriter rewrites; ``custom_jvp`` and
-``custom_vjp`` calls are staged to their equation first and rewritten the same way.
+``custom_vjp`` calls are staged to their equation first and rewritten the same way (where the
+trace below would run their body itself, eagerly, the body runs in the region op by op).
 
 What the rewriter learns from the whole jaxpr, the trace learns as the values go by (a
 :class:`RegionEnv`): which values came from outside (parameters, a batch: a bias is one of them
@@ -167,6 +168,7 @@ class RegionTrace(compat.Trace):
         )
         self.env = RegionEnv()
         compat.share_trace_identity(self, parent)
+        compat.lower_high_primitives_as(self, parent)
 
     # -- ordinary primitives ------------------------------------------------------------------
 
@@ -249,6 +251,12 @@ class RegionTrace(compat.Trace):
     def _staged(self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict) -> Any:
         """Stage the call to its jaxpr equation and rewrite that, as ``autocast_transform``
         rewrites the same equation in a traced program."""
+        if compat.runs_custom_calls_inline(self.parent, args):
+            # Where the parent would run the body itself (eagerly, under
+            # jax.ensure_compile_time_eval) no rule of the call can apply: the body runs in the
+            # region op by op, with concrete values where it had them (it may branch on them).
+            with compat.set_current_trace(self):
+                return subfuns[0].call_wrapped(*args)
         closed = compat.trace_to_closed(
             lambda *xs: compat.bind_custom(primitive, subfuns, xs, params),
             [compat.aval_of(a) for a in args],

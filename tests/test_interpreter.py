@@ -178,7 +178,7 @@ def test_exceptions_from_user_code_keep_their_type(monkeypatch):
     # `except NotImplementedError:` still fires; a note names the primitive and the line.
     def broken(step):
         raise NotImplementedError("boom")
-    monkeypatch.setitem(interpreter.RULES, "tanh", broken)
+    monkeypatch.setitem(interpreter.RULES, "tanh", interpreter.PrimitiveRules(rewrite=broken))
     f = jamp.autocast_transform(lambda x: jnp.tanh(x))  # this line is named in the note
     with pytest.raises(NotImplementedError, match="boom") as info:
         jax.jit(f)(jnp.ones(3))

@@ -68,3 +68,22 @@ def test_no_import_circles_in_jamp_or_tracing():
 def test_the_check_finds_a_circle(circular):
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"} if circular else set()}
     assert (find_cycle(graph) is not None) == circular
+
+
+def test_one_registry_every_program_carrying_rule_says_how_the_probe_walks_it():
+    """The rewriter, the region trace and the instrumented evaluator of find_nonfinite and
+    value_ranges read one registry: a primitive whose rewrite rule enters programs (calls,
+    control flow, custom derivatives, shard_map) also says how the evaluator walks it, or that
+    it runs whole (opaque), so a new rule cannot leave the evaluator silently blind."""
+    from jamp import interpreter, probe
+
+    families = {"jamp.rules.calls", "jamp.rules.control_flow", "jamp.rules.custom_ad",
+                "jamp.rules.parallel"}
+    carrying = {name: entry for name, entry in interpreter.RULES.items()
+                if entry.rewrite is not None and entry.rewrite.__module__ in families}
+    assert {"jit", "scan", "while", "cond", "custom_vjp_call", "shard_map"} <= set(carrying)
+    undecided = [name for name, e in carrying.items() if e.walk is None and not e.opaque]
+    assert not undecided, f"no instrumented walk and not declared opaque: {undecided}"
+    for name in ("scan", "while", "cond", "jit"):
+        assert probe.walk_rules(name) is interpreter.RULES[name]  # the probe reads this registry
+    assert probe.walk_rules("shard_map") is None  # opaque: one site

@@ -3,6 +3,8 @@
 
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
+The instrumented evaluator (probe.py) walks into their bodies inline; ``custom_vmap_call`` runs
+whole there (its vmap rule is the user's code).
 """
 
 from __future__ import annotations
@@ -11,7 +13,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _compat as compat
-from ..interpreter import F64, Hint, Step, is_float, register
+from ..interpreter import (
+    F64,
+    Hint,
+    Step,
+    call_bodies,
+    is_float,
+    register,
+    register_opaque,
+    register_walk,
+    walk_call,
+)
 from ..region_stack import cast_inputs_dtype
 
 
@@ -67,3 +79,15 @@ def custom_vmap_rule(step: Step) -> Sequence[Any]:
         ]
 
     return step.bind(args, call=compat.trace_to_closed(traced_dtypes_out, avals))
+
+
+register_walk(
+    "jit",
+    "pjit",
+    "checkpoint",
+    "remat",
+    "remat2",
+    *compat.INLINE_CALL_PRIMITIVES,
+    bodies=call_bodies,
+)(walk_call)
+register_opaque("custom_vmap_call")

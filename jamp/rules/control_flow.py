@@ -5,6 +5,10 @@ the public ``lax`` functions, so version-specific params (``ft_in``/``ft_out``, 
 ``_split_transpose``) never need translating. Loop carries keep their traced dtypes (a rewritten
 carry-out is cast back at the end of the body); branch outputs whose dtypes diverge across
 branches are cast to the traced dtypes.
+
+Each primitive also registers its instrumented walk (``register_walk``), which ``probe.py`` runs
+for ``find_nonfinite``/``value_ranges``: the body is walked equation by equation and the
+observer's state is threaded through the loop carry (or the branches), with the iteration count.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 from jax import lax
 
 from .. import _compat as compat
-from ..interpreter import Hint, Step, cast_all, register
+from ..interpreter import Hint, Step, cast_all, register, register_walk
 
 
 def _carry_in(step: Step, first: int, count: int) -> list[Any]:
@@ -145,3 +149,78 @@ def _platform_dependent(
         else:
             per_platform.update({name: function for name in names})
     return lax.platform_dependent(*operands, default=default, **per_platform)
+
+
+# --- instrumented walks (probe.py): the observer's state rides along in the carry ----------------
+
+
+def _open(closed: Any) -> Any:
+    return compat.open_and_consts(compat.as_closed(closed))[0]
+
+
+@register_walk("scan", bodies=lambda eqn: [_open(eqn.params["jaxpr"])], loop=True)
+def walk_scan(ctx: Any, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
+    params = ctx.eqn.params
+    if params["length"] == 0:  # no iteration runs (and disable_jit refuses empty scans)
+        return ctx.bind(invals), state
+    n_consts, n_carry = compat.scan_counts(params, len(invals))
+    consts, init = invals[:n_consts], invals[n_consts : n_consts + n_carry]
+    xs = invals[n_consts + n_carry :]
+
+    def body(carry: Any, x: Any) -> Any:
+        values, st, it = carry
+        outs, st = ctx.run(params["jaxpr"], [*consts, *values, *x], st, iteration=it)
+        return (outs[:n_carry], st, it + 1), outs[n_carry:]
+
+    with compat.equation_context(ctx.eqn):
+        (carry, state, _), ys = lax.scan(
+            body,
+            (list(init), state, ctx.zero()),
+            list(xs),
+            length=params["length"],
+            reverse=params["reverse"],
+            unroll=params["unroll"],
+        )
+    return [*carry, *ys], state
+
+
+@register_walk("while", bodies=lambda eqn: [_open(eqn.params["body_jaxpr"])], loop=True)
+def walk_while(ctx: Any, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
+    """The loop body is walked; the (scalar) condition is evaluated as is."""
+    params = ctx.eqn.params
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts, body_consts = invals[:n_cond], invals[n_cond : n_cond + n_body]
+    init = list(invals[n_cond + n_body :])
+    cond_jaxpr, cond_inner = compat.open_and_consts(params["cond_jaxpr"])
+
+    def cond_fun(carry: Any) -> Any:
+        return compat.eval_jaxpr(cond_jaxpr, cond_inner, [*cond_consts, *carry[0]])[0]
+
+    def body_fun(carry: Any) -> Any:
+        values, st, it = carry
+        outs, st = ctx.run(params["body_jaxpr"], [*body_consts, *values], st, iteration=it)
+        return outs, st, it + 1
+
+    with compat.equation_context(ctx.eqn):
+        values, state, _ = lax.while_loop(cond_fun, body_fun, (init, state, ctx.zero()))
+    return list(values), state
+
+
+def _branches(eqn: Any) -> list[Any]:
+    return [_open(b) for b in eqn.params["branches"]]
+
+
+@register_walk("cond", bodies=_branches)
+def walk_cond(ctx: Any, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:
+    index, operands = invals[0], list(invals[1:])
+    offsets = [0]
+    for body in _branches(ctx.eqn):  # the sites of branch k are numbered after those before it
+        offsets.append(offsets[-1] + ctx.sites_in(body))
+
+    def branch(k: int, closed: Any) -> Any:
+        return lambda ops, st: tuple(ctx.run(closed, ops, st, offset=offsets[k]))
+
+    fns = [branch(k, b) for k, b in enumerate(ctx.eqn.params["branches"])]
+    with compat.equation_context(ctx.eqn):
+        outs, state = lax.switch(index, fns, operands, state)
+    return list(outs), state

@@ -23,6 +23,10 @@ value it computed) holds a tracer of jamp's finished trace; the rewriter maps it
 rewritten counterpart (``Rewriter.outer_value``). That works wherever JAX runs the rule while
 jamp rewrites (``jax.grad`` of the transformed function, also under ``jax.jit``); as in plain JAX,
 ``jax.grad(jax.jit(f))`` of such a function is not supported.
+
+The instrumented evaluator (probe.py) walks a custom-derivative call's primal body inline (it
+takes no derivative; a ``jax.grad`` program's backward equations are already in it) and runs a
+linear solve or a ``remat_opt`` whole, as one site.
 """
 
 from __future__ import annotations
@@ -42,10 +46,14 @@ from ..interpreter import (
     F32,
     RewriteError,
     Step,
+    call_bodies,
     cast_all,
     in_compute_dtype,
     keep_traced_rule,
     register,
+    register_opaque,
+    register_walk,
+    walk_call,
 )
 from ..policy import RegionState
 
@@ -359,3 +367,9 @@ def optimized_remat_rule(step: Step) -> Sequence[Any]:
         fwd_jaxpr=compat.as_closed(fwd_jaxpr),
         fun_jaxpr_thunk=lambda: rewritten_fun,
     )
+
+
+register_walk("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", bodies=call_bodies)(
+    walk_call
+)
+register_opaque("custom_linear_solve", *compat.OPTIMIZED_REMAT_PRIMITIVES)

@@ -2,7 +2,8 @@
 
 The body is re-entered through the public ``jax.shard_map`` with the equation's mesh and specs, so
 JAX binds the mesh axes for the body's collectives (``psum``, ``all_gather``, ...); collectives
-themselves run in the dtype their operands arrive in, like any other op.
+themselves run in the dtype their operands arrive in, like any other op. The instrumented
+evaluator (probe.py) runs a ``shard_map`` whole, as one site: its body needs the mesh.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _compat as compat
-from ..interpreter import Step, register
+from ..interpreter import Step, register, register_opaque
 
 
 @register("shard_map")
@@ -34,3 +35,6 @@ def shard_map_rule(step: Step) -> Sequence[Any]:
     )
     with compat.equation_context(step.eqn):
         return list(mapped(*step.args))
+
+
+register_opaque("shard_map")
