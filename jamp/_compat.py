@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -440,6 +441,34 @@ def zero_cotangent(aval: Any) -> Any:
 
 Trace = _core.Trace
 set_current_trace = _core.set_current_trace
+
+
+_AD_FILES = (
+    os.path.join("jax", "_src", "interpreters", "ad.py"),
+    os.path.join("jax", "_src", "interpreters", "partial_eval.py"),
+)
+
+
+def differentiating_above(trace: Any, max_frames: int = 48) -> bool:
+    """Whether the primitive being bound on ``trace`` comes from one of JAX's differentiation
+    traces (``jvp``, ``linearize``, the partial evaluation of ``grad``/``vjp``) pushed above it.
+
+    Those traces make their parent the current trace before binding on it, so the current trace
+    cannot tell; the calling frames can: a method of such a trace whose ``parent_trace`` is
+    ``trace``. Only frames of JAX's two differentiation modules are looked into."""
+    from jax._src.interpreters import ad
+
+    kinds = (ad.JVPTrace, ad.LinearizeTrace, _pe.JaxprTrace)
+    frame = sys._getframe(1)
+    for _ in range(max_frames):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_AD_FILES):
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, kinds) and getattr(owner, "parent_trace", None) is trace:
+                return True
+        frame = frame.f_back
+    return False
 
 
 def is_loop_carry_type_error(error: BaseException) -> bool:

@@ -184,6 +184,8 @@ class RegionTrace(compat.Trace):
         if not self._needs_rule(state, args, params):
             with compat.set_current_trace(self.parent):
                 return primitive.bind(*args, **params)
+        if state.enabled and compat.differentiating_above(self):
+            raise RegionUnderAutodiffError(AUTODIFF_MESSAGE)
         env = self.env
         invars = []
         for value in args:
@@ -265,6 +267,23 @@ class RegionTrace(compat.Trace):
         state = self.rewriter.state_for_scopes(compat.current_scope_names())
         with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
+
+
+class RegionUnderAutodiffError(TypeError):
+    """``jax.grad`` (``vjp``, ``jvp``, ``linearize``) was called inside a region, unjitted."""
+
+
+# A differentiation started inside the region runs above it: JAX's derivative rules would see the
+# primal values after the policy changed their dtypes, while their tangents keep JAX's own types.
+AUTODIFF_MESSAGE = (
+    "jax.grad (or jax.vjp/jvp/linearize/value_and_grad) was called inside a `with "
+    "jamp.autocast():` block: JAX differentiates above the region, so its derivative rules would "
+    "mix the dtypes the policy chose with their own. Put the region inside the function you "
+    "differentiate (def loss(params, batch): with jamp.autocast(): ...; then jax.grad(loss)), "
+    "which runs backward ops in the forward ops' dtypes and returns gradients in the "
+    "parameters' dtypes (torch's advice too: autocast the forward and the loss), or jit the "
+    "gradient function (jax.jit(jax.grad(loss)) called in the region is rewritten whole)"
+)
 
 
 # JAX traces a loop body (with the types its initial carry has) before the loop reaches the

@@ -157,6 +157,34 @@ def test_grad_called_inside_a_region_runs_forward_and_backward_under_the_policy(
     assert {v.aval.dtype for e in eqns_named(program, "dot_general") for v in e.outvars} == {BF16}
 
 
+@pytest.mark.parametrize("act", [jnp.exp, jnp.tanh, jnp.square, jax.nn.gelu, jax.nn.log_softmax])
+@pytest.mark.parametrize("jitted", [False, True])
+def test_unjitted_grad_called_inside_a_region_is_refused_with_the_way_out(act, jitted):
+    """JAX differentiates above the region: its derivative rules would mix the policy's dtypes
+    with their own (a crash in one rule, a bfloat16 gradient of a float32 parameter in another,
+    differently on each JAX version). It is refused, naming the two forms that work."""
+
+    def loss(w):
+        return jnp.sum(act(X @ w))
+
+    def step(w):
+        with jamp.autocast():
+            return jax.value_and_grad(loss)(w)
+
+    with pytest.raises(TypeError, match="called inside a `with jamp.autocast\\(\\):` block") as e:
+        (jax.jit(step) if jitted else step)(W)
+    assert "Put the region inside the function you differentiate" in str(e.value)
+
+    def region_in_loss(w):  # the first way out: the region inside the differentiated function
+        with jamp.autocast():
+            return loss(w)
+
+    grads = jax.grad(region_in_loss)(W)
+    assert grads.dtype == F32
+    chex.assert_trees_all_close(grads, jax.grad(jamp.autocast_transform(loss))(W), rtol=0.02,
+                                atol=0.02 * float(jnp.max(jnp.abs(grads))))
+
+
 # --- around calls that carry programs ----------------------------------------------------------
 
 
@@ -351,7 +379,7 @@ def test_nnx_batchnorm_updates_its_statistics_inside_a_region_under_nnx_jit():
     out = forward(model, X)
     expected = reference(X)  # float32, eagerly: the statistics it sets are float32's
     assert out.dtype == F32  # BatchNorm normalises in float32 (rsqrt, mean: the fp32 table)
-    stats, ref_stats = model.layers[1].mean.value, reference.layers[1].mean.value
+    stats, ref_stats = model.layers[1].mean[...], reference.layers[1].mean[...]
     assert stats.dtype == F32 and not np.allclose(stats, 0.0)
     chex.assert_trees_all_close(stats, ref_stats, atol=0.05)
     chex.assert_trees_all_close(out, expected, atol=0.1)
@@ -406,3 +434,67 @@ def test_an_explicit_float32_cast_of_the_result_is_honoured_in_a_region():
     assert operand_dtypes(jax.make_jaxpr(in_region)(X, W), "dot_general") == [("bfloat16",) * 2]
     # (XLA may keep the bfloat16 product unrounded before the cast: equal to bfloat16's precision)
     chex.assert_trees_all_close(region, transform.astype(F32), rtol=2.0**-8)
+
+
+# --- found by JAX's own tests with every jit body in an identity-policy region --------------
+# (benchmarks/identity_policy.py --form region)
+
+
+def test_custom_vjp_staged_as_a_high_level_primitive_keeps_its_rule_in_a_region():
+    """Under ``jax_custom_vjp3`` a custom_vjp binds a "high" primitive that jit, grad and vmap
+    take whole; the region took it as a base trace does, expanding it to its body first, so the
+    user's bwd was dropped (the gradient was cos, not 2 cos) and jvp no longer refused it."""
+    previous = jax.config.jax_custom_vjp3
+    jax.config.update("jax_custom_vjp3", True)  # read when jax.custom_vjp decorates
+    try:
+
+        @jax.custom_vjp
+        def f(x):
+            return jnp.sin(x)
+
+        f.defvjp(lambda x: (f(x), jnp.cos(x)), lambda c, g: (2.0 * c * g,))
+        region_f = in_region(f)
+        expected = 2.0 * jnp.cos(3.0)  # the user's rule, not sin's derivative
+        chex.assert_trees_all_close(jax.grad(jax.jit(region_f))(3.0), expected)
+        chex.assert_trees_all_close(jax.grad(region_f)(3.0), expected)
+        chex.assert_trees_all_close(
+            jax.vmap(jax.grad(region_f))(jnp.full(2, 3.0)), jnp.full(2, expected)
+        )
+        with pytest.raises(TypeError, match="forward-mode autodiff"):
+            jax.jvp(jax.jit(region_f), (3.0,), (1.0,))
+    finally:
+        jax.config.update("jax_custom_vjp3", previous)
+
+
+def test_custom_derivative_bodies_get_concrete_values_where_jax_runs_them_directly():
+    """Eagerly, and under ``jax.ensure_compile_time_eval`` inside a jit, JAX calls a custom_jvp
+    or custom_vjp function's body with its concrete values; the region staged the call to a
+    jaxpr first, so a body branching on a value raised TracerBoolConversionError. The body's
+    operations still follow the region."""
+
+    @jax.custom_jvp
+    def f(x, w):
+        assert bool(jnp.all(x == 0.0))  # needs the concrete value
+        return x @ w
+
+    f.defjvp(lambda p, t: (f(*p), t[0] @ p[1] + p[0] @ t[1]))
+
+    @jax.custom_vjp
+    def g(x, w):
+        assert bool(jnp.all(x == 0.0))
+        return x @ w
+
+    g.defvjp(lambda x, w: (g(x, w), (x, w)), lambda r, ct: (ct @ r[1].T, r[0].T @ ct))
+    zeros = jnp.zeros_like(X)
+
+    def at_compile_time(fn):
+        def run():
+            with jamp.autocast(), jax.ensure_compile_time_eval():
+                return fn(zeros, W)
+
+        return run
+
+    for fn in (f, g):
+        with jamp.autocast():
+            assert fn(zeros, W).dtype == BF16
+        assert jax.jit(at_compile_time(fn))().dtype == BF16
