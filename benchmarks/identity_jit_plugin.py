@@ -1,18 +1,28 @@
 """pytest plugin for ``identity_policy.py``: runs JAX's own tests with ``jax.jit`` patched to
-``jax.jit(jamp.autocast_transform(f, Policy(jnp.float32)))``, and records every test's outcome.
+apply an identity policy (``Policy(jnp.float32)``) to every jitted function, and records every
+test's outcome.
 
 Loaded with ``-p identity_jit_plugin`` (``benchmarks/`` on ``PYTHONPATH``) before the test modules
 are imported, so their ``from jax import jit`` picks up the patch. Environment:
 
 - ``JAMP_IDENTITY_PATCH=1``: patch ``jax.jit`` (otherwise the run is the baseline);
+- ``JAMP_IDENTITY_FORM=transform|region`` (default ``transform``): which front end the patch uses,
+
+  - ``transform``: ``jax.jit(f, ...)`` becomes ``jax.jit(jamp.autocast_transform(f, policy), ...)``
+    (front end 1: trace, then rewrite);
+  - ``region``: ``jax.jit(f, ...)`` becomes ``jax.jit(g, ...)`` where ``g(*a, **k)`` runs
+    ``f(*a, **k)`` inside ``with jamp.autocast(policy):`` (front end 2: a region trace that
+    applies the policy to every bind in the block);
+
 - ``JAMP_IDENTITY_OUT=path.json``: where the outcomes and the patch counters go.
 
-Static arguments (``static_argnums``/``static_argnames``) are bound before the function reaches
-``autocast_transform`` (a ``functools.partial``-style wrapper per static values), so they stay
-Python values; such jits are counted. The wrapper for a function is reused while its jitted
-function lives, so ``jax.jit(f)`` twice shares JAX's trace cache as it would without the patch.
-Only the public ``jax.jit`` is patched: JAX-internal ``api.jit`` uses (``jnp`` functions jitted
-at import) run unchanged.
+Static arguments (``static_argnums``/``static_argnames``): in transform form they are bound
+before the function reaches ``autocast_transform`` (a ``functools.partial``-style wrapper per
+static values), so they stay Python values; in region form ``jax.jit`` itself handles them, as
+``g`` has ``f``'s signature (``functools.wraps``). Such jits are counted either way. The wrapper
+for a function is reused while its jitted function lives, so ``jax.jit(f)`` twice shares JAX's
+trace cache as it would without the patch. Only the public ``jax.jit`` is patched: JAX-internal
+``api.jit`` uses (``jnp`` functions jitted at import) run unchanged.
 """
 from __future__ import annotations
 
@@ -24,6 +34,9 @@ from typing import Any
 
 import pytest
 
+FORM = os.environ.get("JAMP_IDENTITY_FORM", "transform")
+if FORM not in ("transform", "region"):
+    raise ValueError(f"JAMP_IDENTITY_FORM must be 'transform' or 'region', got {FORM!r}")
 COUNTS = {"jit_calls": 0, "with_static_args": 0, "wrap_failed": 0}
 OUTCOMES: dict[str, dict[str, Any]] = {}
 
@@ -54,14 +67,43 @@ def _install() -> None:
         nums, names = api_util.infer_argnums_and_argnames(sig, nums, names)
         return tuple(nums), tuple(names)
 
+    def own_wrappers(fun: Any) -> dict | None:
+        """``fun``'s wrappers by static positions, None where ``fun`` has no ``__dict__`` (bound
+        methods, slotted objects). A function wrapping ``fun`` (``jax.vmap(fun)``,
+        ``functools.wraps``) copies ``fun.__dict__``, this entry included: the entry names its
+        owner, so ``jax.jit(jax.vmap(f))`` does not find ``jax.jit(f)``'s wrapper."""
+        attrs = getattr(fun, "__dict__", None)
+        if not isinstance(attrs, dict):
+            return None
+        own = attrs.get(attribute)
+        if own is None or own["owner"] is not fun:
+            own = attrs[attribute] = {"owner": fun}
+        return own
+
     def identity_wrap(fun: Any, kw: dict) -> Any:
         nums, names = static_positions(fun, kw)
         key = (nums, names)
-        cached = getattr(fun, "__dict__", {}).get(attribute, {}).get(key)
-        if cached is not None:
-            return cached
+        own = own_wrappers(fun)
+        if own is not None and key in own:
+            return own[key]
         if nums or names:
             COUNTS["with_static_args"] += 1
+        make = region_wrapper if FORM == "region" else transform_wrapper
+        wrapper = make(fun, nums, names)
+        if own is not None:
+            own[key] = wrapper
+        return wrapper
+
+    def region_wrapper(fun: Any, nums: tuple, names: tuple) -> Any:
+        # jax.jit binds the static arguments itself: `g` has `fun`'s signature (__wrapped__).
+        @functools.wraps(fun)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            with jamp.autocast(policy):
+                return fun(*args, **kwargs)
+
+        return wrapper
+
+    def transform_wrapper(fun: Any, nums: tuple, names: tuple) -> Any:
         plain = jamp.autocast_transform(fun, policy)
         per_static: dict[Any, Any] = {}
 
@@ -98,8 +140,6 @@ def _install() -> None:
                     per_static[skey] = inner
             return inner(*dyn_args, **dyn_kw)
 
-        if isinstance(getattr(fun, "__dict__", None), dict):  # not bound methods, slotted objects
-            fun.__dict__.setdefault(attribute, {})[key] = wrapper
         return wrapper
 
     @functools.wraps(real_jit)
@@ -154,7 +194,7 @@ def _dump(finished: bool) -> None:
     out = os.environ.get("JAMP_IDENTITY_OUT")
     if out:
         with open(out + ".tmp", "w") as f:
-            json.dump({"patched": os.environ.get("JAMP_IDENTITY_PATCH") == "1",
+            json.dump({"patched": os.environ.get("JAMP_IDENTITY_PATCH") == "1", "form": FORM,
                        "finished": finished, "counts": COUNTS, "outcomes": OUTCOMES}, f, indent=1)
         os.replace(out + ".tmp", out)
 

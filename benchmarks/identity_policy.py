@@ -1,5 +1,6 @@
 """The identity-policy experiment: JAX's own tests with every ``jax.jit`` wrapped in
-``jamp.autocast_transform(f, Policy(jnp.float32))``.
+``jamp.autocast_transform(f, Policy(jnp.float32))``, or (``--form region``) with every jitted
+function's body run inside a ``with jamp.autocast(Policy(jnp.float32)):`` region.
 
 A float32 policy changes no dtype in a float32 program, so every test that passes without the
 patch and fails with it points at something jamp's rewrite breaks (or at a test that inspects the
@@ -18,6 +19,11 @@ then, from the repository root::
 
     PYTHONPATH=$PWD JAX_PLATFORMS=cpu .venv/bin/python benchmarks/identity_policy.py \\
         /tmp/jax-tests --out /tmp/identity-0.10
+
+``--form`` picks the front end under test (``JAMP_IDENTITY_FORM`` for the plugin):
+``transform`` (the default) patches ``jax.jit(f)`` to ``jax.jit(autocast_transform(f, policy))``;
+``region`` patches it to ``jax.jit(g)``, where ``g`` calls ``f`` inside
+``jamp.autocast(policy)`` (the region trace, front end 2). Use a separate ``--out`` per form.
 
 It runs each file with ``benchmarks/identity_jit_plugin.py`` patched, then without the patch the
 tests that failed patched (``--full-baseline``: all of them), writes ``patched.json`` and
@@ -90,7 +96,7 @@ def run_file(args: argparse.Namespace, name: str, patched: bool,
     env["PYTHONPATH"] = os.pathsep.join([str(here), args.jamp_root or str(here.parent),
                                          env.get("PYTHONPATH", "")])
     env.update(JAX_PLATFORMS="cpu", JAMP_IDENTITY_OUT=str(out),
-               JAMP_IDENTITY_PATCH="1" if patched else "0",
+               JAMP_IDENTITY_PATCH="1" if patched else "0", JAMP_IDENTITY_FORM=args.form,
                JAX_NUM_GENERATED_CASES=str(args.generated_cases))
     cmd = [args.python, "-m", "pytest", "-p", "identity_jit_plugin", "-p", "no:cacheprovider",
            "-q", "--no-header", "-rN", "--tb=short", f"tests/{name}.py"]
@@ -164,6 +170,9 @@ def main() -> None:
                         help="a pytest -k expression for one file, e.g. lax_autodiff_test=Grad")
     parser.add_argument("--generated-cases", type=int, default=2,
                         help="JAX_NUM_GENERATED_CASES (JAX's default is 10)")
+    parser.add_argument("--form", choices=("transform", "region"), default="transform",
+                        help="transform: jit(autocast_transform(f)); region: jit of f's body "
+                             "inside a jamp.autocast region")
     parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--full-baseline", action="store_true",

@@ -459,7 +459,7 @@ def differentiating_above(trace: Any, max_frames: int = 48) -> bool:
     from jax._src.interpreters import ad
 
     kinds = (ad.JVPTrace, ad.LinearizeTrace, _pe.JaxprTrace)
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     for _ in range(max_frames):
         if frame is None:
             return False
