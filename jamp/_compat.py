@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -469,6 +469,19 @@ def differentiating_above(trace: Any, max_frames: int = 48) -> bool:
                 return True
         frame = frame.f_back
     return False
+
+
+def wrap_traced_fun(fun: Any, around: Callable[[], Any]) -> Any:
+    """The function a ``process_shard_map`` receives (a plain callable on jax 0.10, a
+    ``lu.WrappedFun`` elsewhere), calling ``fun`` inside the context manager ``around()``."""
+    wrapped = isinstance(fun, _lu.WrappedFun)
+    target = fun.call_wrapped if wrapped else fun
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with around():
+            return target(*args, **kwargs)
+
+    return _lu.wrap_init(call, debug_info=fun.debug_info) if wrapped else call
 
 
 def is_loop_carry_type_error(error: BaseException) -> bool:

@@ -250,6 +250,22 @@ class RegionTrace(compat.Trace):
     ) -> Any:
         return self._staged(primitive, (fun, fwd, bwd), tracers, params)
 
+    # -- shard_map: the body runs on the mesh ---------------------------------------------------
+
+    def process_shard_map(
+        self, primitive: Any, fun: Any, args: Sequence[Any], /, **params: Any
+    ) -> Any:
+        """The parent traces (or runs) the per-shard body with the mesh's axes bound, and a region
+        of this policy pushed on the body's own trace applies it there."""
+        state = self.rewriter.state_for_scopes(compat.current_scope_names())
+        if state.enabled:
+            policy = self.policy
+            if state.dtype != policy.compute_dtype:  # a nested `dtype=` region at the call
+                policy = policy.replace(compute_dtype=state.dtype)
+            fun = compat.wrap_traced_fun(fun, lambda: pushed(policy))
+        with compat.set_current_trace(self.parent):
+            return self.parent.process_shard_map(primitive, fun, args, **params)
+
     def _staged(self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict) -> Any:
         """Stage the call to its jaxpr equation and rewrite that, as ``autocast_transform``
         rewrites the same equation in a traced program."""

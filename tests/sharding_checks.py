@@ -78,4 +78,37 @@ dots = operand_dtypes(jax.make_jaxpr(f)(a, w), "dot_general")
 check(dots == [("bfloat16", "bfloat16")], f"shard_map body dots {dots}")
 g = jax.grad(lambda w: f(a, w)[0].astype(jnp.float32).sum())(w)
 check(g.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(g))), "shard_map grad")
+
+# The region form (issue 21): a region around the sharded call, and one inside the shard_map body.
+def region_around(a, w):
+    with jamp.autocast():
+        return sharded(a, w)
+
+
+def region_inside(a, w):
+    def body(a, w):
+        with jamp.autocast():
+            return jax.lax.psum(a @ w, "model")
+    return jax.shard_map(body, mesh=mesh, in_specs=(P("data", "model"), P("model", None)),
+                         out_specs=P("data", None), check_vma=False)(a, w)
+
+
+for name, fn in (("around", region_around), ("inside", region_inside)):
+    out = jax.jit(fn)(a, w)
+    out = out[0] if isinstance(out, tuple) else out
+    check(out.dtype == BF16, f"region {name} shard_map: output {out.dtype}")
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_total, rtol=5e-2, atol=5e-2)
+    dots = operand_dtypes(jax.make_jaxpr(fn)(a, w), "dot_general")
+    check(dots == [("bfloat16", "bfloat16")], f"region {name} shard_map dots {dots}")
+
+
+def region_mlp(w1, w2, x):
+    with jamp.autocast():
+        return mlp(w1, w2, x)
+
+
+loss_r, h_r = jax.jit(region_mlp)(w1, w2, x)
+check(h_r.dtype == BF16, f"region activation dtype {h_r.dtype}")
+check(h_r.sharding.is_equivalent_to(h_p.sharding, h_p.ndim), f"region {h_r.sharding}")
+np.testing.assert_allclose(loss_r, loss_m, rtol=1e-2)
 print("sharding checks passed")
