@@ -7,10 +7,21 @@ while it is the current trace comes to :meth:`RegionTrace.process_primitive`, wh
 the same rules the rewriter uses (``interpreter.RULES`` and the policy's categories) as a one-
 equation :class:`~jamp.interpreter.Step`, and the rule binds the result on the trace below (the
 parent). Values are never boxed: the user's code sees the dtypes the policy chose, as torch's
-does. Primitives that carry jaxprs (``jit``, ``scan``, ``cond``, ``while``, ``checkpoint``,
-``shard_map``) reach their rules with those jaxprs, which the rewriter rewrites; ``custom_jvp`` and
+does. Primitives that carry jaxprs (``jit``, ``scan``, ``cond``, ``while``, ``checkpoint``)
+reach their rules with those jaxprs, which the rewriter rewrites; ``custom_jvp`` and
 ``custom_vjp`` calls are staged to their equation first and rewritten the same way (where the
-trace below would run their body itself, eagerly, the body runs in the region op by op).
+trace below would run their body itself, eagerly, the body runs in the region op by op); a
+``shard_map`` body is traced by the parent under a region of the same policy.
+
+To JAX and to Flax NNX the region looks like the trace it runs in (``share_trace_identity``: NNX
+refuses to update a Variable from another trace level); a jit-key context (``REGION_KEY``) still
+makes a jitted function called in the region trace again under the policy.
+
+Two things a region cannot do are refused with an error that says what to do instead (see
+docs/reference/dtypes.md, "Regions"): JAX traces a loop body with its initial carry's type before
+the loop reaches the region, so a carry the region computed in 16 bits meets a body traced
+without the policy; and ``jax.grad`` called unjitted inside a region differentiates above it,
+where its derivative rules would mix the policy's dtypes with their own.
 
 What the rewriter learns from the whole jaxpr, the trace learns as the values go by (a
 :class:`RegionEnv`): which values came from outside (parameters, a batch: a bias is one of them
