@@ -63,7 +63,7 @@ from .interpreter import (
     track_derived,
     widest,
 )
-from .policy import Policy, RegionState
+from .policy import Policy, RegionState, ScopeLog, warn_unmatched
 from .transform import SubJaxprCache
 
 _tls = threading.local()
@@ -75,6 +75,10 @@ REGION_KEY = jax.make_user_context(None)
 # Rewritten sub-jaxprs per policy, kept across regions: an eager loop entering a region every
 # step calls the same jitted function, which must not be rewritten (and compiled) every time.
 _STORES: dict[Policy, weakref.WeakKeyDictionary] = {}
+# Scope paths seen under each policy with rules, kept across regions for the same reason (a
+# callee rewritten in an earlier region is not walked again): a rule is reported unmatched
+# when no region of its policy has entered a scope it matches.
+_SCOPES: dict[Policy, ScopeLog] = {}
 
 
 def active() -> bool:
@@ -174,8 +178,13 @@ class RegionTrace(compat.Trace):
         self.parent = parent
         self.policy = policy
         rewritten = SubJaxprCache(_STORES.setdefault(policy, weakref.WeakKeyDictionary()))
+        scopes = _SCOPES.setdefault(policy, ScopeLog()) if policy.rules else None
         self.rewriter = Rewriter(
-            policy, RegionState(True, policy.compute_dtype), rewritten, region=True
+            policy,
+            RegionState(True, policy.compute_dtype),
+            rewritten,
+            scope_log=scopes,
+            region=True,
         )
         self.env = RegionEnv()
         compat.share_trace_identity(self, parent)
@@ -333,6 +342,9 @@ def pushed(policy: Policy) -> Iterator[None]:
     try:
         with REGION_KEY(policy), compat.set_current_trace(trace):
             yield
+        if policy.rules:  # as autocast_transform warns once it has seen the whole program
+            log = trace.rewriter.scope_log
+            warn_unmatched(log.unmatched(policy.rules), "a jamp.autocast region", log.paths)
     except TypeError as err:
         dtype = policy.compute_dtype.name
         if compat.is_loop_carry_type_error(err) and dtype in str(err) and hasattr(err, "add_note"):

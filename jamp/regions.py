@@ -78,12 +78,8 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 f"got {type(enabled).__name__}; use lax.cond for data-dependent choices"
             )
         self.policy = dtype if isinstance(dtype, Policy) else None
-        if self.policy is not None and self.policy.cast_inputs:
-            raise ValueError(
-                "jamp.autocast(policy): Policy(cast_inputs=True) casts the inputs of a transformed "
-                "function, and a region has none; use jamp.autocast_transform(fn, policy), or "
-                "cast explicitly with x.astype(...) in the block"
-            )
+        if self.policy is not None:
+            _check_region_policy(self.policy)
         self.dtype = self.policy.compute_dtype if self.policy else _region_dtype(dtype, "dtype")
         self.enabled = bool(enabled)
         self.cast_inputs = _region_dtype(cast_inputs, "cast_inputs")
@@ -147,9 +143,17 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
     def _open_region(self) -> contextlib.ExitStack:
         """Enter the named scope the rewriter and the region trace read, the state the queries
         answer, and (outermost enabled region outside a transform) the region trace."""
+        outermost = not inside_transform() and not region_trace.active()
+        policy = self.policy
+        if policy is not None and not outermost and policy != Policy(policy.compute_dtype):
+            raise ValueError(
+                "jamp.autocast(policy): a Policy's tables, rules and accumulate_dtype apply in the "
+                "outermost region only (or to a function given to autocast_transform); inside "
+                f"another region pass its compute dtype: jamp.autocast(dtype=jnp."
+                f"{policy.compute_dtype.name})"
+            )
         exits = contextlib.ExitStack()
         exits.enter_context(jax.named_scope(marker(self.enabled, self.dtype)))
-        outermost = not inside_transform() and not region_trace.active()
         if self.dtype is not None:
             dtype = self.dtype
         elif is_autocast_enabled() or not outermost:
@@ -167,6 +171,22 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         if self.policy is None:
             self.policy = resolve_policy(None, self.dtype, where="jamp.autocast")
         return self.policy
+
+
+def _check_region_policy(policy: Policy) -> None:
+    """A region has no inputs and no outputs of its own: the policy fields that act on a
+    function's are refused rather than ignored."""
+    refused = {
+        "cast_inputs": (policy.cast_inputs, "casts the inputs of a transformed function"),
+        "output_dtype": (policy.output_dtype, "casts the outputs of a transformed function"),
+    }
+    for field, (value, what) in refused.items():
+        if value:
+            raise ValueError(
+                f"jamp.autocast(policy): Policy({field}=...) {what}, and a region has none; use "
+                f"jamp.autocast_transform(fn, policy), or cast explicitly with x.astype(...) in "
+                "the block"
+            )
 
 
 def _region_dtype(value: Any, name: str) -> np.dtype | None:

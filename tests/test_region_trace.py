@@ -2,6 +2,7 @@
 around jitted callees, control flow, custom derivatives and Flax apply, with the same decisions
 as autocast_transform."""
 import threading
+import warnings
 
 import chex
 import flax.linen as nn
@@ -498,3 +499,28 @@ def test_custom_derivative_bodies_get_concrete_values_where_jax_runs_them_direct
         with jamp.autocast():
             assert fn(zeros, W).dtype == BF16
         assert jax.jit(at_compile_time(fn))().dtype == BF16
+
+
+def test_policy_fields_a_region_cannot_honour_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="output_dtype"):
+        jamp.autocast(jamp.Policy(output_dtype=jnp.float32))
+    with jamp.autocast():
+        with pytest.raises(ValueError, match="outermost region"):
+            with jamp.autocast(jamp.Policy(jnp.float16, accumulate_dtype=jnp.float32)):
+                pass
+        assert jamp.get_autocast_dtype() == BF16 and (X @ W).dtype == BF16  # state unchanged
+        with jamp.autocast(jamp.Policy(jnp.float16)):  # only a compute dtype: as dtype=
+            assert (X @ W).dtype == F16
+
+
+def test_a_rule_no_region_of_its_policy_matched_warns_once_when_the_block_ends():
+    policy = jamp.Policy(rules=(("*/haed", None), ("*/Dense_1", None)))
+    model, params = MLP(), MLP().init(KEY, X)
+    with pytest.warns(jamp.UnmatchedRuleWarning, match="haed") as caught:
+        with jamp.autocast(policy):
+            model.apply(params, X)
+    assert not any("Dense_1" in str(w.message) for w in caught)  # that one matched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same scopes again: no second warning
+        with jamp.autocast(policy):
+            model.apply(params, X)
