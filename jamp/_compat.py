@@ -443,29 +443,32 @@ Trace = _core.Trace
 set_current_trace = _core.set_current_trace
 
 
-_AD_FILES = (
-    os.path.join("jax", "_src", "interpreters", "ad.py"),
-    os.path.join("jax", "_src", "interpreters", "partial_eval.py"),
-)
+_AD_FILE = os.path.join("jax", "_src", "interpreters", "ad.py")
 
 
 def differentiating_above(trace: Any, max_frames: int = 48) -> bool:
     """Whether the primitive being bound on ``trace`` comes from one of JAX's differentiation
-    traces (``jvp``, ``linearize``, the partial evaluation of ``grad``/``vjp``) pushed above it.
+    traces (``jvp``, ``linearize``: what ``grad``/``vjp`` run) pushed above it.
 
     Those traces make their parent the current trace before binding on it, so the current trace
-    cannot tell; the calling frames can: a method of such a trace whose ``parent_trace`` is
-    ``trace``. Only frames of JAX's two differentiation modules are looked into."""
+    cannot tell; the calling frames in JAX's ``ad`` module can: a method of such a trace whose
+    ``parent_trace`` is ``trace``, or the linearization of one primitive's JVP rule
+    (``linearize_from_jvp``, a partial evaluation over ``trace``). Other partial evaluations
+    (Flax's ``nn.scan`` finding loop invariants) are not differentiation and do not count."""
     from jax._src.interpreters import ad
 
-    kinds = (ad.JVPTrace, ad.LinearizeTrace, _pe.JaxprTrace)
+    kinds = (ad.JVPTrace, ad.LinearizeTrace)
     frame: Any = sys._getframe(1)
     for _ in range(max_frames):
         if frame is None:
             return False
-        if frame.f_code.co_filename.endswith(_AD_FILES):
-            owner = frame.f_locals.get("self")
+        code = frame.f_code
+        if code.co_filename.endswith(_AD_FILE):
+            local = frame.f_locals
+            owner = local.get("self")
             if isinstance(owner, kinds) and getattr(owner, "parent_trace", None) is trace:
+                return True
+            if code.co_name == "linearize_from_jvp" and local.get("parent_trace") is trace:
                 return True
         frame = frame.f_back
     return False

@@ -524,3 +524,21 @@ def test_a_rule_no_region_of_its_policy_matched_warns_once_when_the_block_ends()
         warnings.simplefilter("error")  # the same scopes again: no second warning
         with jamp.autocast(policy):
             model.apply(params, X)
+
+
+def test_flax_nn_scan_partial_evaluation_is_not_taken_for_differentiation():
+    """Flax's ``nn.scan`` partially evaluates its body (to find loop invariants) over the
+    region: that is no jax.grad above the region and must not be refused (the sst2 example)."""
+    model = nn.RNN(nn.LSTMCell(8))
+    xs = X.reshape(2, 4, 16)
+    params = model.init(KEY, xs)
+
+    @jax.jit
+    def forward(params, xs):
+        with jamp.autocast():
+            return model.apply(params, xs)
+
+    out = forward(params, xs)
+    expected = jax.jit(jamp.autocast_transform(model.apply))(params, xs)
+    assert out.dtype == expected.dtype
+    chex.assert_trees_all_close(out, expected, atol=2e-2)
