@@ -1,0 +1,606 @@
+"""What the region form (``with jamp.autocast():`` anywhere, issue 21) costs.
+
+A region pushes a JAX trace (``jamp/region_trace.py``) that receives every primitive bound in the
+block and applies the policy's rule to it as it goes by, instead of tracing the whole function and
+rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questions:
+
+(a) Tracing overhead (``trace``)
+  ``jax.make_jaxpr(g)(params, x)`` with ``g`` = ``model.apply`` inside ``with jamp.autocast():``
+  ("region") against ``jax.make_jaxpr(f)(params, x)`` of the plain float32 function ("plain"),
+  and ``jax.make_jaxpr(jamp.autocast_transform(f))(params, x)`` ("transform", trace + rewrite)
+  in the same interleaved loop. Model: the Flax pre-LN transformer stack of
+  ``rewrite_overhead.py`` (``stack_case``), 12 / 24 / 48 blocks, d=64, 4 heads, seq 16, batch 2.
+  Goal: region/plain <= 1.1x. Also reported: transform/plain and region/transform, which answer
+  the issue's question whether ``autocast_transform`` itself should run on the trace path (one
+  pass instead of two).
+
+(b) First call of a jitted train step (``compile``)
+  ``jax.jit(step)`` with ``step`` = ``jax.value_and_grad(loss)`` + an optax SGD (momentum 0.9)
+  update, ``loss = cross_entropy(forward(params, x), labels)`` (float32 log-softmax), traced,
+  lowered, compiled and run once (``jitted.lower(...)``, ``.compile()``, one call: JAX's own
+  first call does the same three things). The forward is, per side: "region" (the float32 model
+  inside ``with jamp.autocast():``), "hand bf16" (the same Flax model written by hand with
+  ``dtype=jnp.bfloat16, param_dtype=jnp.float32``), "transform" (``autocast_transform`` of the
+  float32 forward) and "f32" (the float32 model, no autocast; a reference). Same float32
+  parameters everywhere. Model: the transformer stack at 4 and 12 blocks (same widths as (a)).
+  Goal: region/hand <= 1.02x.
+
+(c) Eager steps of the digits CNN (``eager``)
+  The CNN of ``examples/digits.py`` (conv-BN-relu x2, max-pool, dense 64, dense 10; batch 64 of
+  8x8x1), called without ``jax.jit``: "region" runs the forward inside ``with jamp.autocast():``
+  (op by op: every primitive goes through the region's rule and JAX's eager dispatch),
+  "transform" calls ``jamp.autocast_transform(forward)`` eagerly (today's eager call: traced
+  once per signature, rewritten, compiled and then the executable reused), "plain" is the float32
+  forward op by op (a reference for what eager dispatch costs without jamp). Two modes: "forward"
+  (``model.apply(variables, x, False)``) and "train step" (eager ``jax.value_and_grad`` of the
+  cross-entropy loss of ``model.apply(..., True, mutable=["batch_stats"])`` + an eager optax SGD
+  update, the forward region/transformed as above). Measured: steady state (after warm-up
+  calls), the first call of a new function object in a warm process (``transform`` traces,
+  rewrites and compiles again; the region has nothing to cache), and the first call in a fresh
+  process (a subprocess per sample: JAX's per-primitive executables are cold too). No goal was
+  set; the issue asks for the numbers.
+
+Conventions (as in the other benchmarks)
+  Garbage collector on; a ``gc.collect()`` before every sample and the time of full (generation-2)
+  collections inside a sample recorded (``common.timed``). The sides are sampled in every
+  repetition, in an order that rotates from one repetition to the next, and in (a) every size in
+  every repetition, so load drifting on a shared machine hits all of them alike. Ratios are
+  medians of per-repetition ratios, with their min-max and interquartile range; "over sizes" pools
+  the per-repetition ratios of all sizes. Fresh function objects every sample (a new closure, a
+  new ``autocast_transform`` wrapper, a new ``jax.jit``), so neither JAX's trace and compilation
+  caches nor jamp's caches answer. What does carry over between samples, on every side alike, is
+  what a real process keeps too: JAX's traces of library functions that are ``jax.jit``-ed
+  themselves (``jax.nn.gelu``, ``jnp`` helpers) and, for the region, jamp's rewrites of those
+  jaxprs (kept per policy across regions, ``region_trace._STORES``).
+
+Usage::
+
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py            # all three
+    JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/region_overhead.py
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --quick    # smoke run
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts trace --profile
+    # also: --blocks 12 24 48, --compile-blocks 4 12, --reps, --compile-reps, --eager-reps,
+    #       --cold-reps, --caller-depths 0 8 16 (see rewrite_overhead.py), --top
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import functools
+import gc
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+sys.path.insert(0, ROOT)
+from common import (  # noqa: E402
+    BF16,
+    Transformer,
+    count_converts,
+    count_eqns,
+    cross_entropy,
+    environment,
+    hlo_op_counts,
+    markdown_table,
+    median,
+    normalized_hlo,
+    timed,
+)
+from rewrite_overhead import at_depth, stack_case  # noqa: E402
+
+import jamp  # noqa: E402
+
+GOAL_TRACE = 1.1     # (a) region / plain make_jaxpr
+GOAL_COMPILE = 1.02  # (b) region / hand-written bf16, first call of the jitted train step
+D, HEADS, SEQ, BATCH = 64, 4, 16, 2  # the transformer of rewrite_overhead.py
+
+
+def in_region(fn: Callable) -> Callable:
+    """A new function: ``fn`` called inside ``with jamp.autocast():`` (default policy, bf16)."""
+
+    def region_fn(*args: Any) -> Any:
+        with jamp.autocast():
+            return fn(*args)
+
+    return region_fn
+
+
+def rotated(items: Sequence[Any], i: int) -> list[Any]:
+    """``items`` starting at position ``i`` (mod len): the sampling order of repetition ``i``."""
+    k = i % len(items)
+    return [*items[k:], *items[:k]]
+
+
+def spread(ratios: Sequence[float]) -> dict[str, float]:
+    """Median, min, max and interquartile range of per-repetition ratios."""
+    qs = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else \
+        [ratios[0]] * 3
+    return {"median": median(ratios), "min": min(ratios), "max": max(ratios),
+            "q1": qs[0], "q3": qs[2]}
+
+
+def fmt_spread(s: dict[str, float], bold: bool = False) -> str:
+    m = f"**{s['median']:.2f}x**" if bold else f"{s['median']:.2f}x"
+    return f"{m} ({s['min']:.2f}–{s['max']:.2f}, IQR {s['q1']:.2f}–{s['q3']:.2f})"
+
+
+def ratios(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    return [a / b for a, b in zip(num, den)]
+
+
+def load() -> str:
+    return ", ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
+
+
+# --- (a) tracing overhead ---------------------------------------------------------------------
+
+TRACE_SIDES = ("plain", "region", "transform")
+
+
+def trace_sides(make_fn: Callable[[], Callable], args: Sequence[Any]) -> dict[str, Callable]:
+    """One zero-argument callable per side; each builds fresh function objects and traces."""
+    return {
+        "plain": lambda: jax.make_jaxpr(make_fn())(*args),
+        "region": lambda: jax.make_jaxpr(in_region(make_fn()))(*args),
+        "transform": lambda: jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args),
+    }
+
+
+def measure_trace(blocks: Sequence[int], reps: int, warmup: int,
+                  depths: Sequence[int]) -> list[dict[str, Any]]:
+    cases = [trace_sides(*stack_case(n, d=D, heads=HEADS, seq=SEQ, batch=BATCH)) for n in blocks]
+    # samples[size][side] -> [(seconds, full-GC seconds)], one per (repetition, caller depth)
+    samples = [{side: [] for side in TRACE_SIDES} for _ in cases]
+    for i in range(warmup + reps):
+        for depth in depths:
+            for case, row in zip(cases, samples):
+                for side in rotated(TRACE_SIDES, i):
+                    t, gc_s = timed(functools.partial(at_depth, depth, case[side]))
+                    if i >= warmup:
+                        row[side].append((t, gc_s))
+    results = []
+    for n, case, row in zip(blocks, cases, samples):
+        t = {side: [s[0] for s in row[side]] for side in TRACE_SIDES}
+        no_gc = {side: [s[0] - s[1] for s in row[side]] for side in TRACE_SIDES}
+        counts = {side: count_eqns(case[side]()) for side in TRACE_SIDES}
+        results.append({
+            "blocks": n,
+            "eqns": {side: sum(c.values()) for side, c in counts.items()},
+            "casts": {side: c["convert_element_type"] - counts["plain"]["convert_element_type"]
+                      for side, c in counts.items()},
+            "ms": {side: median(ts) * 1e3 for side, ts in t.items()},
+            "gc_ms": {side: median([s[1] for s in row[side]]) * 1e3 for side in TRACE_SIDES},
+            "region/plain": ratios(t["region"], t["plain"]),
+            "transform/plain": ratios(t["transform"], t["plain"]),
+            "region/transform": ratios(t["region"], t["transform"]),
+            "region/plain no GC": ratios(no_gc["region"], no_gc["plain"]),
+            "transform/plain no GC": ratios(no_gc["transform"], no_gc["plain"]),
+        })
+    return results
+
+
+def report_trace(results: list[dict[str, Any]], reps: int, depths: Sequence[int]) -> None:
+    per = f"{reps} repetitions" + (f" x caller depths {list(depths)}" if len(depths) > 1 else "")
+    print(f"## (a) Tracing overhead: `make_jaxpr`, Flax transformer stack\n\n"
+          f"d={D}, {HEADS} heads, seq {SEQ}, batch {BATCH}; {per} after 1 warm-up, all sizes and "
+          "sides in every repetition. Ratios: median of per-repetition ratios (min–max, IQR).\n")
+    rows = []
+    for r in results:
+        e, c, ms = r["eqns"], r["casts"], r["ms"]
+        rows.append([
+            f"{r['blocks']} blocks", e["plain"], f"{e['region']} (+{c['region']} casts)",
+            f"{e['transform']} (+{c['transform']} casts)",
+            f"{ms['plain']:.1f}", f"{ms['region']:.1f}", f"{ms['transform']:.1f}",
+            fmt_spread(spread(r["region/plain"]), bold=True),
+            fmt_spread(spread(r["transform/plain"])),
+            fmt_spread(spread(r["region/transform"])),
+            f"{(ms['region'] - ms['plain']) / e['plain'] * 1e3:.0f} / "
+            f"{(ms['transform'] - ms['plain']) / e['plain'] * 1e3:.0f}",
+            f"{r['gc_ms']['plain']:.0f} / {r['gc_ms']['region']:.0f} / "
+            f"{r['gc_ms']['transform']:.0f}",
+            f"{spread(r['region/plain no GC'])['median']:.2f}x / "
+            f"{spread(r['transform/plain no GC'])['median']:.2f}x",
+        ])
+    print(markdown_table(
+        ["stack", "eqns plain", "eqns region", "eqns transform", "plain ms", "region ms",
+         "transform ms", "region / plain", "transform / plain", "region / transform",
+         "extra µs per plain eqn, region / transform", "full-GC ms plain / region / transform",
+         "region / plain, transform / plain without full GC"], rows))
+    pooled = {key: spread([x for r in results for x in r[key]])
+              for key in ("region/plain", "transform/plain", "region/transform")}
+    worst = max(spread(r["region/plain"])["median"] for r in results)
+    print(f"\nOver all sizes and repetitions: region/plain {fmt_spread(pooled['region/plain'])}, "
+          f"transform/plain {fmt_spread(pooled['transform/plain'])}, region/transform "
+          f"{fmt_spread(pooled['region/transform'])}.\n")
+    print(f"- goal region/plain <= {GOAL_TRACE}x: {'met' if worst <= GOAL_TRACE else 'NOT met'} "
+          f"(worst size median {worst:.2f}x)\n")
+
+
+def _profiled(fn: Callable[[], Any]) -> dict:
+    gc.collect()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    profiler.disable()
+    return pstats.Stats(profiler).stats
+
+
+def _binds(stats: dict) -> int:
+    """Calls of ``Primitive.bind`` (JAX's ``core.py``) in a profile."""
+    return sum(v[1] for k, v in stats.items()
+               if k[0].endswith(os.path.join("jax", "_src", "core.py")) and k[2] == "bind")
+
+
+def profile_trace(blocks: int, top: int) -> None:
+    """cProfile of the region trace of the ``blocks`` stack: jamp functions by cumulative time,
+    all functions by self time, and the plain trace's totals beside it."""
+    make_fn, args = stack_case(blocks, d=D, heads=HEADS, seq=SEQ, batch=BATCH)
+    sides = trace_sides(make_fn, args)
+    for side in TRACE_SIDES:
+        sides[side]()  # warm up
+    plain = _profiled(sides["plain"])
+    stats = _profiled(sides["region"])
+    transform = _profiled(sides["transform"])
+    totals = {name: max(v[3] for v in st.values())
+              for name, st in (("plain", plain), ("region", stats), ("transform", transform))}
+    total = totals["region"]
+    jamp_dir = os.path.dirname(jamp.__file__)
+    own = sum(v[2] for k, v in stats.items() if k[0].startswith(jamp_dir))
+
+    def name(k: tuple) -> str:
+        path = os.path.relpath(k[0], ROOT) if k[0].startswith(ROOT) else \
+            k[0].split("site-packages/")[-1]
+        return f"`{path}:{k[1]}({k[2]})`"
+
+    def table(keys: list[tuple]) -> str:
+        return markdown_table(
+            ["function", "calls", "cumulative ms", "% of region trace", "self ms"],
+            [[name(k), stats[k][1], f"{stats[k][3] * 1e3:.1f}",
+              f"{stats[k][3] / total * 100:.0f}%", f"{stats[k][2] * 1e3:.1f}"] for k in keys])
+
+    jamp_keys = sorted((k for k in stats if k[0].startswith(jamp_dir)),
+                       key=lambda k: -stats[k][3])[:top]
+    self_keys = sorted(stats, key=lambda k: -stats[k][2])[:top]
+    print(f"## cProfile of the region trace, {blocks} blocks\n")
+    print(f"Under the profiler: plain {totals['plain'] * 1e3:.0f} ms "
+          f"({_binds(plain)} `Primitive.bind` calls), region {total * 1e3:.0f} ms "
+          f"({_binds(stats)} binds), transform {totals['transform'] * 1e3:.0f} ms "
+          f"({_binds(transform)} binds). Self time in jamp's own code during the region trace: "
+          f"{own * 1e3:.0f} ms ({own / total * 100:.0f}%).\n\njamp functions by cumulative "
+          f"time:\n\n{table(jamp_keys)}\n\nAll functions by self time:\n\n{table(self_keys)}\n")
+
+
+# --- (b) first call of a jitted train step -----------------------------------------------------
+
+COMPILE_SIDES = ("hand bf16", "region", "transform", "f32")
+
+
+def compile_case(n_blocks: int) -> tuple[dict[str, Callable[[], Callable]], tuple]:
+    """Per side, a factory of fresh train-step functions, and the step's arguments."""
+    model = Transformer(n_blocks, d=D, heads=HEADS)
+    hand = Transformer(n_blocks, d=D, heads=HEADS, dtype=BF16)
+    x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D), jnp.float32)
+    params = model.init(jax.random.key(0), x)
+    labels = jax.random.randint(jax.random.key(2), (BATCH, SEQ), 0, D)
+    tx = optax.sgd(1e-2, momentum=0.9)
+    opt_state = tx.init(params)
+
+    def new_step(side: str) -> Callable:
+        if side == "hand bf16":
+            forward = lambda p, x: hand.apply(p, x)  # noqa: E731
+        elif side == "region":
+            forward = in_region(lambda p, x: model.apply(p, x))
+        elif side == "transform":
+            forward = jamp.autocast_transform(lambda p, x: model.apply(p, x))
+        else:
+            forward = lambda p, x: model.apply(p, x)  # noqa: E731
+
+        def loss(p, x, y):
+            return cross_entropy(forward(p, x), y)
+
+        def step(p, opt_state, x, y):
+            value, grads = jax.value_and_grad(loss)(p, x, y)
+            updates, opt_state = tx.update(grads, opt_state, p)
+            return optax.apply_updates(p, updates), opt_state, value
+
+        return step
+
+    return {side: functools.partial(new_step, side) for side in COMPILE_SIDES}, \
+        (params, opt_state, x, labels)
+
+
+def first_call(step: Callable, args: tuple) -> dict[str, Any]:
+    """Seconds to trace + lower, compile and run once a fresh ``jax.jit(step)``."""
+    jitted = jax.jit(step)
+    t0 = time.perf_counter()
+    lowered = jitted.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    t3 = time.perf_counter()
+    return {"lower": t1 - t0, "compile": t2 - t1, "run": t3 - t2, "total": t3 - t0,
+            "compiled": compiled}
+
+
+def measure_compile(blocks: Sequence[int], reps: int) -> list[dict[str, Any]]:
+    cases = [compile_case(n) for n in blocks]
+    for factories, args in cases[:1]:  # warm-up: JAX's and jamp's one-time costs
+        for side in COMPILE_SIDES:
+            first_call(factories[side](), args)
+    samples = [{side: [] for side in COMPILE_SIDES} for _ in cases]
+    last: list[dict[str, Any]] = [{} for _ in cases]
+    for i in range(reps):
+        for (factories, args), row, keep in zip(cases, samples, last):
+            for side in rotated(COMPILE_SIDES, i):
+                out: dict[str, Any] = {}
+                _, gc_s = timed(functools.partial(
+                    lambda out, step, args: out.update(first_call(step, args)),
+                    out, factories[side](), args))
+                keep[side] = out.pop("compiled")
+                row[side].append({**out, "gc": gc_s})
+    results = []
+    for n, row, keep in zip(blocks, samples, last):
+        total = {side: [s["total"] for s in row[side]] for side in COMPILE_SIDES}
+        text = {side: keep[side].as_text() for side in COMPILE_SIDES}
+        results.append({
+            "blocks": n,
+            "s": {side: {k: median([s[k] for s in row[side]]) for k in
+                         ("lower", "compile", "run", "total", "gc")} for side in COMPILE_SIDES},
+            "region/hand": ratios(total["region"], total["hand bf16"]),
+            "transform/hand": ratios(total["transform"], total["hand bf16"]),
+            "region/transform": ratios(total["region"], total["transform"]),
+            "f32/hand": ratios(total["f32"], total["hand bf16"]),
+            "region/hand lower": ratios([s["lower"] for s in row["region"]],
+                                        [s["lower"] for s in row["hand bf16"]]),
+            "region/hand compile": ratios([s["compile"] for s in row["region"]],
+                                          [s["compile"] for s in row["hand bf16"]]),
+            "hlo ops": {side: sum(hlo_op_counts(t).values()) for side, t in text.items()},
+            "converts": {side: count_converts(t) for side, t in text.items()},
+            "same hlo": normalized_hlo(text["region"]) == normalized_hlo(text["hand bf16"]),
+        })
+    return results
+
+
+def report_compile(results: list[dict[str, Any]], reps: int) -> None:
+    print("## (b) First call of a jitted train step (trace + lower, compile, run once)\n\n"
+          f"Transformer stack d={D}, {HEADS} heads, seq {SEQ}, batch {BATCH}; "
+          "`jax.value_and_grad` of a float32 cross-entropy + optax SGD (momentum 0.9), a fresh "
+          f"step function and `jax.jit` every sample; {reps} repetitions after a warm-up of every "
+          "side at the first size. Ratios: median of per-repetition ratios (min–max, IQR).\n")
+    rows = []
+    for r in results:
+        s = r["s"]
+        for side in COMPILE_SIDES:
+            rows.append([f"{r['blocks']} blocks", side, f"{s[side]['lower'] * 1e3:.0f}",
+                         f"{s[side]['compile'] * 1e3:.0f}", f"{s[side]['run'] * 1e3:.0f}",
+                         f"{s[side]['total'] * 1e3:.0f}", f"{s[side]['gc'] * 1e3:.0f}",
+                         r["hlo ops"][side], r["converts"][side]])
+    print(markdown_table(["stack", "side", "trace + lower ms", "compile ms", "first run ms",
+                          "total ms", "full-GC ms", "optimized HLO instructions",
+                          "HLO converts"], rows))
+    print()
+    rows = [[f"{r['blocks']} blocks", fmt_spread(spread(r["region/hand"]), bold=True),
+             f"{spread(r['region/hand lower'])['median']:.2f}x / "
+             f"{spread(r['region/hand compile'])['median']:.2f}x",
+             fmt_spread(spread(r["transform/hand"])), fmt_spread(spread(r["region/transform"])),
+             fmt_spread(spread(r["f32/hand"])), "yes" if r["same hlo"] else "no"]
+            for r in results]
+    print(markdown_table(["stack", "region / hand bf16 (total)",
+                          "region / hand: trace + lower / compile", "transform / hand bf16",
+                          "region / transform", "f32 / hand bf16",
+                          "region's optimized HLO = hand bf16's"], rows))
+    worst = max(spread(r["region/hand"])["median"] for r in results)
+    pooled = spread([x for r in results for x in r["region/hand"]])
+    print(f"\n- goal region/hand bf16 <= {GOAL_COMPILE}x: "
+          f"{'met' if worst <= GOAL_COMPILE else 'NOT met'} (worst size median {worst:.2f}x; "
+          f"over sizes {fmt_spread(pooled)})\n")
+
+
+# --- (c) eager steps of the digits CNN ---------------------------------------------------------
+
+EAGER_SIDES = ("plain", "region", "transform")
+EAGER_MODES = ("forward", "train step")
+
+
+def eager_case(mode: str) -> tuple[Callable[[str], Callable], tuple]:
+    """A factory of fresh eager callables per side for ``mode``, and their arguments."""
+    from examples.digits import CNN
+
+    model = CNN()
+    x = jax.random.uniform(jax.random.key(0), (64, 8, 8, 1), jnp.float32)
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 10)
+    variables = model.init(jax.random.key(2), x[:1], False)
+    train = mode == "train step"
+    tx = optax.sgd(1e-2)
+    opt_state = tx.init(variables["params"])
+
+    def new(side: str) -> Callable:
+        def forward(v, x):
+            if train:
+                return model.apply(v, x, True, mutable=["batch_stats"])
+            return model.apply(v, x, False)
+
+        if side == "region":
+            forward = in_region(forward)
+        elif side == "transform":
+            forward = jamp.autocast_transform(forward)
+        if not train:
+            return forward
+
+        def loss(params, batch_stats, x, y):
+            logits, updates = forward({"params": params, "batch_stats": batch_stats}, x)
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+            return ce.mean(), (updates["batch_stats"], logits)
+
+        def step(variables, opt_state, x, y):
+            (value, (batch_stats, logits)), grads = jax.value_and_grad(loss, has_aux=True)(
+                variables["params"], variables["batch_stats"], x, y)
+            updates, opt_state = tx.update(grads, opt_state, variables["params"])
+            params = optax.apply_updates(variables["params"], updates)
+            return {"params": params, "batch_stats": batch_stats}, opt_state, value, logits
+
+        return step
+
+    return new, ((variables, opt_state, x, y) if train else (variables, x))
+
+
+def call_once(fn: Callable, args: tuple) -> float:
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    return time.perf_counter() - start
+
+
+def eager_cold(side: str, mode: str) -> dict[str, float]:
+    """In a fresh process: the first call, then one more (what the first one left cached)."""
+    new, args = eager_case(mode)
+    fn = new(side)
+    first = call_once(fn, args)
+    return {"first": first, "second": call_once(fn, args)}
+
+
+def measure_eager(reps: int, warmup: int, fresh_reps: int, cold_reps: int) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    for mode in EAGER_MODES:
+        new, args = eager_case(mode)
+        fns = {side: new(side) for side in EAGER_SIDES}
+        for _ in range(warmup):
+            for side in EAGER_SIDES:
+                call_once(fns[side], args)
+        steady = {side: [] for side in EAGER_SIDES}
+        for i in range(reps):
+            for side in rotated(EAGER_SIDES, i):
+                steady[side].append(timed(functools.partial(call_once, fns[side], args))[0])
+        fresh = {side: [] for side in EAGER_SIDES}
+        for i in range(fresh_reps):
+            for side in rotated(EAGER_SIDES, i):
+                fresh[side].append(timed(functools.partial(call_once, new(side), args))[0])
+        dtype = {}
+        for side in EAGER_SIDES:
+            out = fns[side](*args)
+            dtype[side] = str((out if mode == "forward" else out[-1]).dtype)  # the logits
+        results[mode] = {"steady": steady, "fresh": fresh, "cold": {s: [] for s in EAGER_SIDES},
+                         "second": {s: [] for s in EAGER_SIDES}, "dtype": dtype}
+    for i in range(cold_reps):  # fresh processes, sides and modes interleaved
+        for mode in EAGER_MODES:
+            for side in rotated(EAGER_SIDES, i):
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--eager-cold",
+                                      side, mode], check=True, capture_output=True, text=True)
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                results[mode]["cold"][side].append(r["first"])
+                results[mode]["second"][side].append(r["second"])
+    return results
+
+
+def report_eager(results: dict[str, Any], reps: int, warmup: int, fresh_reps: int,
+                 cold_reps: int) -> None:
+    print("## (c) Eager calls of the digits CNN (`examples/digits.py`), no `jax.jit`\n\n"
+          f"Batch 64 of 8x8x1. Steady state: median of {reps} interleaved calls after {warmup} "
+          f"warm-up calls per side; new function: first call of a new function object in this "
+          f"(warm) process, {fresh_reps} samples; fresh process: first call in a new Python "
+          f"process (cold JAX caches), {cold_reps} samples per side, and the second call there. "
+          "Ratios: median of per-repetition ratios (min–max, IQR). 'logits' is the dtype the "
+          "forward returned.\n")
+    rows = []
+    for mode, r in results.items():
+        for side in EAGER_SIDES:
+            cold = r["cold"][side]
+            rows.append([mode, side, r["dtype"][side], f"{median(r['steady'][side]) * 1e3:.1f}",
+                         f"{median(r['fresh'][side]) * 1e3:.1f}",
+                         f"{median(cold):.2f}" if cold else "-",
+                         f"{median(r['second'][side]) * 1e3:.1f}" if cold else "-"])
+    print(markdown_table(["mode", "side", "logits", "steady ms", "new function, first call ms",
+                          "fresh process, first call s", "fresh process, second call ms"], rows))
+    print()
+    rows = []
+    for mode, r in results.items():
+        for what, key in (("steady state", "steady"), ("new function", "fresh"),
+                          ("fresh process", "cold")):
+            if not r[key]["region"]:
+                continue
+            rows.append([mode, what,
+                         fmt_spread(spread(ratios(r[key]["region"], r[key]["transform"]))),
+                         fmt_spread(spread(ratios(r[key]["region"], r[key]["plain"]))),
+                         fmt_spread(spread(ratios(r[key]["transform"], r[key]["plain"])))])
+    print(markdown_table(["mode", "call", "region / transform", "region / plain",
+                          "transform / plain"], rows))
+    print()
+
+
+# --- entry point ---------------------------------------------------------------------------------
+
+PARTS = ("trace", "compile", "eager")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: small stacks, few repetitions")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--blocks", type=int, nargs="+", default=None,
+                        help="(a) stack depths (default 12 24 48; --quick: 4 8)")
+    parser.add_argument("--reps", type=int, default=None, help="(a) repetitions (default 7)")
+    parser.add_argument("--caller-depths", type=int, nargs="+", default=[0],
+                        help="(a) sample every side at these Python stack depths "
+                             "(see rewrite_overhead.py)")
+    parser.add_argument("--compile-blocks", type=int, nargs="+", default=None,
+                        help="(b) stack depths (default 4 12; --quick: 2)")
+    parser.add_argument("--compile-reps", type=int, default=None,
+                        help="(b) repetitions (default 5)")
+    parser.add_argument("--eager-reps", type=int, default=None,
+                        help="(c) steady-state calls per side (default 30)")
+    parser.add_argument("--fresh-reps", type=int, default=None,
+                        help="(c) first calls of new function objects per side (default 5)")
+    parser.add_argument("--cold-reps", type=int, default=None,
+                        help="(c) fresh processes per side and mode (default 3; --quick: 1)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile the region trace of the largest stack of (a)")
+    parser.add_argument("--top", type=int, default=20, help="rows of the profile tables")
+    parser.add_argument("--eager-cold", nargs=2, metavar=("SIDE", "MODE"),
+                        help=argparse.SUPPRESS)  # subprocess mode of (c)
+    args = parser.parse_args()
+    if args.eager_cold:
+        print(json.dumps(eager_cold(*args.eager_cold)))
+        return
+    q = args.quick
+    blocks = args.blocks or ([4, 8] if q else [12, 24, 48])
+    reps = args.reps or (3 if q else 7)
+    compile_blocks = args.compile_blocks or ([2] if q else [4, 12])
+    compile_reps = args.compile_reps or (2 if q else 5)
+    eager_reps = args.eager_reps or (5 if q else 30)
+    eager_warmup = 2 if q else 5
+    fresh_reps = args.fresh_reps or (2 if q else 5)
+    cold_reps = args.cold_reps if args.cold_reps is not None else (1 if q else 3)
+
+    print(f"# jamp region form: overhead (issue 21)\n\n{environment()}\n")
+    started = time.perf_counter()
+    if "trace" in args.parts:
+        depths = tuple(args.caller_depths)
+        report_trace(measure_trace(blocks, reps, 1, depths), reps, depths)
+    if "compile" in args.parts:
+        report_compile(measure_compile(compile_blocks, compile_reps), compile_reps)
+    if "eager" in args.parts:
+        report_eager(measure_eager(eager_reps, eager_warmup, fresh_reps, cold_reps),
+                     eager_reps, eager_warmup, fresh_reps, cold_reps)
+    if args.profile:
+        profile_trace(max(blocks), args.top)
+    print(f"Load average at the end: {load()}; {time.perf_counter() - started:.0f} s in all.")
+
+
+if __name__ == "__main__":
+    main()
