@@ -444,6 +444,10 @@ set_current_trace = _core.set_current_trace
 
 
 _AD_FILE = os.path.join("jax", "_src", "interpreters", "ad.py")
+_OWN_CODE = tuple(
+    os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
+    for m in (jax, sys.modules[__package__])
+)
 
 
 def differentiating_above(trace: Any, max_frames: int = 48) -> bool:
@@ -463,6 +467,10 @@ def differentiating_above(trace: Any, max_frames: int = 48) -> bool:
         if frame is None:
             return False
         code = frame.f_code
+        # A differentiation's frames are reached through JAX's and jamp's own frames only: the
+        # first frame of other code (the user's, a library's) ends the search.
+        if not code.co_filename.startswith(_OWN_CODE):
+            return False
         if code.co_filename.endswith(_AD_FILE):
             local = frame.f_locals
             owner = local.get("self")

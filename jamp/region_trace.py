@@ -135,6 +135,7 @@ class RegionEnv(Env):
     def __init__(self) -> None:
         super().__init__(None)
         self._vars: dict[int, tuple[Any, Any]] = {}  # id(value) -> (weakref, Var)
+        self.casts: CastsByVar = CastsByVar()
         self._cotangent = set()
 
     def accumulated(self, var: Any) -> bool:
@@ -166,8 +167,30 @@ class RegionEnv(Env):
         self.lowered.discard(var)
         self.known.pop(var, None)
         self.upcast_of.pop(var, None)
-        for cast_key in [k for k in self.casts if k[0] is var]:
-            del self.casts[cast_key]
+        self.casts.forget(var)
+
+
+class CastsByVar(dict):
+    """The cast cache (``(var, dtype) -> value``), able to drop a variable's entries without a
+    scan: a long eager loop in one region would otherwise pay for every cast made so far."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._keys: dict[Any, list] = {}
+
+    def __setitem__(self, key: tuple, value: Any) -> None:
+        if key not in self:
+            self._keys.setdefault(key[0], []).append(key)
+        super().__setitem__(key, value)
+
+    def setdefault(self, key: tuple, default: Any = None) -> Any:
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def forget(self, var: Any) -> None:
+        for key in self._keys.pop(var, ()):
+            self.pop(key, None)
 
 
 class RegionTrace(compat.Trace):
@@ -201,7 +224,7 @@ class RegionTrace(compat.Trace):
                 outs = compat.eval_jaxpr(jaxpr, consts, args)
             return outs
         state = self.rewriter.state_for_scopes(compat.current_scope_names())
-        if not self._needs_rule(state, args, params):
+        if not self._needs_rule(primitive, state, args, params):
             with compat.set_current_trace(self.parent):
                 return primitive.bind(*args, **params)
         if state.enabled and compat.differentiating_above(self):
@@ -226,7 +249,7 @@ class RegionTrace(compat.Trace):
                     if var in env.upcast_of:
                         env.casts.pop((var, F32), None)
         # What a call would have returned without the policy (its body's traced types).
-        traced = [v.aval.dtype for v in eqn.outvars] if has_subprograms(params) else []
+        traced = [v.aval.dtype for v in eqn.outvars] if _carries_programs(primitive, params) else []
         outvars = eqn.set_outputs(outs)
         for value, var in zip(outs, outvars):
             env.remember(value, var)
@@ -237,10 +260,12 @@ class RegionTrace(compat.Trace):
         )
         return outs if primitive.multiple_results else outs[0]
 
-    def _needs_rule(self, state: RegionState, args: Sequence[Any], params: dict) -> bool:
+    def _needs_rule(
+        self, primitive: Any, state: RegionState, args: Sequence[Any], params: dict
+    ) -> bool:
         """Whether the policy can change anything: an enabled state and a floating operand, or
         a sub-program (whose regions may differ from this one)."""
-        if has_subprograms(params):
+        if _carries_programs(primitive, params):
             return True
         return state.enabled and any(
             is_float(getattr(compat.aval_of(a), "dtype", np.int32)) for a in args
@@ -303,6 +328,18 @@ class RegionTrace(compat.Trace):
         state = self.rewriter.state_for_scopes(compat.current_scope_names())
         with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
+
+
+_CARRIES_PROGRAMS: dict[Any, bool] = {}
+
+
+def _carries_programs(primitive: Any, params: dict) -> bool:
+    """Whether the primitive's equations carry jaxprs: looked at once per primitive (a region
+    asks for every bind)."""
+    known = _CARRIES_PROGRAMS.get(primitive)
+    if known is None:
+        known = _CARRIES_PROGRAMS[primitive] = has_subprograms(params)
+    return known
 
 
 class RegionUnderAutodiffError(TypeError):
