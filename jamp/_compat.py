@@ -46,15 +46,28 @@ def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
 
 
 # Pure call wrappers (a body and nothing else). jax 0.12 folds ``closed_call``/``call`` into one
-# ``eval_jaxpr`` primitive (what ``checkpoint`` of a ``vmap`` of a ``scan`` binds under ``grad``);
-# jax 0.10 has no such primitive.
-_eval_jaxpr_p = getattr(_core, "eval_jaxpr_p", None)
+# ``eval_jaxpr`` primitive (what ``checkpoint`` of a ``vmap`` of a ``scan`` binds under ``grad``;
+# body in ``call_jaxpr``). jax 0.10 has an ``eval_jaxpr`` primitive of its own (body in ``jaxpr``)
+# that JAX binds (scan's impl, shard_map) and a jaxpr trace stages as ``closed_call``: a jaxpr
+# never holds it, but a region sees it bound.
+_eval_jaxpr_p: Any
+try:
+    from jax._src.lax.eval_jaxpr import eval_jaxpr_p as _eval_jaxpr_p
+except ImportError:  # pragma: no cover - neither version lacks it today
+    _eval_jaxpr_p = getattr(_core, "eval_jaxpr_p", None)
 INLINE_CALL_PRIMITIVES: tuple[str, ...] = tuple(
     dict.fromkeys(
         ("closed_call", "core_call", "call")
         + ((_eval_jaxpr_p.name,) if _eval_jaxpr_p is not None else ())
     )
 )
+
+
+def bind_eval_jaxpr(closed: Any, *args: Any) -> list[Any]:
+    """Bind the ``eval_jaxpr`` primitive on ``closed`` as JAX does (the tests' way to reach it)."""
+    assert _eval_jaxpr_p is not None
+    body = "call_jaxpr" if _eval_jaxpr_p is getattr(_core, "eval_jaxpr_p", None) else "jaxpr"
+    return _eval_jaxpr_p.bind(*args, **{body: closed})
 
 
 def is_jaxpr_like(value: Any) -> bool:
@@ -181,6 +194,25 @@ def traced_var(x: Any) -> Any:
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Evaluate an open jaxpr with its consts under the current trace."""
     return list(_core.eval_jaxpr(jaxpr, list(consts), *args))
+
+
+def eval_jaxpr_retyped(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
+    """``eval_jaxpr`` under a trace that may change the values' dtypes (a region evaluating a
+    ``jnp`` function's inline jit): ``core.eval_jaxpr`` asserts under ``jax_enable_checks`` that
+    every value has the type its equation was traced with, which a policy changes by design.
+    Otherwise the same loop (source info, name stack and equation context per bind)."""
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
+    for eqn in jaxpr.eqns:
+        name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+        with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            ans = eqn.primitive.bind(*map(read, eqn.invars), **bind_params(eqn))
+        env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def as_closed(jaxpr: Any) -> Any:
@@ -450,34 +482,26 @@ _OWN_CODE = tuple(
 )
 
 
-def differentiating_above(trace: Any, max_frames: int = 48) -> bool:
-    """Whether the primitive being bound on ``trace`` comes from one of JAX's differentiation
-    traces (``jvp``, ``linearize``: what ``grad``/``vjp`` run) pushed above it.
+def differentiating_above(max_frames: int = 48) -> bool:
+    """Whether the primitive being bound on the calling trace (a region) comes from one of JAX's
+    differentiation traces (``jvp``, ``linearize``: what ``grad``/``vjp`` run) pushed above it.
 
     Those traces make their parent the current trace before binding on it, so the current trace
-    cannot tell; the calling frames in JAX's ``ad`` module can: a method of such a trace whose
-    ``parent_trace`` is ``trace``, or the linearization of one primitive's JVP rule
-    (``linearize_from_jvp``, a partial evaluation over ``trace``). Other partial evaluations
-    (Flax's ``nn.scan`` finding loop invariants) are not differentiation and do not count."""
-    from jax._src.interpreters import ad
-
-    kinds = (ad.JVPTrace, ad.LinearizeTrace)
+    cannot tell; the calling frames can. The user's own code binds on the region through JAX's
+    frames only (``jnp``, ``lax``, ``core``) up to the first frame of other code; a
+    differentiation above the region shows a frame of JAX's ``ad`` module before that. (Frames'
+    locals are never read: on Python 3.11/3.12 that snapshots them onto the frame, which can keep
+    tracers alive past their trace.) Other partial evaluations, such as Flax's ``nn.scan`` finding
+    loop invariants, run in ``partial_eval`` and do not count."""
     frame: Any = sys._getframe(1)
     for _ in range(max_frames):
         if frame is None:
             return False
-        code = frame.f_code
-        # A differentiation's frames are reached through JAX's and jamp's own frames only: the
-        # first frame of other code (the user's, a library's) ends the search.
-        if not code.co_filename.startswith(_OWN_CODE):
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_OWN_CODE):
             return False
-        if code.co_filename.endswith(_AD_FILE):
-            local = frame.f_locals
-            owner = local.get("self")
-            if isinstance(owner, kinds) and getattr(owner, "parent_trace", None) is trace:
-                return True
-            if code.co_name == "linearize_from_jvp" and local.get("parent_trace") is trace:
-                return True
+        if filename.endswith(_AD_FILE):
+            return True
         frame = frame.f_back
     return False
 

@@ -221,13 +221,13 @@ class RegionTrace(compat.Trace):
             # sees their equations): the region sees them one by one too, eagerly as well.
             jaxpr, consts = compat.open_and_consts(params["jaxpr"])
             with compat.set_current_trace(self):
-                outs = compat.eval_jaxpr(jaxpr, consts, args)
+                outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
             return outs
         state = self.rewriter.state_for_scopes(compat.current_scope_names())
         if not self._needs_rule(primitive, state, args, params):
             with compat.set_current_trace(self.parent):
                 return primitive.bind(*args, **params)
-        if state.enabled and compat.differentiating_above(self):
+        if state.enabled and compat.differentiating_above():
             raise RegionUnderAutodiffError(AUTODIFF_MESSAGE)
         env = self.env
         invars = []

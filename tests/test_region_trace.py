@@ -13,6 +13,7 @@ import pytest
 from jax import lax
 
 import jamp
+from jamp import _compat as compat
 from tests.jaxpr_utils import eqns_named, iter_eqns, operand_dtypes
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
@@ -542,3 +543,44 @@ def test_flax_nn_scan_partial_evaluation_is_not_taken_for_differentiation():
     expected = jax.jit(jamp.autocast_transform(model.apply))(params, xs)
     assert out.dtype == expected.dtype
     chex.assert_trees_all_close(out, expected, atol=2e-2)
+
+
+def test_jnp_functions_in_a_region_pass_jax_enable_checks():
+    """jnp's functions are jits JAX inlines, which the region evaluated with JAX's eval_jaxpr:
+    under ``jax_enable_checks`` that asserts every value has the type it was traced with, which
+    the policy changes by design (AssertionError for any jnp.matmul in a bfloat16 region)."""
+    with jax.enable_checks(True):
+        with jamp.autocast():
+            assert jnp.matmul(X, W).dtype == BF16
+        assert jax.jit(in_region(jnp.matmul))(X, W).dtype == BF16
+        with jamp.autocast(jamp.Policy(jnp.float32)):
+            assert jnp.exp(jnp.bfloat16(1.0)).dtype == F32  # the fp32 table, also here
+
+
+def test_grad_of_a_jitted_function_with_a_region_leaks_no_tracer():
+    """The region's check for a differentiation above it read ``frame.f_locals`` of JAX's
+    ``partial_eval.trace_to_jaxpr`` frame: on Python 3.11/3.12 that snapshot of the frame's
+    locals (the jit's tracers) outlived the trace, and JAX's leak checker raised."""
+    a = jax.random.normal(KEY, (16, 16))
+
+    @jax.jit
+    def loss(a, x):
+        with jamp.autocast(jamp.Policy(jnp.float32)):
+            return jnp.sum((jax.nn.sigmoid(a * x) - x) ** 2)
+
+    with jax.checking_leaks():
+        assert jax.grad(loss)(a, X[:1]).shape == a.shape
+
+
+def test_eval_jaxpr_bound_in_a_region_runs_its_body_under_the_policy():
+    """jax 0.10 has an ``eval_jaxpr`` primitive of its own (body in ``jaxpr``) that a jaxpr trace
+    stages as ``closed_call``: autocast_transform never sees it, a region sees it bound and had
+    no rule for it (UnsupportedPrimitiveWarning, the body ran in float32)."""
+    closed = jax.make_jaxpr(lambda x, w: [x @ w])(X, W)
+
+    def f(x, w):
+        with jamp.autocast():
+            return compat.bind_eval_jaxpr(closed, x, w)[0]
+
+    assert f(X, W).dtype == BF16
+    assert jax.jit(f)(X, W).dtype == BF16

@@ -18,6 +18,7 @@ from ..interpreter import (
     Hint,
     Step,
     call_bodies,
+    call_body,
     is_float,
     register,
     register_opaque,
@@ -48,8 +49,7 @@ def jit_rule(step: Step) -> Sequence[Any]:
 @register(*compat.INLINE_CALL_PRIMITIVES)
 def inline_call_rule(step: Step) -> Sequence[Any]:
     """Pure call wrappers carry no semantics of their own: evaluate the body inline."""
-    jaxpr = step.params.get("call_jaxpr")
-    return step.run_sub(jaxpr, step.args, step.hints())
+    return step.run_sub(call_body(step.eqn), step.args, step.hints())
 
 
 @register("checkpoint", "remat", "remat2")
