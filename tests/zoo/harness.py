@@ -475,25 +475,24 @@ def check_region_equals_transform(run: ZooRun) -> None:
     dtypes for every matmul/conv and fp32-table equation of the two programs, and the same outputs
     (values within one unit in the last place of the compute dtype at the output's scale: the two
     programs differ in converts jamp leaves for XLA to drop, so XLA fuses them differently and a
-    float32 statistic of 16-bit values may round in another order). One output dtype may differ, as docs/reference/dtypes.md
-    ("Regions") says: a model that ends by casting to float32 (Flax's ``jnp.asarray(x, dtype)``)
+    float32 statistic of 16-bit values may round in another order). One output dtype may differ,
+    as docs/reference/dtypes.md ("Regions") says: a model that ends by casting to float32 (Flax's ``jnp.asarray(x, dtype)``)
     returns float32 from a region, as torch does, where ``autocast_transform`` sees no cast (the
     value was traced float32) and returns the compute dtype. ``cast_inputs=True`` casts a
     function's inputs, which a region does not have: it is refused with an error that says so."""
-    if run.policy.cast_inputs:
-        try:
-            run.region
-        except StageFailed as e:
-            assert "cast_inputs" in str(e), str(e)
-            return
-        raise AssertionError("a region accepted Policy(cast_inputs=True)")
-    if run.model.region_carry_limit:
-        try:
-            run.region
-        except StageFailed as e:
-            assert "inside a jamp.autocast region: the loop's initial carry" in str(e), str(e)
-            return
-        raise AssertionError("the region form now runs this model: drop region_carry_limit")
+    refusals = (
+        (run.policy.cast_inputs, "cast_inputs", "a region accepted Policy(cast_inputs=True)"),
+        (run.model.region_carry_limit, "inside a jamp.autocast region: the loop's initial carry",
+         "the region form now runs this model: drop region_carry_limit"),
+    )
+    for applies, expected, otherwise in refusals:
+        if applies:
+            try:
+                run.region
+            except StageFailed as e:
+                assert expected in str(e), str(e)
+                return
+            raise AssertionError(otherwise)
     region, transform = array_leaves(run.region), array_leaves(run.jitted)
     assert [p for p, _ in region] == [p for p, _ in transform]
     bad = []
