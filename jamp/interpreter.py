@@ -41,7 +41,7 @@ class PrimitiveRules:
     # How probe.py's instrumented evaluation enters the programs the primitive carries: ``walk``
     # evaluates the equation, ``bodies`` lists the open jaxprs it enters (in site-numbering
     # order), ``loop`` says whether they run once per iteration. ``walk=None`` with
-    # ``opaque=True``: the evaluator runs the equation whole, as one site (see register_walk).
+    # ``opaque=True``: the evaluator runs the equation whole, as one site (register_opaque).
     walk: Walk | None = None
     bodies: Callable[[Any], list[Any]] | None = None
     loop: bool = False
