@@ -30,6 +30,7 @@ import functools
 import inspect
 import json
 import os
+import weakref
 from typing import Any
 
 import pytest
@@ -73,7 +74,9 @@ def _install() -> None:
         ``functools.wraps``) copies ``fun.__dict__``, this entry included: the entry names its
         owner, so ``jax.jit(jax.vmap(f))`` does not find ``jax.jit(f)``'s wrapper."""
         attrs = getattr(fun, "__dict__", None)
-        if not isinstance(attrs, dict):
+        if not isinstance(attrs, dict) or inspect.ismethod(fun):
+            # (a bound method's __dict__ is its function's, shared by every instance: an entry
+            # there would keep the instance alive)
             return None
         own = attrs.get(attribute)
         if own is None or own["owner"] is not fun:
@@ -81,6 +84,10 @@ def _install() -> None:
         return own
 
     def identity_wrap(fun: Any, kw: dict) -> Any:
+        # What jax.jit refuses (not callable, a generator function, a staticmethod, a callable
+        # that cannot be weakly referenced) raises here, and patched_jit lets jax.jit refuse it.
+        api_util.check_callable(fun)
+        weakref.ref(fun)
         nums, names = static_positions(fun, kw)
         key = (nums, names)
         own = own_wrappers(fun)
