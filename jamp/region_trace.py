@@ -120,11 +120,12 @@ def _program_view(avals: list) -> list:
     """Operand types as the float32 program has them: floating operands that arrive in
     different dtypes (a value the policy made 16-bit, moved by a shape op after jnp promoted it,
     beside a float32 bias) are typed in the widest of them, as jnp's promotion typed them."""
-    floating = [a for a in avals if is_float(getattr(a, "dtype", np.int32))]
-    if len({a.dtype for a in floating}) < 2:
+    is_floating = [is_float(getattr(a, "dtype", np.int32)) for a in avals]
+    dtypes = {a.dtype for a, f in zip(avals, is_floating) if f}
+    if len(dtypes) < 2:
         return avals
-    wide = widest(*(a.dtype for a in floating))
-    return [a.update(dtype=wide, weak_type=False) if a in floating else a for a in avals]
+    wide = widest(*dtypes)
+    return [a.update(dtype=wide, weak_type=False) if f else a for a, f in zip(avals, is_floating)]
 
 
 class RegionEnv(Env):
