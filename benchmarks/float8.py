@@ -1,23 +1,35 @@
-"""float8 autocast (issue 16): accuracy against bfloat16, and GPU step time side by side.
+"""float8 autocast (issues 16, 23): accuracy against bfloat16, and GPU step time side by side.
 
     # accuracy: the digits CNN and the tiny GPT, bfloat16 vs float8 autocast (any backend)
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/float8.py accuracy [--seeds 0 1]
-    # step time of a larger GPT on a GPU: float32, bf16 autocast, hand-written bf16 Flax,
-    # float8 autocast, Flax fp8_ops layers (never run this on a CPU: 8-bit is emulated there)
-    python benchmarks/float8.py step [--d 2048 --layers 8 --seq 1024 --batch 8]
+    # GPU step time of a GPT: float32, bf16 autocast, hand-written bf16 Flax, float8 autocast,
+    # Flax fp8_ops layers. --config gpt-539m (d=2048, 8 layers, seq 1024, batch 8; the default)
+    # or gpt-1.3b (d=2048, 24 layers, seq 2048, batch 4); --d/--layers/... override it.
+    python benchmarks/float8.py step [--config gpt-1.3b]
+    # GPU step time of a ResNet-50 train step (batch 128, 224x224, SGD with momentum): float32,
+    # hand-written bf16 Flax (dtype=), bf16 autocast, float8 autocast
+    python benchmarks/float8.py resnet
+    # one matmul, forward and backward, bf16 autocast vs float8 autocast, over torchao's shapes:
+    # the data for Policy.min_float8_flops' default (today taken from torchao's figures)
+    python benchmarks/float8.py matmul
+    # every command at a tiny size, to check the script on a CPU (times mean nothing there:
+    # 8-bit arithmetic is emulated)
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/float8.py step --tiny   # resnet, matmul too
 
-``step`` also reads each variant's optimized HLO and counts the GEMMs XLA emitted by kind
-(cuBLASLt float8 GEMMs are ``__cublas$lt$matmul$f8`` custom calls), so the table shows whether
-the float8 pattern was recognised on that device.
+The variants of one command are compiled first, then timed in interleaved rounds (drift hits
+every variant alike). Each compiled program goes through jamp's fallback check
+(``jamp.float8_check.check_compiled``): the table counts its GEMMs by kernel (cuBLASLt float8
+GEMMs are ``__cublas$lt$matmul$f8`` custom calls) and the GEMMs that read float8 data upcast to a
+wider type, and a float8 program that falls back warns (``jamp.Float8FallbackWarning``).
+``--explain`` adds ``jamp.explain(loss, ..., compiled=True)`` of the float8 variant's loss: a
+verdict per float8 dot of the forward pass.
 """
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -26,7 +38,6 @@ from typing import Any, Callable, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,6 +45,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 import jamp  # noqa: E402
 from benchmarks.common import environment, markdown_table  # noqa: E402
+from jamp import float8_check  # noqa: E402
 
 
 # --- accuracy ------------------------------------------------------------------------------------
@@ -124,15 +136,17 @@ VARIANTS: dict[str, dict[str, Any]] = {
 OWG = "_overwrite_with_gradient"  # flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT
 
 
-def make_step(model: GPT, policy: Optional[jamp.Policy], tx: Any) -> Callable:
-    """One training step; Flax's fp8 layers keep their scales in the ``_overwrite_with_gradient``
-    collection, whose "gradients" are the new values (Flax's documented training loop)."""
-
+def gpt_loss(model: GPT) -> Callable:
     def loss_fn(variables, tokens):
         logits = model.apply(variables, tokens[:, :-1])
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), tokens[:, 1:]).mean()
+    return loss_fn
 
+
+def make_step(loss_fn: Callable, policy: Optional[jamp.Policy], tx: Any) -> Callable:
+    """One training step; Flax's fp8 layers keep their scales in the ``_overwrite_with_gradient``
+    collection, whose "gradients" are the new values (Flax's documented training loop)."""
     if policy is not None:
         loss_fn = jamp.autocast_transform(loss_fn, policy)
 
@@ -147,71 +161,273 @@ def make_step(model: GPT, policy: Optional[jamp.Policy], tx: Any) -> Callable:
     return jax.jit(step, donate_argnums=(0, 1))
 
 
-GEMM_KINDS = {
-    "cuBLASLt f8": r"__cublas\$lt\$matmul\$f8",
-    "cuBLASLt": r"__cublas\$lt\$matmul\"",
-    "cuBLAS": r"__cublas\$gemm",
-    "triton": r"__triton_gemm",
+
+
+# --- compiling, checking and timing variants side by side ---------------------------------------
+
+TINY_FP8 = jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=0)  # tiny sizes: all in float8
+
+
+def fp8_policy(args: argparse.Namespace) -> jamp.Policy:
+    """The float8 variant's policy: the default size threshold, or none at --tiny sizes (where
+    it would keep every matmul in bfloat16)."""
+    if args.tiny:
+        return TINY_FP8
+    if args.min_float8_flops is not None:
+        return jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=args.min_float8_flops)
+    return jamp.Policy(jnp.float8_e4m3fn)
+
+
+def gemm_columns(check: float8_check.Float8Check) -> list[Any]:
+    """f8 GEMMs, the other GEMMs by kernel, and the GEMMs that read float8 data upcast."""
+    others = {k: n for k, n in sorted(check.counts().items()) if k != "cuBLASLt float8"}
+    return [check.float8_gemms, ", ".join(f"{k} {n}" for k, n in others.items()) or "0",
+            len(check.fallback_gemms)]
+
+
+GEMM_HEADER = ["f8 GEMMs", "other GEMMs", "GEMMs on upcast float8"]
+
+
+class Variant:
+    """One compiled program with its state: ``run(state) -> (state, loss)``."""
+
+    def __init__(self, name: str, step: Callable, state: tuple, batch: Any):
+        self.name = name
+        t0 = time.perf_counter()
+        self.exe = step.lower(*state, batch).compile()
+        self.compile_s = time.perf_counter() - t0
+        self.check = float8_check.check_compiled(self.exe)
+        float8_check.warn_fallbacks(self.check, name)  # a float8 program that fell back
+        self.state, self.batch = state, batch
+        self.times: list[float] = []
+        self.loss = float("nan")
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            *state, loss = self.exe(*self.state, self.batch)
+            self.state = tuple(state)
+        self.loss = float(loss)  # blocks until done
+
+
+def time_interleaved(variants: list[Variant], rounds: int, steps: int) -> None:
+    for v in variants:  # warm up
+        v.run(3)
+    for _ in range(rounds):  # interleaved rounds: drift hits every variant alike
+        for v in variants:
+            t0 = time.perf_counter()
+            v.run(steps)
+            v.times.append((time.perf_counter() - t0) / steps)
+
+
+def step_table(variants: list[Variant], base: str, model_flops: Optional[float]) -> str:
+    ref = next((v for v in variants if v.name == base), None)
+    rows = []
+    for v in variants:
+        ms = 1e3 * statistics.median(v.times)
+        rows.append([v.name, f"{ms:.1f}",
+                     f"{model_flops / (ms / 1e3) / 1e12:.0f}" if model_flops else "n/a",
+                     f"{statistics.median(ref.times) * 1e3 / ms:.2f}x" if ref else "n/a",
+                     f"{v.compile_s:.0f}", *gemm_columns(v.check), f"{v.loss:.3f}"])
+    return markdown_table(["variant", "step ms (median)", "model TFLOP/s", f"speed vs {base}",
+                           "compile s", *GEMM_HEADER, "loss after the run"], rows)
+
+
+def explain_float8(loss_fn: Callable, policy: jamp.Policy, *args: Any) -> None:
+    """Per float8 dot of the loss (forward pass): what it compiled to."""
+    report = jamp.explain(loss_fn, *args, policy=policy, compiled=True)
+    print(report.float8_check)
+    if report.float8_kept:
+        print(f"{len(report.float8_kept)} matmuls kept in bfloat16 by min_float8_flops")
+
+
+# --- GPT step time -----------------------------------------------------------------------------
+
+GPT_CONFIGS = {
+    # the 539M GPT measured in issue 16 (benchmarks/README.md, float8)
+    "gpt-539m": {"d": 2048, "heads": 16, "layers": 8, "seq": 1024, "batch": 8, "vocab": 32768},
+    # ~1.3B: MPT-1B's width (llm-foundry's float8 figures), 24 layers, seq 2048
+    "gpt-1.3b": {"d": 2048, "heads": 16, "layers": 24, "seq": 2048, "batch": 4, "vocab": 32768},
+    "tiny": {"d": 32, "heads": 2, "layers": 2, "seq": 16, "batch": 2, "vocab": 64},
 }
 
 
-def gemm_counts(hlo: str) -> dict[str, int]:
-    return {kind: len(re.findall(pattern, hlo)) for kind, pattern in GEMM_KINDS.items()}
-
-
 def step_time(args: argparse.Namespace) -> None:
+    cfg = dict(GPT_CONFIGS["tiny" if args.tiny else args.config])
+    cfg.update({k: getattr(args, k) for k in cfg if getattr(args, k, None) is not None})
     print(environment())
-    print(f"device: {jax.devices()[0].device_kind}; GPT d={args.d} heads={args.heads} "
-          f"layers={args.layers} seq={args.seq} batch={args.batch} vocab={args.vocab}")
-    tokens = jax.random.randint(jax.random.key(1), (args.batch, args.seq + 1), 0, args.vocab)
+    print(f"device: {jax.devices()[0].device_kind}; GPT {cfg}")
+    tokens = jax.random.randint(jax.random.key(1), (cfg["batch"], cfg["seq"] + 1), 0,
+                                cfg["vocab"])
     tx = optax.adam(1e-4)
-    compiled, states, info = {}, {}, {}
-    for name, cfg in VARIANTS.items():
+    variants, params = [], None
+    for name, spec in VARIANTS.items():
         if args.only and name not in args.only:
             continue
-        model = GPT(args.vocab, args.d, args.heads, args.layers, cfg["dtype"],
-                    _flax_fp8_cls() if cfg.get("fp8_ops") else None)
+        model = GPT(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], spec["dtype"],
+                    _flax_fp8_cls() if spec.get("fp8_ops") else None)
         variables = dict(model.init(jax.random.key(0), tokens[:1, :-1]))
-        opt_state = tx.init(variables["params"])
-        step = make_step(model, cfg["policy"], tx)
-        t0 = time.perf_counter()
-        lowered = step.lower(variables, opt_state, tokens)
-        exe = lowered.compile()
-        info[name] = {"compile_s": time.perf_counter() - t0, **gemm_counts(exe.as_text())}
-        compiled[name], states[name] = exe, (variables, opt_state)
-        print(f"compiled {name}: {info[name]}", flush=True)
-    params = sum(x.size for x in jax.tree.leaves(states["float32"][0]["params"])) \
-        if "float32" in states else None
-    flops = 6 * params * args.batch * args.seq if params else None  # fwd + bwd matmuls
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    for name, exe in compiled.items():  # warm up
-        for _ in range(3):
-            v, o, loss = exe(*states[name], tokens)
-            states[name] = (v, o)
-        loss.block_until_ready()
-        info[name]["loss"] = float(loss)
-    for _ in range(args.rounds):  # interleaved rounds: drift hits every variant alike
-        for name, exe in compiled.items():
-            t0 = time.perf_counter()
-            for _ in range(args.steps):
-                v, o, loss = exe(*states[name], tokens)
-                states[name] = (v, o)
-            loss.block_until_ready()
-            times[name].append((time.perf_counter() - t0) / args.steps)
-    rows = []
-    base = statistics.median(times["bf16 autocast"]) if "bf16 autocast" in times else None
-    for name in compiled:
-        ms = 1e3 * statistics.median(times[name])
-        rows.append([name, f"{ms:.1f}",
-                     f"{flops / (ms / 1e3) / 1e12:.0f}" if flops else "n/a",
-                     f"{base * 1e3 / ms:.2f}x" if base else "n/a",
-                     f"{info[name]['compile_s']:.0f}", info[name]["cuBLASLt f8"],
-                     info[name]["cuBLASLt"] + info[name]["cuBLAS"], info[name]["triton"],
-                     f"{info[name]['loss']:.3f}"])
+        params = params or sum(x.size for x in jax.tree.leaves(variables["params"]))
+        policy = fp8_policy(args) if name == "float8 autocast" else spec["policy"]
+        if args.explain and policy is not None and jamp.policy.is_float8(policy.compute_dtype):
+            explain_float8(gpt_loss(model), policy, variables, tokens)
+        step = make_step(gpt_loss(model), policy, tx)
+        variants.append(Variant(name, step, (variables, tx.init(variables["params"])), tokens))
+        print(f"compiled {name}: {variants[-1].compile_s:.0f} s; "
+              f"{variants[-1].check.counts()}", flush=True)
+    time_interleaved(variants, args.rounds, args.steps)
+    flops = 6 * params * cfg["batch"] * cfg["seq"] if params else None  # fwd + bwd matmuls
     print(f"\nparameters: {params:,}; model FLOPs per step (6 N T): {flops:.3g}" if params else "")
-    print(markdown_table(["variant", "step ms (median)", "model TFLOP/s", "speed vs bf16 autocast",
-                          "compile s", "f8 GEMMs", "other cuBLAS GEMMs", "triton GEMMs",
-                          "loss after warm-up"], rows))
+    print(step_table(variants, "bf16 autocast", flops))
+
+
+# --- ResNet-50 step time -------------------------------------------------------------------------
+
+class Bottleneck(nn.Module):
+    """ResNet v1.5 bottleneck block (Flax's imagenet example, without cross-device BatchNorm)."""
+    filters: int
+    strides: int = 1
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+        norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                                 epsilon=1e-5, dtype=self.dtype)
+        y = nn.relu(norm()(conv(self.filters, (1, 1))(x)))
+        y = nn.relu(norm()(conv(self.filters, (3, 3), self.strides)(y)))
+        y = norm(scale_init=nn.initializers.zeros_init())(conv(4 * self.filters, (1, 1))(y))
+        if x.shape != y.shape:
+            x = norm()(conv(4 * self.filters, (1, 1), self.strides)(x))
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    stages: tuple[int, ...] = (3, 4, 6, 3)  # ResNet-50
+    filters: int = 64
+    classes: int = 1000
+    dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
+        x = nn.Conv(self.filters, (7, 7), 2, padding=[(3, 3), (3, 3)], use_bias=False,
+                    dtype=self.dtype)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, epsilon=1e-5,
+                                 dtype=self.dtype)(x))
+        x = nn.max_pool(x, (3, 3), (2, 2), "SAME")
+        for i, blocks in enumerate(self.stages):
+            for j in range(blocks):
+                x = Bottleneck(self.filters * 2**i, 2 if i and not j else 1, self.dtype)(x, train)
+        return nn.Dense(self.classes, dtype=self.dtype)(jnp.mean(x, axis=(1, 2)))
+
+
+RESNET_VARIANTS: dict[str, dict[str, Any]] = {
+    "float32": {"dtype": jnp.float32, "policy": None},
+    "bf16 hand-written Flax": {"dtype": jnp.bfloat16, "policy": None},
+    "bf16 autocast": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16)},
+    "float8 autocast": {"dtype": jnp.float32, "policy": "float8"},
+}
+
+
+def resnet_loss(model: ResNet) -> Callable:
+    def loss_fn(params, batch_stats, images, labels):
+        logits, updates = model.apply({"params": params, "batch_stats": batch_stats}, images,
+                                      mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), labels).mean()
+        return loss, updates["batch_stats"]
+    return loss_fn
+
+
+def resnet_forward(model: ResNet, params: Any, batch_stats: Any, images: jax.Array) -> jax.Array:
+    return model.apply({"params": params, "batch_stats": batch_stats}, images, train=False)
+
+
+def resnet_step(loss_fn: Callable, policy: Optional[jamp.Policy], tx: Any) -> Callable:
+    if policy is not None:
+        loss_fn = jamp.autocast_transform(loss_fn, policy)
+
+    def step(params, batch_stats, opt_state, batch):
+        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, batch_stats, *batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), batch_stats, opt_state, loss
+
+    return jax.jit(step, donate_argnums=(0, 1, 2))
+
+
+def resnet_time(args: argparse.Namespace) -> None:
+    batch, image = (4, 32) if args.tiny else (args.batch, args.image)
+    shape = {"stages": (1, 1, 1, 1), "filters": 8, "classes": 10} if args.tiny else {}
+    print(environment())
+    print(f"device: {jax.devices()[0].device_kind}; ResNet-50 {shape or ''} batch {batch}, "
+          f"{image}x{image}, SGD momentum 0.9")
+    images = jax.random.normal(jax.random.key(1), (batch, image, image, 3))
+    labels = jax.random.randint(jax.random.key(2), (batch,), 0, shape.get("classes", 1000))
+    tx = optax.sgd(0.1, momentum=0.9)
+    variants, flops = [], None
+    for name, spec in RESNET_VARIANTS.items():
+        if args.only and name not in args.only:
+            continue
+        model = ResNet(**shape, dtype=spec["dtype"])
+        variables = model.init(jax.random.key(0), images[:1])
+        policy = fp8_policy(args) if spec["policy"] == "float8" else spec["policy"]
+        if flops is None:  # forward FLOPs of the float32 model, times 3 for the train step
+            forward = functools.partial(resnet_forward, model)
+            report = jamp.explain(forward, variables["params"], variables["batch_stats"], images)
+            flops = 3 * sum(report.flops.values())
+        if args.explain and spec["policy"] == "float8":
+            explain_float8(resnet_loss(model), policy, variables["params"],
+                           variables["batch_stats"], images, labels)
+        step = resnet_step(resnet_loss(model), policy, tx)
+        state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
+        variants.append(Variant(name, step, state, (images, labels)))
+        print(f"compiled {name}: {variants[-1].compile_s:.0f} s; "
+              f"{variants[-1].check.counts()}", flush=True)
+    time_interleaved(variants, args.rounds, args.steps)
+    print(f"\nmodel FLOPs per step (3 x forward matmul/conv FLOPs): {flops:.3g}")
+    print(step_table(variants, "bf16 autocast", flops))
+
+
+# --- one matmul: where float8 starts to pay ------------------------------------------------------
+
+# torchao's float8 shapes (M, K, N) and the GPT's (8192 tokens x d=2048 layers).
+MATMUL_SHAPES = [(1024, 1024, 1024), (1024, 2048, 1024), (2048, 2048, 2048), (2048, 4096, 2048),
+                 (4096, 4096, 4096), (8192, 2048, 2048), (8192, 2048, 8192), (4096, 8192, 4096),
+                 (4096, 8192, 16384)]
+TINY_SHAPES = [(16, 32, 16), (32, 64, 32)]
+
+
+def matmul_time(args: argparse.Namespace) -> None:
+    """Forward and backward of ``x @ w`` (x bfloat16 activations, w float32 weights, as in a
+    bf16-autocast layer) under bf16 autocast and float8 autocast (no size threshold)."""
+    print(environment())
+    print(f"device: {jax.devices()[0].device_kind}")
+    shapes = TINY_SHAPES if args.tiny else [tuple(map(int, s.split("x"))) for s in args.shapes] \
+        if args.shapes else MATMUL_SHAPES
+    policies = {"bf16 autocast": jamp.Policy(jnp.bfloat16), "float8 autocast": TINY_FP8}
+    rows = []
+    for m, k, n in shapes:
+        x = jax.random.normal(jax.random.key(0), (m, k), jnp.bfloat16)
+        w = 0.02 * jax.random.normal(jax.random.key(1), (k, n), jnp.float32)
+        c = jax.random.normal(jax.random.key(2), (m, n), jnp.bfloat16)
+        variants = []
+        for name, policy in policies.items():
+            loss = jamp.autocast_transform(
+                lambda x, w, c: jnp.sum((x @ w).astype(jnp.float32) * c), policy)
+            grad = jax.grad(loss, argnums=(0, 1))
+
+            def step(x, w, c, grad=grad):
+                gx, gw = grad(x, w, c)
+                return x, w - 1e-6 * gw.astype(w.dtype), jnp.sum(gx.astype(jnp.float32))
+
+            variants.append(Variant(name, jax.jit(step), (x, w), c))
+        time_interleaved(variants, args.rounds, args.steps)
+        bf16, fp8 = (1e3 * statistics.median(v.times) for v in variants)
+        rows.append([f"{m}x{k}x{n}", f"{2 * m * k * n:.3g}", f"{bf16:.3f}", f"{fp8:.3f}",
+                     f"**{bf16 / fp8:.2f}x**", variants[1].check.float8_gemms])
+        print(rows[-1], flush=True)
+    print(markdown_table(["M x K x N", "forward FLOPs", "bf16 ms (fwd+bwd)", "float8 ms",
+                          "float8 speed", "f8 GEMMs"], rows))
 
 
 def main() -> None:
@@ -221,22 +437,34 @@ def main() -> None:
     acc.add_argument("--seeds", type=int, nargs="+", default=[0])
     acc.add_argument("--digits-epochs", type=int, default=None)
     acc.add_argument("--gpt-steps", type=int, default=None)
-    step = sub.add_parser("step")
-    step.add_argument("--d", type=int, default=2048)
-    step.add_argument("--heads", type=int, default=16)
-    step.add_argument("--layers", type=int, default=8)
-    step.add_argument("--seq", type=int, default=1024)
-    step.add_argument("--batch", type=int, default=8)
-    step.add_argument("--vocab", type=int, default=32768)
-    step.add_argument("--rounds", type=int, default=5)
-    step.add_argument("--steps", type=int, default=5, help="steps per round and variant")
-    step.add_argument("--only", nargs="*", default=None, help="variant names to run")
+    timed = []
+    for name in ("step", "resnet", "matmul"):
+        cmd = sub.add_parser(name)
+        cmd.add_argument("--tiny", action="store_true",
+                         help="tiny sizes, to check the script on a CPU (no meaningful times)")
+        cmd.add_argument("--rounds", type=int, default=5)
+        cmd.add_argument("--steps", type=int, default=5, help="steps per round and variant")
+        cmd.add_argument("--min-float8-flops", type=int, default=None,
+                         help="Policy.min_float8_flops of the float8 variant (default: jamp's)")
+        timed.append(cmd)
+    step, resnet, matmul = timed
+    step.add_argument("--config", choices=[c for c in GPT_CONFIGS if c != "tiny"],
+                      default="gpt-539m")
+    for key in GPT_CONFIGS["tiny"]:
+        step.add_argument(f"--{key}", type=int, default=None, help="overrides --config")
+    for cmd in (step, resnet):
+        cmd.add_argument("--only", nargs="*", default=None, help="variant names to run")
+        cmd.add_argument("--explain", action="store_true",
+                         help="also jamp.explain(compiled=True) the float8 variant's loss")
+    resnet.add_argument("--batch", type=int, default=128)
+    resnet.add_argument("--image", type=int, default=224)
+    matmul.add_argument("--shapes", nargs="*", default=None, help="MxKxN, e.g. 4096x4096x4096")
     args = parser.parse_args()
     if args.command == "accuracy":
         print(environment())
         accuracy(args.seeds, args.digits_epochs, args.gpt_steps)
     else:
-        step_time(args)
+        {"step": step_time, "resnet": resnet_time, "matmul": matmul_time}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ sys.path.insert(0, str(ROOT))  # document the checkout being built, not another 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jamp  # noqa: E402  (after the path and platform are set)
+from sphinx.util.inspect import TypeAliasForwardRef  # noqa: E402
 
 project = "jamp"
 author = "the jamp authors"
@@ -33,6 +34,12 @@ autosummary_generate = True
 templates_path = ["_templates"]  # autosummary/class.rst: a class page lists its members once
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"
+# Keep jax.typing.DTypeLike by name (``policy: Policy | DTypeLike | None``) instead of expanding
+# it to ``str | type[Any] | dtype | SupportsDType``; the modules' annotations are strings.
+autodoc_type_aliases = {"DTypeLike": "DTypeLike"}
+# Inside a union, Sphinx 9 prints the alias's stand-in by its repr,
+# "TypeAliasForwardRef('DTypeLike')": print its name, as it does outside unions.
+TypeAliasForwardRef.__repr__ = lambda self: self.name
 autoclass_content = "class"  # the class docstring documents the constructor's arguments
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
@@ -57,6 +64,16 @@ nitpick_ignore_regex = [
     # NonFinite.remedies and Ranges.entries hold these records; they are not public either.
     ("py:class", r"jamp\.nonfinite\.Remedy"),
     ("py:class", r"jamp\.ranges\.RangeEntry"),
+    # Records held by public results, not public themselves: Report.float8_kept and
+    # .float8_check, TuneResult.scopes, and the re-trace callback type of traced programs.
+    ("py:class", r"(jamp\.report\.)?KeptDot"),
+    ("py:class", r"jamp\.float8_check\.Float8Check"),
+    ("py:class", r"(jamp\.tune\.)?ScopeChoice"),
+    ("py:class", r"(tracing\.program\.)?Retrace"),
 ]
 
 html_theme_options = {"show_toc_level": 2}
+# Wrapped table cells and a content column that holds 88-character code lines at 1280 px
+# (./scripts/docs-check measures both).
+html_static_path = ["_static"]
+html_css_files = ["jamp.css"]

@@ -129,7 +129,7 @@ def make_loss_fn(model: nn.Module, mode: str) -> Callable:
 
     if COMPUTE_DTYPES[mode] is None:
         return loss_fn
-    return jamp.autocast_transform(loss_fn, dtype=COMPUTE_DTYPES[mode])
+    return jamp.autocast_transform(loss_fn, COMPUTE_DTYPES[mode])
 
 
 class TrainState(NamedTuple):
@@ -161,7 +161,7 @@ def make_train_step(model: nn.Module, mode: str, learning_rate: float,
 def make_eval(model: nn.Module, mode: str) -> Callable:
     apply = model.apply
     if COMPUTE_DTYPES[mode] is not None:
-        apply = jamp.autocast_transform(apply, dtype=COMPUTE_DTYPES[mode])
+        apply = jamp.autocast_transform(apply, COMPUTE_DTYPES[mode])
 
     @jax.jit
     def evaluate(params, seqs):

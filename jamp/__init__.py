@@ -1,5 +1,6 @@
 """jamp: torch.autocast-style automatic mixed precision for JAX, as a program transformation."""
 
+from .float8_check import Float8FallbackWarning
 from .interpreter import RewriteError, UnsupportedPrimitiveWarning
 from .loss_scale import (
     DynamicLossScale,
@@ -15,6 +16,7 @@ from .ranges import Ranges, value_ranges
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
 from .report import Report, explain
 from .transform import autocast_jaxpr, autocast_transform
+from .tune import DeviceSpeeds, TuneResult, tune
 
 __all__ = [
     "Policy",
@@ -35,9 +37,13 @@ __all__ = [
     "explain",
     "Report",
     "UnmatchedRuleWarning",
+    "Float8FallbackWarning",
     "find_nonfinite",
     "NonFinite",
     "value_ranges",
     "Ranges",
+    "tune",
+    "TuneResult",
+    "DeviceSpeeds",
 ]
 __version__ = "0.1.0"

@@ -30,6 +30,7 @@ Var = _core.Var
 DropVar = _core.DropVar
 Primitive = _core.Primitive
 ShapedArray = _core.ShapedArray
+AbstractValue = _core.AbstractValue  # avals in equation params (callback result_avals)
 Tracer = _core.Tracer
 JaxprTypeError = _core.JaxprTypeError
 # jax < 0.12 has a separate ClosedJaxpr; from 0.12 a Jaxpr carries its consts itself.
@@ -112,6 +113,22 @@ def user_frames(eqn: Any) -> list[tuple[str, int, str]]:
         (f.file_name, f.start_line, f.function_name)
         for f in _siu.user_frames(eqn.source_info.traceback)
     ]
+
+
+def frame_lines(source_info: Any) -> tuple[tuple[str, int], ...]:
+    """``(file, line)`` of the frames outside JAX and jamp an operation was traced from,
+    innermost first (what ``'@file:line'`` policy rules match)."""
+    traceback = source_info.traceback
+    if traceback is None:
+        return ()
+    return tuple((f.file_name, f.start_line) for f in _siu.user_frames(traceback))
+
+
+def current_source_info() -> Any:
+    """The source info of an operation bound now, with the live Python stack as its traceback:
+    inside a ``jnp`` function's inline jit the context holds the traceback its body was first
+    traced with, which may not name the line running now."""
+    return _siu.current().replace(traceback=_siu.Traceback.get_traceback())
 
 
 def transform_names(eqn: Any) -> frozenset[str]:
@@ -310,6 +327,25 @@ def primitive_names() -> frozenset[str]:
         names = frozenset(getattr(p, "name", str(p)) for t in tables for p in list(t))
         _primitive_names_cache = (size, names)
     return _primitive_names_cache[1]
+
+
+# Names JAX's primitives have in other versions than the running one (``pjit`` became ``jit``,
+# ``checkpoint``/``remat`` became ``remat2``, ``custom_vjp_call_jaxpr`` became
+# ``custom_vjp_call``, 0.12 folded ``call``/``closed_call`` into ``eval_jaxpr``): a rule module may
+# register them beside today's names, so one module serves every supported version.
+OTHER_VERSION_PRIMITIVE_NAMES: frozenset[str] = frozenset(
+    {"pjit", "checkpoint", "remat", "custom_vjp_call_jaxpr", "core_call", "call", "closed_call"}
+)
+
+
+def jit_static_args(fn: Any) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """``(static_argnums, static_argnames)`` of a ``jax.jit``-wrapped function (both already
+    inferred from each other by ``jax.jit``), or None for anything else. ``_jit_info`` is the
+    private record of jit's arguments, the same in jax 0.10 and 0.12."""
+    info = getattr(fn, "_jit_info", None)
+    if info is None or not hasattr(info, "static_argnums"):
+        return None
+    return tuple(info.static_argnums), tuple(info.static_argnames)
 
 
 def function_label(closed: Any) -> str:
@@ -633,3 +669,27 @@ def traced_in_jnp_reduction(eqn: Any) -> bool:
     if traceback is None:
         return False
     return any(f.file_name.endswith(_JNP_REDUCTIONS) for f in traceback.frames)
+
+
+# A value of every symbolic dimension (``jax.export.symbolic_shape``, a polymorphic export's
+# batch ``b``) large enough that a decision by size takes the branch it takes for a batch > 1.
+_GENERIC_DIM = 2**16
+
+
+def generic_size(size: Any) -> int:
+    """``size`` (a dimension, or a product of them) as an int; a symbolic one (``10*b``) at
+    every symbol's generic value, so comparisons of sizes cannot be inconclusive."""
+    if not jax.export.is_symbolic_dim(size):
+        return int(size)
+    env: dict[str, Any] = {name: _GENERIC_DIM for name in size.get_vars()}
+    return int(size._evaluate(env))
+
+
+def evaluate_dim(size: Any, env: dict[str, int]) -> int | None:
+    """A dimension's value with its symbols given by ``env`` (``2*b`` with b = 3: 6); None when
+    a symbol is not in ``env``."""
+    if not jax.export.is_symbolic_dim(size):
+        return int(size)
+    if not set(size.get_vars()) <= env.keys():
+        return None
+    return int(size._evaluate(dict[str, Any](env)))

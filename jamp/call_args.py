@@ -87,6 +87,10 @@ class CallSignature:
     signature: inspect.Signature | None
     argnums: tuple[int, ...]  # non-negative unless fn takes *args (resolved per call then)
     argnames: frozenset[str]
+    label: str = "autocast_transform"  # the caller's entry point: explain, find_nonfinite, ...
+    # The static arguments that are so because ``fn`` is ``jax.jit``-ed with them static.
+    jit_argnums: frozenset[int] = frozenset()
+    jit_argnames: frozenset[str] = frozenset()
 
     @classmethod
     def of(
@@ -94,8 +98,11 @@ class CallSignature:
         fn: Callable,
         static_argnums: int | Iterable[int] = (),
         static_argnames: str | Iterable[str] = (),
+        *,
+        label: str = "autocast_transform",
     ) -> CallSignature:
-        where = f"autocast_transform({_function_name(fn)})"
+        """``label`` is the public function the user called, named in errors."""
+        where = f"{label}({_function_name(fn)})"
         argnums = _index_tuple(static_argnums, "static_argnums", where)
         argnames = _name_tuple(static_argnames, "static_argnames", where)
         try:
@@ -104,11 +111,22 @@ class CallSignature:
             signature = None
         if signature is not None:
             argnums, argnames = _infer(signature, argnums, argnames, where)
-        return cls(fn, signature, argnums, frozenset(argnames))
+        jit_nums, jit_names = _jit_static_args(fn)
+        if signature is not None and (jit_nums or jit_names):
+            jit_nums, jit_names = _infer(signature, jit_nums, jit_names, where)
+        return cls(
+            fn,
+            signature,
+            tuple(dict.fromkeys(argnums + jit_nums)),
+            frozenset(argnames) | frozenset(jit_names),
+            label,
+            frozenset(jit_nums) - frozenset(argnums),
+            frozenset(jit_names) - frozenset(argnames),
+        )
 
     @property
     def where(self) -> str:
-        return f"autocast_transform({_function_name(self.fn)})"
+        return f"{self.label}({_function_name(self.fn)})"
 
     def parameter_name(self, index: int) -> str:
         """The name of the ``index``-th positional argument, in the user's terms."""
@@ -127,18 +145,34 @@ class CallSignature:
         """``args``/``kwargs`` with the static arguments wrapped as single hashable leaves."""
         if not self.argnums and not self.argnames:
             return args, kwargs
-        at = {i + len(args) if i < 0 else i for i in self.argnums}
+        at = {i + len(args) if i < 0 else i: i for i in self.argnums}
+        jit = "static in your jax.jit"
         args = tuple(
-            self._marked(a, self.parameter_name(i), "static_argnums") if i in at else a
+            self._marked(
+                a,
+                self.parameter_name(i),
+                jit if at[i] in self.jit_argnums else "static_argnums",
+            )
+            if i in at
+            else a
             for i, a in enumerate(args)
         )
         kwargs = {
-            k: self._marked(v, k, "static_argnames") if k in self.argnames else v
+            k: self._marked(v, k, jit if k in self.jit_argnames else "static_argnames")
+            if k in self.argnames
+            else v
             for k, v in kwargs.items()
         }
         return args, kwargs
 
     def _marked(self, value: Any, name: str, how: str) -> _Static:
+        if compat.is_tracer(value):
+            raise TypeError(
+                f"{self.where}: static argument '{name}' ({how}) is a traced value "
+                f"({getattr(value, 'aval', value)}): an enclosing transformation traced it. "
+                "Mark it static there too, e.g. jax.jit(..., static_argnames="
+                f"'{name}'), or bind it with functools.partial"
+            )
         marked = _Static(value)
         try:
             hash(marked)
@@ -153,7 +187,8 @@ class CallSignature:
 
     def call_unmarked(self, *args: Any, **kwargs: Any) -> Any:
         """Call the function with the static arguments unwrapped to their values."""
-        return self.fn(*(_unmark(a) for a in args), **{k: _unmark(v) for k, v in kwargs.items()})
+        args, kwargs = unmarked(args, kwargs)
+        return self.fn(*args, **kwargs)
 
     def describe(self, path: Sequence[Any]) -> str:
         """A pytree path into ``(args, kwargs)`` in the user's terms: ``batch['x']``."""
@@ -165,8 +200,46 @@ class CallSignature:
         return str(getattr(path[1], "key", path[1])) + rest
 
 
+def _jit_static_args(fn: Callable) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The static arguments of a ``jax.jit``-wrapped ``fn`` (a bound method of one, or a
+    ``functools.partial`` of one), counted as ``fn`` is called: jamp must pass them as Python
+    values, or the inner jit would receive the tracers jamp made of them."""
+    shift, bound_names = 0, frozenset[str]()
+    target = fn
+    if inspect.ismethod(target):
+        shift, target = 1, target.__func__
+    elif isinstance(target, functools.partial):
+        shift, bound_names = len(target.args), frozenset(target.keywords)
+        target = target.func
+    static = compat.jit_static_args(target)
+    if static is None:
+        return (), ()
+    nums, names = static
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        params = None
+    if params is None or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params):
+        # Negative numbers count from the end, as many arguments as before the binding.
+        nums = tuple(i - shift if i >= 0 else i for i in nums if i < 0 or i >= shift)
+        return nums, tuple(n for n in names if n not in bound_names)
+    # jit's numbers as the target's parameters: those the binding fills (the first ``shift``
+    # positionally, a bound method's self; any by keyword) are no longer the caller's to pass.
+    positional = [p.name for p in params if p.kind in _POSITIONAL]
+    at = sorted({i % len(positional) for i in nums if -len(positional) <= i < len(positional)})
+    bound_names |= frozenset(positional[:shift])
+    kept = tuple(i - shift for i in at if positional[i] not in bound_names)
+    return kept, tuple(n for n in names if n not in bound_names)
+
+
 def _unmark(value: Any) -> Any:
     return value.value if type(value) is _Static else value
+
+
+def unmarked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` (marked by ``CallSignature.mark_static``) with the static arguments
+    unwrapped to their values."""
+    return tuple(_unmark(a) for a in args), {k: _unmark(v) for k, v in kwargs.items()}
 
 
 def _infer(

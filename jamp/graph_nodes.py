@@ -105,6 +105,10 @@ def call_with_graph_nodes(
     out, changed = cache[key](graphdef, state, others)
     given, given_def = jax.tree.flatten(state)
     if isinstance(changed, list):  # only the assigned leaves, in the caller's dtypes
+        if all(new is None for new in changed):
+            # Nothing to write back: updating anyway would set the caller's Variables, which
+            # NNX refuses when they belong to an outer trace (an nnx.State under jax.grad).
+            return out
         final = [
             old if new is None else _as_caller_had(new, old) for new, old in zip(changed, given)
         ]

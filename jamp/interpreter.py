@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import warnings
 from collections.abc import Callable, MutableMapping, Sequence
@@ -23,9 +24,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
 
 from . import _compat as compat
-from .policy import Policy, RegionState, ScopeLog, report_unmatched_rules
+from .policy import (
+    Policy,
+    RegionState,
+    ScopeLog,
+    is_line_rule,
+    report_unmatched_rules,
+    suggestions,
+)
 from .region_stack import apply_marker
 
 Rule = Callable[["Step"], Sequence[Any]]
@@ -61,11 +70,42 @@ class UnsupportedPrimitiveWarning(UserWarning):
     """A primitive carrying sub-jaxprs has no jamp rule and ran in its traced dtypes."""
 
 
-def register(*names: str) -> Callable[[Rule], Rule]:
+def primitive_names(names: Sequence[Any], caller: str) -> list[str]:
+    """The registry keys for ``names``: primitive names as jaxprs print them, or ``Primitive``
+    objects. A name no primitive has (a typo, ``"dot"`` for ``"dot_general"``) raises instead of
+    registering a rule nothing would ever look up; names the primitives have in other JAX
+    versions (``"pjit"``) are accepted, so one rule module serves every supported version."""
+    keys = []
+    for name in names:
+        if isinstance(name, Primitive):
+            keys.append(name.name)
+            continue
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{caller} takes primitive names (str) or Primitive objects, got "
+                f"{type(name).__name__} {name!r}"
+                + (f"; decorate with @{caller}('my_prim'), not @{caller}" if callable(name) else "")
+            )
+        known = compat.primitive_names() | compat.OTHER_VERSION_PRIMITIVE_NAMES
+        if name not in known:
+            close = suggestions(name, known)
+            hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else "."
+            raise ValueError(
+                f"{caller}({name!r}): {name!r} is not a primitive of this JAX "
+                f"({jax.__version__}){hint} Rules are keyed by primitive names as jaxprs print "
+                "them (`jax.make_jaxpr(f)(x)`). A primitive of your own must be defined (its "
+                "lowering registered) first, or pass the Primitive object itself."
+            )
+        keys.append(name)
+    return keys
+
+
+def register(*names: str | Primitive) -> Callable[[Rule], Rule]:
     """Register a rewrite rule for primitives by name: ``@register("scan")``."""
+    keys = primitive_names(names, "jamp.interpreter.register")
 
     def wrap(rule: Rule) -> Rule:
-        for name in names:
+        for name in keys:
             RULES.setdefault(name, PrimitiveRules()).rewrite = rule
         return rule
 
@@ -73,13 +113,14 @@ def register(*names: str) -> Callable[[Rule], Rule]:
 
 
 def register_walk(
-    *names: str, bodies: Callable[[Any], list[Any]], loop: bool = False
+    *names: str | Primitive, bodies: Callable[[Any], list[Any]], loop: bool = False
 ) -> Callable[[Walk], Walk]:
     """Register how the instrumented evaluator (``probe.py``) walks into the programs these
     primitives carry: ``@register_walk("scan", bodies=..., loop=True)``."""
+    keys = primitive_names(names, "jamp.interpreter.register_walk")
 
     def wrap(walk: Walk) -> Walk:
-        for name in names:
+        for name in keys:
             entry = RULES.setdefault(name, PrimitiveRules())
             entry.walk, entry.bodies, entry.loop = walk, bodies, loop
         return walk
@@ -87,10 +128,10 @@ def register_walk(
     return wrap
 
 
-def register_opaque(*names: str) -> None:
+def register_opaque(*names: str | Primitive) -> None:
     """Primitives whose programs the instrumented evaluator does not enter: each runs whole, as
     one site (a ``shard_map`` body needs its mesh; a linear solve's jaxprs are callbacks)."""
-    for name in names:
+    for name in primitive_names(names, "jamp.interpreter.register_opaque"):
         RULES.setdefault(name, PrimitiveRules()).opaque = True
 
 
@@ -288,6 +329,9 @@ class Step:
         # The format a scaled lower-table op computed in (float8), for jamp.explain's FLOPs:
         # its bound operands are the dequantized values XLA folds into the float8 GEMM.
         self.flop_dtype: np.dtype | None = None
+        # Why a scaled-format rule let a lower-table op run in the value dtype instead (shown
+        # by jamp.explain), e.g. "min_float8_flops".
+        self.scaled_skip: str | None = None
 
     @property
     def policy(self) -> Policy:
@@ -385,10 +429,11 @@ class Rewriter:
         recorder: Any = None,
         scope_log: ScopeLog | None = None,
         active: list[Env] | None = None,
-        region: bool = False,
+        region: int = 0,
     ):
         self.policy = policy
-        # Rewriting for a jamp.autocast region (region_trace.py) rather than a transform.
+        # Rewriting for a jamp.autocast region (region_trace.py) rather than a transform: how
+        # many regions enclose the one carrying the policy, itself included (0: a transform).
         self.region = region
         self.base = state
         self.recorder = recorder  # report.Recorder for jamp.explain, else None
@@ -397,6 +442,8 @@ class Rewriter:
         self._owns_scope_log = scope_log is None
         self.scope_log = ScopeLog() if scope_log is None else scope_log
         self._states: dict[tuple[str, ...], RegionState] = {}
+        # '@file:line' rules need each equation's frames: looked up only when the policy has one.
+        self._line_rules = any(is_line_rule(glob) for glob, _ in policy.rules)
         # Sub-jaxprs already rewritten in this program, shared with child rewriters: jnp's
         # jitted helpers (`_where`, ...) recur with the same avals many times in a model.
         # (Not while recording: a report counts every occurrence.)
@@ -432,7 +479,18 @@ class Rewriter:
         return value
 
     def state_for(self, eqn: Any) -> RegionState:
-        return self.state_for_scopes(compat.scope_names(eqn))
+        state = self.state_for_scopes(compat.scope_names(eqn))
+        return self._at_lines(state, eqn.source_info) if self._line_rules else state
+
+    def current_state(self) -> RegionState:
+        """The state of an operation bound now (the region front end, region_trace.py)."""
+        state = self.state_for_scopes(compat.current_scope_names())
+        return self._at_lines(state, compat.current_source_info()) if self._line_rules else state
+
+    def _at_lines(self, state: RegionState, source_info: Any) -> RegionState:
+        frames = compat.frame_lines(source_info)
+        self.scope_log.add_lines(frames)
+        return state.at_lines(frames, self.policy.rules, in_region=self.region)
 
     def state_for_scopes(self, scopes: tuple[str, ...]) -> RegionState:
         """The state under the named scopes ``scopes`` (region markers, module paths)."""
@@ -613,8 +671,10 @@ def _adds_broadcast_dims(name: str, before: Any, after: Any) -> bool:
     """Whether a shape-only op spreads a value over new dimensions (a bias reshaped to
     ``(1, features)`` and broadcast over a batch), whatever the sizes of those dimensions: a
     batch of one must not change what counts as a bias."""
-    if name == "broadcast_in_dim":
-        return before.size < after.size or before.ndim < after.ndim
+    if name == "broadcast_in_dim":  # sizes may be symbolic (a polymorphic export's batch)
+        return compat.generic_size(before.size) < compat.generic_size(after.size) or (
+            before.ndim < after.ndim
+        )
     if name in ("reshape", "expand_dims") and before.ndim < after.ndim:
         # only unit dimensions added: (4,) -> (1, 4), not (4,) -> (2, 2)
         return [d for d in after.shape if d != 1] == [d for d in before.shape if d != 1]
@@ -655,6 +715,21 @@ def lower_rule(step: Step) -> Sequence[Any]:
 # dtype -> rule returning the outputs, or None where the op does not qualify (it then runs in the
 # state's value dtype).
 SCALED_FORMATS: dict[np.dtype, Callable[[Step], Sequence[Any] | None]] = {}
+
+
+def matmul_flops(eqn: Any) -> int:
+    """FLOPs (2 per multiply-add) of a dot_general, ragged dot or convolution equation, from its
+    traced shapes; a symbolic size (a polymorphic export's batch) counts at its generic value,
+    so that comparing FLOPs with a threshold is never inconclusive."""
+    lhs, rhs = (v.aval for v in eqn.invars[:2])
+    size = compat.generic_size
+    out = size(eqn.outvars[0].aval.size)
+    if eqn.primitive.name == "conv_general_dilated":
+        out_features_dim = eqn.params["dimension_numbers"].rhs_spec[0]
+        return 2 * out * size(rhs.size) // max(size(rhs.shape[out_features_dim]), 1)
+    numbers = eqn.params.get("dimension_numbers") or eqn.params["ragged_dot_dimension_numbers"]
+    contracting = getattr(numbers, "dot_dimension_numbers", numbers)[0][0]
+    return 2 * out * math.prod(size(lhs.shape[d]) for d in contracting)
 
 
 def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
@@ -726,7 +801,8 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
     # A full-size operand (a residual) or a computed one (a reduction) promotes; so does a bias
     # under vmap, where no batch dimension is visible.
     bias_like = step.has_tag(i, "input_view") and (
-        aval.size < step.eqn.outvars[0].aval.size or step.has_tag(i, "expanded")
+        compat.generic_size(aval.size) < compat.generic_size(step.eqn.outvars[0].aval.size)
+        or step.has_tag(i, "expanded")
     )
     return (
         step.eqn.primitive.name in BIAS_EPILOGUE

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -145,10 +146,12 @@ class _LossScale:
 
         Python and numpy floats are multiplied too (``StaticLossScale(8.0).scale(3.0)`` is a
         float32 ``24.0``); integer leaves are returned unchanged."""
+        _check_array_leaves(tree, f"{type(self).__name__}.scale")
         return jax.tree.map(lambda x: _scale_leaf(x, self.loss_scale), tree)
 
     def unscale(self, tree: Any) -> Any:
         """Divide every floating leaf by the loss scale, in float32 (float64 stays float64)."""
+        _check_array_leaves(tree, f"{type(self).__name__}.unscale")
         return jax.tree.map(lambda x: _unscale_leaf(x, self.loss_scale), tree)
 
     def adjust(self, grads_finite: jax.Array) -> _LossScale:
@@ -158,6 +161,11 @@ class _LossScale:
 
 
 def _check_grads_finite(grads_finite: Any) -> jax.Array:
+    if not _is_array_leaf(grads_finite):
+        raise TypeError(
+            "adjust(grads_finite) expects a scalar bool such as jamp.all_finite(grads), got "
+            f"{type(grads_finite).__name__}: pass jamp.all_finite(grads), not the gradients"
+        )
     aval = compat.aval_of(jnp.asarray(grads_finite))
     if aval.shape != () or aval.dtype != jnp.bool_:
         raise ValueError(
@@ -215,7 +223,8 @@ class DynamicLossScale(_LossScale):
     Example::
 
         scale = jamp.DynamicLossScale(loss_scale=2.0 ** 15, period=2000, factor=2)
-        scale = scale.adjust(jamp.all_finite(grads))
+        grads = {"w": jnp.array([1.0, jnp.inf])}       # an overflow: the scale backs off
+        scale = scale.adjust(jamp.all_finite(grads))   # loss_scale 2.0 ** 14, counter 0
     """
 
     loss_scale: Any = 2.0**15
@@ -279,7 +288,11 @@ LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
 
 
 def all_finite(tree: Any) -> jax.Array:
-    """A scalar bool: every floating leaf of ``tree`` is free of inf and NaN."""
+    """A scalar bool: every floating leaf of ``tree`` is free of inf and NaN.
+
+    Leaves must be arrays or numbers (integer ones are skipped); a string or another object
+    raises ``TypeError`` naming its pytree path."""
+    _check_array_leaves(tree, "all_finite")
     leaves = [
         jnp.all(jnp.isfinite(x))
         for x in jax.tree.leaves(tree)
@@ -300,11 +313,52 @@ def select_tree(pred: Any, a: Any, b: Any) -> Any:
         raise ValueError(
             f"select_tree's pred must be a scalar bool, got {pred.dtype}{list(pred.shape)}"
         )
+    _check_array_leaves(a, "select_tree", "a", "parameters or optimizer states")
+    _check_array_leaves(b, "select_tree", "b", "parameters or optimizer states")
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        if jnp.shape(x) != jnp.shape(y) or jnp.result_type(x) != jnp.result_type(y):
+            where = jax.tree_util.keystr(path)
+            raise TypeError(
+                f"select_tree: a{where} is {_describe_leaf(x)} but b{where} is "
+                f"{_describe_leaf(y)}; the two trees must agree in shape and dtype leaf by leaf"
+            )
     return jax.tree.map(lambda x, y: jax.lax.select(pred, x, y), a, b)
 
 
+_ARRAY_LEAVES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _is_array_leaf(x: Any) -> bool:
+    """An array (a tracer too) or a Python number: what the loss-scale helpers compute on."""
+    return isinstance(x, _ARRAY_LEAVES) or hasattr(x, "__jax_array__")
+
+
+def _check_array_leaves(
+    tree: Any, where: str, root: str = "tree", such_as: str = "a loss or gradients"
+) -> None:
+    """TypeError naming the pytree path of the first leaf that is not an array or a number
+    (JAX's own error would only say "data type 'a string' not understood")."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        if not _is_array_leaf(leaf):
+            kind = type(leaf).__name__
+            raise TypeError(
+                f"{where}: {root}{jax.tree_util.keystr(path)} is "
+                f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} ({_short(leaf)}), not an array "
+                f"or a number; {where} takes pytrees of arrays, such as {such_as}"
+            )
+
+
+def _short(x: Any, limit: int = 40) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _describe_leaf(x: Any) -> str:
+    return f"{jnp.result_type(x)}{list(jnp.shape(x))}"
+
+
 def scaled_value_and_grad(
-    fn: Callable, *, argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fn: Callable, *, argnums: int | Any | Sequence[int | Any] = 0, has_aux: bool = False
 ) -> Callable:
     """``jax.value_and_grad`` with loss scaling, in one call.
 
@@ -314,15 +368,32 @@ def scaled_value_and_grad(
     loss (``(loss, aux)`` with ``has_aux``); ``grads`` are float32. ``argnums`` counts ``fn``'s
     arguments, as ``jax.value_and_grad`` does (the loss scale is not one of them).
 
+    Flax NNX: ``argnums=nnx.DiffState(0, nnx.Param)`` differentiates the parameters of the
+    module in argument 0 only, through ``nnx.value_and_grad``, which writes the state the call
+    changed (BatchNorm statistics, Dropout's RNG counts) back into the module; ``grads`` is then
+    an ``nnx.State`` for ``nnx.Optimizer.update``.
+
     Mistakes are reported in these terms: a first argument that is not a loss scale (a float, or
-    the arguments swapped), ``argnums`` out of range for the call, ``fn`` returning a tuple
-    without ``has_aux=True`` or a non-scalar loss.
+    the arguments swapped), ``argnums`` out of range for the call, a differentiated argument with
+    integer or PRNG-key leaves (such as a whole NNX module with its RNG state: the error names
+    the leaf and the ``DiffState`` to pass), ``fn`` returning a tuple without ``has_aux=True``
+    or a non-scalar loss.
 
     Example::
 
+        def loss_fn(params, x):
+            return jnp.mean((x @ params["w"]) ** 2)
+
+        params, x = {"w": jnp.full((4, 2), 0.1)}, jnp.ones((8, 4))
+        tx = optax.sgd(0.1)
+        opt_state, loss_scale = tx.init(params), jamp.DynamicLossScale()
         step = jamp.scaled_value_and_grad(jamp.autocast_transform(loss_fn, dtype=jnp.float16))
-        loss, grads, loss_scale, finite = step(loss_scale, params, batch)
-        params = jamp.select_tree(finite, optax.apply_updates(params, updates), params)
+        loss, grads, loss_scale, finite = step(loss_scale, params, x)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        # skip the update on overflow (the loss scale has already backed off)
+        params, opt_state = jamp.select_tree(
+            finite, (optax.apply_updates(params, updates), new_opt_state), (params, opt_state)
+        )
     """
     if not callable(fn):
         raise TypeError(f"scaled_value_and_grad expects a callable, got {type(fn).__name__}")
@@ -359,8 +430,18 @@ def scaled_value_and_grad(
     def step(loss_scale: LossScale, *args: Any, **kwargs: Any) -> Any:
         _check_loss_scale_argument(loss_scale, args)
         positions = _positions(requested, argnums, len(args))
-        grad_fn = jax.value_and_grad(scaled, argnums=positions, has_aux=True)
-        (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
+        if any(isinstance(a, _diff_state_type()) for a in requested):
+            from flax import nnx
+
+            # nnx binds arguments to positions: fn's keyword arguments are closed over.
+            nnx_fn = nnx.value_and_grad(
+                lambda s, *a: scaled(s, *a, **kwargs), argnums=positions, has_aux=True
+            )
+            (_, (loss, aux)), grads = nnx_fn(loss_scale, *args)
+        else:
+            _check_differentiable(fn, name, requested, args)
+            grad_fn = jax.value_and_grad(scaled, argnums=positions, has_aux=True)
+            (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
         grads = loss_scale.unscale(grads)  # the scale the loss was multiplied by
         finite = all_finite(grads)
         value = (loss, aux) if has_aux else loss
@@ -411,22 +492,86 @@ def _check_loss_scale_argument(loss_scale: Any, args: tuple) -> None:
     )
 
 
-def _argnums_tuple(argnums: Any) -> tuple[int, ...]:
+class _NoDiffState:
+    """Stands for ``nnx.DiffState`` while flax is not imported (nothing is an instance)."""
+
+
+def _diff_state_type() -> Any:  # a type; Any so that isinstance does not narrow to object
+    """flax's ``nnx.DiffState``, without importing flax (no DiffState exists before it is)."""
+    return getattr(sys.modules.get("flax.nnx"), "DiffState", _NoDiffState)
+
+
+def _index(argnum: Any) -> int:
+    return int(argnum.argnum if isinstance(argnum, _diff_state_type()) else argnum)
+
+
+def _is_argnum(value: Any) -> bool:
+    """An int, not a bool (``True`` is an int to Python, never an argument number here)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _argnums_tuple(argnums: Any) -> tuple[Any, ...]:
     items = (argnums,) if not isinstance(argnums, (tuple, list)) else tuple(argnums)
+    diff_state = _diff_state_type()
     if not items or not all(
-        isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in items
+        _is_argnum(a) or (isinstance(a, diff_state) and _is_argnum(a.argnum)) for a in items
     ):
         raise TypeError(
-            "scaled_value_and_grad(argnums=...) must be an int or a non-empty "
-            f"sequence of ints, got {argnums!r}"
+            "scaled_value_and_grad(argnums=...) must be an int, an nnx.DiffState or a "
+            f"non-empty sequence of them, got {argnums!r}"
         )
-    return tuple(int(a) for a in items)
+    return tuple(a if isinstance(a, diff_state) else int(a) for a in items)
 
 
-def _positions(requested: tuple[int, ...], argnums: Any, n_args: int) -> Any:
+def _check_differentiable(fn: Callable, name: str, requested: tuple[Any, ...], args: tuple) -> None:
+    """Integer, bool and PRNG-key leaves cannot be differentiated: name them and the way out
+    (JAX's own error names only a dtype)."""
+    for argnum in requested:
+        arg = args[argnum]
+        bad = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            if not isinstance(leaf, (bool, int, float, complex)) and not hasattr(leaf, "dtype"):
+                continue  # not an array: JAX's own error names it
+            dtype = jnp.result_type(leaf)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                bad.append(f"{jax.tree_util.keystr(path)} ({dtype})")
+        if not bad:
+            continue
+        from .call_args import CallSignature
+
+        param = CallSignature.of(fn).parameter_name(argnum % len(args))
+        leaves = ", ".join(param + b for b in bad[:3]) + (", ..." if len(bad) > 3 else "")
+        raise TypeError(
+            f"scaled_value_and_grad({name}, argnums={argnum}): argument '{param}' has leaves "
+            f"that cannot be differentiated, only floating ones can: {leaves}. "
+            + _way_out(arg, name, argnum)
+        )
+
+
+def _way_out(arg: Any, name: str, argnum: int) -> str:
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(arg, nnx.State):
+        return (
+            "Differentiate the parameters only: pass the module itself with "
+            f"jamp.scaled_value_and_grad({name}, argnums=nnx.DiffState({argnum}, nnx.Param)), "
+            "or split its state with params, rest = nnx.state(model, nnx.Param, ...) and pass "
+            "rest as an argument outside argnums"
+        )
+    from .graph_nodes import has_graph_nodes
+
+    if has_graph_nodes(arg):
+        return (
+            "An NNX module's RNG state and counters are not parameters: differentiate its "
+            f"nnx.Param only with jamp.scaled_value_and_grad({name}, "
+            f"argnums=nnx.DiffState({argnum}, nnx.Param))"
+        )
+    return "Pass them in an argument outside argnums, or as a keyword argument"
+
+
+def _positions(requested: tuple[Any, ...], argnums: Any, n_args: int) -> Any:
     """``argnums`` (counting ``fn``'s arguments, negatives from the end) as positions of the
     step's inner function, whose argument 0 is the loss scale."""
-    bad = [a for a in requested if not -n_args <= a < n_args]
+    bad = [a for a in requested if not -n_args <= _index(a) < n_args]
     if bad:
         raise ValueError(
             f"scaled_value_and_grad: argnums={argnums!r} is out of range: step(loss_scale, "
@@ -436,5 +581,10 @@ def _positions(requested: tuple[int, ...], argnums: Any, n_args: int) -> Any:
             else "scaled_value_and_grad: step(loss_scale, *args) was called with no arguments to "
             "differentiate after the loss scale"
         )
-    shifted = tuple(a % n_args + 1 for a in requested)
+    shifted = tuple(
+        dataclasses.replace(a, argnum=a.argnum % n_args + 1)
+        if isinstance(a, _diff_state_type())
+        else a % n_args + 1
+        for a in requested
+    )
     return shifted if isinstance(argnums, (tuple, list)) else shifted[0]

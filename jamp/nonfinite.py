@@ -22,6 +22,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from . import _compat as compat
 from .interpreter import KEEP_TRACED_DTYPES, SHAPE_ONLY, is_float
@@ -226,7 +227,7 @@ class NonFinite:
 def find_nonfinite(
     fn: Callable,
     *args: Any,
-    policy: Policy | None = None,
+    policy: Policy | DTypeLike | None = None,
     grad: Any = False,
     max_remedies: int = 6,
     **kwargs: Any,
@@ -247,7 +248,7 @@ def find_nonfinite(
     """
     from .transform import resolve_policy
 
-    policy = resolve_policy(policy)
+    policy = resolve_policy(policy, where="find_nonfinite")
     program, leaves = trace_program(fn, policy, grad, args, kwargs, "find_nonfinite")
     first, where = _first(program, leaves)
     if first < 0:

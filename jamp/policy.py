@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import fnmatch
+import math
+import numbers
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -138,6 +140,11 @@ BF16 = np.dtype(jnp.bfloat16)
 # scaled float8 operands (e4m3 forward, e5m2 cotangents: TransformerEngine's HYBRID format); values
 # between those ops are bfloat16. Only e4m3 is a compute dtype: e5m2 is the gradient format.
 FLOAT8_COMPUTE = np.dtype(jnp.float8_e4m3fn)
+# Policy.min_float8_flops default: a matmul below 2 * 2048**3 FLOPs (2 per multiply-add) stays
+# bfloat16 under a float8 policy. Not measured for jamp (no GPU here): it lies between torchao's
+# published H100 points, 1024x2048x1024 at 0.80x bfloat16's speed in float8 and 4096x8192x16384
+# at 1.39x (the amax and cast passes cost more than a small GEMM saves).
+MIN_FLOAT8_FLOPS = 2 * 2048**3
 _FLOATING_COMPUTE = (BF16, np.dtype(jnp.float16), np.dtype(jnp.float32), FLOAT8_COMPUTE)
 
 
@@ -199,7 +206,26 @@ def _dtype_or_none(value: Any, field: str) -> np.dtype | None:
     return dtype
 
 
-def _suggestions(name: str, known: Iterable[str]) -> list[str]:
+def _flop_count(value: Any) -> int:
+    """``Policy.min_float8_flops``: a whole, finite, non-negative number (``1e9`` reads as 10**9)."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)):
+        raise TypeError(
+            "Policy.min_float8_flops must be a number of FLOPs (2 per multiply-add, e.g. "
+            f"2 * 2048**3 for a 2048x2048x2048 matmul), got {type(value).__name__} {value!r}"
+        )
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ValueError(
+            f"Policy.min_float8_flops must be a whole, finite number of FLOPs, got {value!r}"
+        )
+    if value < 0:
+        raise ValueError(
+            f"Policy.min_float8_flops must be >= 0 (0 runs every matmul with a weight operand "
+            f"in float8), got {value!r}"
+        )
+    return int(value)
+
+
+def suggestions(name: str, known: Iterable[str]) -> list[str]:
     """Known names close to ``name``: the same up to case and ``-``/``_`` (``scatter_add`` ->
     ``scatter-add``), difflib's close matches, then names it is a prefix of (``dot``)."""
     norm = lambda s: s.lower().replace("-", "_")
@@ -220,7 +246,7 @@ def _names(value: Any, field: str) -> frozenset[str]:
     # Names of the default tables are accepted even where this JAX lacks them (log2 before 0.11).
     known = compat.primitive_names() | LOWER | FP32 | PROMOTE
     for name in sorted(names - known):
-        close = _suggestions(name, known)
+        close = suggestions(name, known)
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
         raise ValueError(
             f"Policy.{field}: {name!r} is not a primitive of this JAX ({jax.__version__}){hint} "
@@ -235,6 +261,21 @@ def _names(value: Any, field: str) -> frozenset[str]:
 _REGEX_SIGNS = ("^", "$", ".*", ".+", "\\", "(?", "|")
 
 
+# A rule whose glob starts with "@" names source lines instead of scope paths ("@model.py:12"):
+# code without scopes (plain functions, Flax NNX modules) has no path a rule could match.
+LINE_RULE = "@"
+
+
+def is_line_rule(glob: str) -> bool:
+    return glob.startswith(LINE_RULE)
+
+
+def line_names(file: str, line: int) -> tuple[str, str]:
+    """What a line rule is matched against for one frame: ``@<basename>:<line>`` and
+    ``@<full path>:<line>`` (a basename shared by two files is told apart by a glob on the path)."""
+    return f"{LINE_RULE}{os.path.basename(file)}:{line}", f"{LINE_RULE}{file}:{line}"
+
+
 def _glob_for(regex_like: str) -> str:
     """The glob a regex-looking rule most likely meant: ``^.*head$`` -> ``*head``."""
     glob = regex_like.removeprefix("^").removesuffix("$")
@@ -243,21 +284,40 @@ def _glob_for(regex_like: str) -> str:
     return glob
 
 
+def _pair_text(glob: Any, dtype: Any) -> str:
+    """``('*/head', jnp.float32)``: a rule as the user would write it (their value if not a dtype)."""
+    try:
+        return f"({glob!r}, {_dtype_repr(_dtype_or_none(dtype, 'rules'))})"
+    except (TypeError, ValueError):
+        return repr((glob, dtype))
+
+
 def _rules(value: Any) -> tuple[tuple[str, np.dtype | None], ...]:
+    form = "Policy.rules must be a sequence of (glob, dtype or None) pairs"
+    if isinstance(value, Mapping):  # a dict of glob -> dtype reads naturally, but is not the form
+        pairs = ", ".join(_pair_text(g, d) for g, d in value.items())
+        raise TypeError(
+            f"{form} (the later rule wins at the same scope), got a {type(value).__name__}; "
+            f"write rules=({pairs}{',' if len(value) == 1 else ''})"
+        )
+    if isinstance(value, str):
+        raise TypeError(
+            f"{form}, got the string {value!r}; write rules=({_pair_text(value, None)},) to "
+            "turn autocast off there, or put a dtype in place of None"
+        )
+    if not isinstance(value, Iterable):
+        raise TypeError(
+            f"{form}, got {type(value).__name__} {value!r}"
+            + ("; use rules=() for no rules" if value is None else "")
+        )
     if (
         isinstance(value, tuple)
         and len(value) == 2
         and isinstance(value[0], str)
         and not isinstance(value[1], (str, tuple, list))
     ):
-        try:
-            pair = f"({value[0]!r}, {_dtype_repr(_dtype_or_none(value[1], 'rules'))})"
-        except ValueError:
-            pair = repr(value)
-        raise TypeError(
-            f"Policy.rules must be a sequence of (glob, dtype or None) pairs, got the "
-            f"single pair {pair}: write rules=({pair},)"
-        )
+        pair = _pair_text(*value)
+        raise TypeError(f"{form}, got the single pair {pair}: write rules=({pair},)")
     rules = []
     for i, rule in enumerate(value):
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
@@ -275,6 +335,11 @@ def _rules(value: Any) -> tuple[tuple[str, np.dtype | None], ...]:
                 f"Policy.rules[{i}][0] = {glob!r} looks like a regular expression; rules are "
                 "shell-style globs (fnmatch: '*' any text, '?' one character, '[ab]' a set) "
                 f"matched against the whole scope path, e.g. {_glob_for(glob)!r}"
+            )
+        if is_line_rule(glob) and ":" not in glob:
+            raise ValueError(
+                f"Policy.rules[{i}][0] = {glob!r}: a rule starting with '@' names a source line "
+                "as '@<file>:<line>', e.g. '@model.py:12' (a glob over the file's name or path)"
             )
         rules.append((glob, _dtype_or_none(dtype, f"rules[{i}][1]")))
     return tuple(rules)
@@ -337,7 +402,7 @@ def _parse_dtype(key: str, value: str) -> np.dtype:
     if value == "half":
         return _half()
     if value not in _DTYPE_NAMES:
-        close = _suggestions(value, [*_DTYPE_NAMES, "half"])
+        close = suggestions(value, [*_DTYPE_NAMES, "half"])
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
             f"Policy.from_string: {key}={value!r} is not a dtype{hint}; use one of "
@@ -399,13 +464,25 @@ class Policy:
         same scope the later rule wins; ``jamp.autocast`` regions inside a scope win over rules.
         Globs, not regular expressions (``^.*head$`` raises ``ValueError``). A rule that matches no
         scope of a transformed function warns once (:class:`jamp.UnmatchedRuleWarning`, naming the
-        closest scope paths) and is listed by ``jamp.explain``.
+        closest scope paths) and is listed by ``jamp.explain``. A glob starting with ``@`` names
+        a source line instead: ``("@model.py:12", None)`` applies to every operation traced
+        while that line ran (the line and what it called; file basename or full path) where no
+        scope rule or region decided, the innermost such line winning: rules for code without
+        scopes (plain functions, Flax NNX modules).
+      min_float8_flops: under a float8 compute dtype, a matmul or convolution with fewer FLOPs
+        (2 per multiply-add, forward product) stays bfloat16: for a small GEMM the amax and cast
+        passes cost more than float8 saves. The default, ``2 * 2048**3`` (``MIN_FLOAT8_FLOPS``),
+        is not measured by jamp: it lies between torchao's published H100 figures (a
+        1024x2048x1024 matmul ran at 0.80x bfloat16's speed in float8, 4096x8192x16384 at
+        1.39x). Tune it on your GPU; ``0`` puts every eligible matmul in float8.
+        ``jamp.explain`` lists the matmuls it kept in bfloat16. Other compute dtypes ignore it.
 
     Example::
 
         policy = jamp.Policy(jnp.float16, rules=(("*/LayerNorm_*", None),))
         f16_fn = jamp.autocast_transform(fn, policy)
-        policy.replace(fp32=policy.fp32 | {"tanh"})   # repr: Policy(jnp.float16, fp32=FP32 | ...)
+        # repr: Policy(jnp.float16, fp32=FP32 | ...)
+        policy.replace(fp32=policy.fp32 | {"tanh"})
         jamp.Policy.from_string("compute=bf16,output=f32")   # jmp.get_policy's format
     """
 
@@ -417,6 +494,7 @@ class Policy:
     fp32: frozenset
     promote: frozenset
     rules: tuple
+    min_float8_flops: int
 
     def __init__(
         self,
@@ -429,6 +507,7 @@ class Policy:
         fp32: Iterable[str] = _DefaultTable("FP32"),
         promote: Iterable[str] = _DefaultTable("PROMOTE"),
         rules: Iterable[Any] = (),
+        min_float8_flops: int = MIN_FLOAT8_FLOPS,
     ):
         compute = _dtype_or_none(compute_dtype, "compute_dtype")
         if compute is None or compute not in _FLOATING_COMPUTE:
@@ -447,6 +526,7 @@ class Policy:
         set_("fp32", _names(fp32, "fp32"))
         set_("promote", _names(promote, "promote"))
         set_("rules", _rules(rules))
+        set_("min_float8_flops", _flop_count(min_float8_flops))
         overlap = (
             (self.lower & self.fp32) | (self.lower & self.promote) | (self.fp32 & self.promote)
         )
@@ -492,7 +572,7 @@ class Policy:
                     f"Policy.from_string: {part.strip()!r} in {spec!r} is not key=value"
                 )
             if key not in _STRING_KEYS:
-                close = _suggestions(key, [k for k in _STRING_KEYS if len(k) > 1])
+                close = suggestions(key, [k for k in _STRING_KEYS if len(k) > 1])
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise ValueError(
                     f"Policy.from_string: unknown key {key!r} in {spec!r}{hint}; "
@@ -550,6 +630,8 @@ class Policy:
         if self.rules:
             rules = ", ".join(f"({glob!r}, {_dtype_repr(dtype)})" for glob, dtype in self.rules)
             parts.append(f"rules=({rules}{',' if len(self.rules) == 1 else ''})")
+        if self.min_float8_flops != MIN_FLOAT8_FLOPS:
+            parts.append(f"min_float8_flops={self.min_float8_flops}")
         return f"Policy({', '.join(parts)})"
 
 
@@ -564,14 +646,15 @@ class UnmatchedRule:
     hint: str
 
     def message(self, where: str = "") -> str:
+        what = ("source line", "lines") if is_line_rule(self.glob) else ("scope", "scope paths")
         seen = (
-            f"; closest scope paths seen: {', '.join(map(repr, self.closest))}"
+            f"; closest {what[1]} seen: {', '.join(map(repr, self.closest))}"
             if self.closest
             else ""
         )
         return (
             f"Policy.rules[{self.index}] ({self.glob!r}, {_dtype_repr(self.dtype)}) matched "
-            f"no scope{' of ' + where if where else ''}{seen}. {self.hint}"
+            f"no {what[0]}{' of ' + where if where else ''}{seen}. {self.hint}"
         )
 
 
@@ -580,20 +663,26 @@ class ScopeLog:
 
     def __init__(self) -> None:
         self.paths: set[str] = set()
+        self.lines: set[str] = set()  # line_names of the frames seen (only with line rules)
 
     def add(self, path: tuple[str, ...]) -> None:
         if path:
             self.paths.add("/".join(path))
 
+    def add_lines(self, frames: Iterable[tuple[str, int]]) -> None:
+        for file, line in frames:
+            self.lines.update(line_names(file, line))
+
     def unmatched(self, rules: tuple) -> tuple[UnmatchedRule, ...]:
-        matched = lambda glob: any(fnmatch.fnmatchcase(p, glob) for p in self.paths)
+        seen = lambda glob: self.lines if is_line_rule(glob) else self.paths
+        matched = lambda glob: any(fnmatch.fnmatchcase(p, glob) for p in seen(glob))
         return tuple(
-            UnmatchedRule(i, glob, dtype, self._closest(glob), self._hint(glob))
+            UnmatchedRule(i, glob, dtype, self._closest(glob, seen(glob)), self._hint(glob))
             for i, (glob, dtype) in enumerate(rules)
             if not matched(glob)
         )
 
-    def _closest(self, glob: str) -> tuple[str, ...]:
+    def _closest(self, glob: str, seen: set[str]) -> tuple[str, ...]:
         """Seen paths nearest the glob, by difflib on the whole path and on its last name."""
         core = glob.replace("*", "").replace("?", "")
         last = core.rsplit("/", 1)[-1]
@@ -601,11 +690,16 @@ class ScopeLog:
             difflib.SequenceMatcher(None, core, path).ratio(),
             difflib.SequenceMatcher(None, last.lower(), path.rsplit("/", 1)[-1].lower()).ratio(),
         )
-        ranked = sorted(self.paths, key=lambda p: (-score(p), p))
+        ranked = sorted(seen, key=lambda p: (-score(p), p))
         return tuple(p for p in ranked[:3] if score(p) >= 0.3)
 
     def _hint(self, glob: str) -> str:
         """Why the glob probably missed, from the nearest variant that would have matched."""
+        if is_line_rule(glob):
+            return (
+                "A '@<file>:<line>' rule matches the operations traced while that line of your "
+                "code ran (file basename or full path), where no scope rule or region decided."
+            )
         if not self.paths:
             return (
                 "The function entered no scopes: rules match jax.named_scope names and Flax "
@@ -643,7 +737,7 @@ def warn_unmatched(unmatched: Iterable[UnmatchedRule], where: str, paths: Iterab
         if key in _warned:
             continue
         _warned.add(key)
-        warnings.warn(rule.message(where), UnmatchedRuleWarning, stacklevel=_user_stacklevel())
+        warnings.warn(rule.message(where), UnmatchedRuleWarning, stacklevel=user_stacklevel())
 
 
 def report_unmatched_rules(rewriter: Any, jaxpr: Any) -> None:
@@ -662,7 +756,7 @@ def _is_internal(filename: str) -> bool:
     return here in filename or any(filename.startswith(p) for p in _OWN_PACKAGES)
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The stacklevel of the first caller frame outside jamp and JAX (the user's line)."""
     frame: FrameType | None = sys._getframe(1)
     level = 1
@@ -691,6 +785,7 @@ class RegionState:
     matched: frozenset = frozenset()
     decided_by: str = "policy"  # what set enabled/dtype last: "policy", "region" or "rule '<glob>'"
     keep_compute_dtype: bool = False
+    regions: int = 0  # how many region markers (jamp.autocast regions) enclose it
 
     @property
     def value_dtype(self) -> np.dtype:
@@ -704,7 +799,9 @@ class RegionState:
         new = [
             i
             for i, (pattern, _) in enumerate(rules)
-            if i not in self.matched and fnmatch.fnmatchcase(joined, pattern)
+            if i not in self.matched
+            and not is_line_rule(pattern)
+            and fnmatch.fnmatchcase(joined, pattern)
         ]
         if not new:
             return state
@@ -717,3 +814,31 @@ class RegionState:
             matched=self.matched | frozenset(new),
             decided_by=f"rule {pattern!r}",
         )
+
+    def at_lines(
+        self, frames: Sequence[tuple[str, int]], rules: tuple, in_region: int = 0
+    ) -> RegionState:
+        """The state of an operation traced at ``frames`` (``(file, line)``, innermost first): the
+        line rule matching the innermost frame applies, unless a scope rule or a region decided
+        (a line is the fallback for code without scopes); at one frame the later rule wins.
+        ``in_region``: for the region front end, how many regions enclose the one carrying the
+        policy, itself included: that region yields to line rules, a region nested in it
+        (``jamp.autocast(enabled=False)``) does not, and a scope rule takes precedence."""
+        if self.decided_by.startswith("rule") or (
+            self.decided_by == "region" and (not in_region or self.regions > in_region)
+        ):
+            return self
+        for file, line in frames:
+            names = line_names(file, line)
+            hits = [
+                i
+                for i, (pattern, _) in enumerate(rules)
+                if is_line_rule(pattern) and any(fnmatch.fnmatchcase(n, pattern) for n in names)
+            ]
+            if hits:
+                pattern, dtype = rules[hits[-1]]
+                enabled, dtype = (False, self.dtype) if dtype is None else (True, dtype)
+                return dataclasses.replace(
+                    self, enabled=enabled, dtype=dtype, decided_by=f"rule {pattern!r}"
+                )
+        return self

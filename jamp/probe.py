@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat
-from .call_args import split_leaves, static_key
+from .call_args import CallSignature, split_leaves, static_key, unmarked
 from .interpreter import Rewriter, is_float, walk_rules
 from .policy import Policy, RegionState
 
@@ -177,7 +177,8 @@ def trace_program(
     if not callable(fn):
         raise TypeError(f"{caller} expects a callable, got {type(fn).__name__}")
     argnums = normalize_argnums(grad)
-    flat, in_tree = jax.tree.flatten((args, kwargs))
+    # A jax.jit-wrapped fn's static arguments stay Python values (single static leaves here).
+    flat, in_tree = jax.tree.flatten(CallSignature.of(fn, label=caller).mark_static(args, kwargs))
     # A token argument stays a static leaf: the checked program runs with array inputs only.
     traced_at, static = split_leaves(
         flat, in_tree, None, numbers_are_static=False, tokens_are_static=True
@@ -204,7 +205,7 @@ def trace_program(
         full = list(flat)
         for i, leaf in zip(traced_at, traced_leaves):
             full[i] = leaf
-        call_args, call_kwargs = jax.tree.unflatten(in_tree, full)
+        call_args, call_kwargs = unmarked(*jax.tree.unflatten(in_tree, full))
         if argnums is None:
             return mixed(*call_args, **call_kwargs)
         scaled = lambda *a: mixed(*a, **call_kwargs) * scale

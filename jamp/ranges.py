@@ -18,6 +18,7 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from .policy import Policy
 from .probe import Observer, Site, decision, forward_site, trace_program
@@ -164,7 +165,11 @@ class Ranges:
 
 
 def value_ranges(
-    fn: Callable, *args: Any, policy: Policy | None = None, grad: Any = False, **kwargs: Any
+    fn: Callable,
+    *args: Any,
+    policy: Policy | DTypeLike | None = None,
+    grad: Any = False,
+    **kwargs: Any,
 ) -> Ranges:
     """Run ``autocast_transform(fn, policy)(*args, **kwargs)`` and measure every 16-bit value.
 
@@ -178,7 +183,7 @@ def value_ranges(
     """
     from .transform import resolve_policy
 
-    policy = resolve_policy(policy)
+    policy = resolve_policy(policy, where="value_ranges")
     program, leaves = trace_program(fn, policy, grad, args, kwargs, "value_ranges")
     peak, nonzero, flushed, subnormal = (np.asarray(a) for a in program.run(_Ranges(), leaves))
     sites = program.sites(_Ranges.kind)

@@ -41,7 +41,13 @@ def apply_marker(name: str, state: RegionState) -> RegionState | None:
         path=state.path,
         matched=state.matched,
         decided_by="region",
+        regions=state.regions + 1,
     )
+
+
+def region_depth(names: tuple[str, ...]) -> int:
+    """How many region markers the scope names ``names`` hold."""
+    return sum(1 for name in names if _MARKER.match(name))
 
 
 def cast_inputs_name(dtype: np.dtype) -> str:

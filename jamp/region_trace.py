@@ -64,6 +64,7 @@ from .interpreter import (
     widest,
 )
 from .policy import Policy, RegionState, ScopeLog, warn_unmatched
+from .region_stack import region_depth
 from .transform import SubJaxprCache
 
 _tls = threading.local()
@@ -208,7 +209,8 @@ class RegionTrace(compat.Trace):
             RegionState(True, policy.compute_dtype),
             rewritten,
             scope_log=scopes,
-            region=True,
+            # entered inside the policy's region: nested regions are the markers past these
+            region=max(1, region_depth(compat.current_scope_names())),
         )
         self.env = RegionEnv()
         compat.share_trace_identity(self, parent)
@@ -224,7 +226,7 @@ class RegionTrace(compat.Trace):
             with compat.set_current_trace(self):
                 outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
             return outs
-        state = self.rewriter.state_for_scopes(compat.current_scope_names())
+        state = self.rewriter.current_state()
         if not self._needs_rule(primitive, state, args, params):
             with compat.set_current_trace(self.parent):
                 return primitive.bind(*args, **params)
@@ -303,7 +305,7 @@ class RegionTrace(compat.Trace):
     ) -> Any:
         """The parent traces (or runs) the per-shard body with the mesh's axes bound, and a region
         of this policy pushed on the body's own trace applies it there."""
-        state = self.rewriter.state_for_scopes(compat.current_scope_names())
+        state = self.rewriter.current_state()
         if state.enabled:
             policy = self.policy
             if state.dtype != policy.compute_dtype:  # a nested `dtype=` region at the call
@@ -326,7 +328,7 @@ class RegionTrace(compat.Trace):
             [compat.aval_of(a) for a in args],
         )
         jaxpr, consts = compat.open_and_consts(closed)
-        state = self.rewriter.state_for_scopes(compat.current_scope_names())
+        state = self.rewriter.current_state()
         with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
 

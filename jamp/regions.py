@@ -22,6 +22,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from . import region_trace
+from .call_args import short_repr
 from .policy import Policy
 from .region_stack import (
     cast_inputs_name,
@@ -192,7 +193,14 @@ def _check_region_policy(policy: Policy) -> None:
 def _region_dtype(value: Any, name: str) -> np.dtype | None:
     if value is None:
         return None
-    dtype = np.dtype(value)
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(
+            f"jamp.autocast({name}={short_repr(value)}): not a dtype; pass a floating dtype "
+            "such as jnp.bfloat16 or jnp.float16"
+            + (" (or a jamp.Policy as the first argument)" if name == "dtype" else "")
+        ) from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"jamp.autocast({name}=...) must be a floating dtype, got {dtype.name}")
     return dtype

@@ -7,21 +7,26 @@ Example::
     report.ops["dot_general"]             # {"bfloat16": 4}
     report.low_precision_flop_share       # share of matmul/conv FLOPs in 16-bit dtypes
     report.float32_reasons                # {("exp", "fp32 table"): 2, ...}
+    # float8: compile for this backend and read which GEMMs XLA emitted (float8_check.py)
+    jamp.explain(loss_fn, params, batch, policy=fp8, compiled=True).float8_check
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from . import _compat as compat
-from .interpreter import F64, Step, has_subprograms, is_float
+from .call_args import CallSignature
+from .float8_check import Float8Check, Float8Dot, check_compiled, tag_scope, warn_fallbacks
+from .interpreter import F64, Step, has_subprograms, is_float, matmul_flops
 from .policy import Policy, UnmatchedRule
 
 
@@ -44,6 +49,11 @@ class Report:
       calls: higher-order primitives (jit, scan, cond, ...) whose bodies were rewritten.
       unmatched_rules: the ``Policy.rules`` whose glob matched no scope of the function, each
         with the closest scope paths seen (``jamp.policy.UnmatchedRule``; ``.message()`` says why).
+      float8_kept: under a float8 policy, the matmuls/convolutions kept in bfloat16 because they
+        have fewer FLOPs than ``Policy.min_float8_flops`` (:class:`KeptDot`).
+      float8_check: with ``compiled=True``, what the optimized program runs each float8 dot as
+        (``jamp.float8_check.Float8Check``: a float8 GEMM, a fallback and why, or emulated on
+        the CPU); None otherwise.
     """
 
     policy: Policy
@@ -54,6 +64,8 @@ class Report:
     float32_reasons: dict[tuple[str, str], int]
     calls: dict[str, int]
     unmatched_rules: tuple[UnmatchedRule, ...] = ()
+    float8_kept: tuple[KeptDot, ...] = ()
+    float8_check: Float8Check | None = None
 
     @property
     def low_precision_flop_share(self) -> float:
@@ -100,22 +112,41 @@ class Report:
             ):
                 lines.append(f"  {name:<{width}}  {reason}  x{count}")
         lines.extend(f"unmatched rule: {rule.message()}" for rule in self.unmatched_rules)
+        if self.float8_kept:
+            lines.append(
+                f"kept in bfloat16, below min_float8_flops={self.policy.min_float8_flops:,}:"
+            )
+            lines.extend(f"  {kept}" for kept in self.float8_kept[:20])
+            if len(self.float8_kept) > 20:
+                lines.append(f"  ... and {len(self.float8_kept) - 20} more")
+        if self.float8_check is not None:
+            lines.append(str(self.float8_check))
         return "\n".join(lines)
 
 
 _MATMUL_LIKE = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
 
 
-def _flops(step: Step, outs: list[Any]) -> int:
-    out = compat.aval_of(outs[0])
-    name, params = step.eqn.primitive.name, step.params
-    lhs, rhs = (compat.aval_of(a) for a in step.bound_args[:2])
-    if name == "conv_general_dilated":
-        out_features_dim = params["dimension_numbers"].rhs_spec[0]
-        return 2 * out.size * rhs.size // max(rhs.shape[out_features_dim], 1)
-    numbers = params.get("dimension_numbers") or params["ragged_dot_dimension_numbers"]
-    contracting = getattr(numbers, "dot_dimension_numbers", numbers)[0][0]
-    return 2 * out.size * math.prod(lhs.shape[d] for d in contracting)
+@dataclasses.dataclass(frozen=True)
+class KeptDot:
+    """A matmul/convolution a float8 policy kept in bfloat16, and why (``"min_float8_flops"``:
+    fewer FLOPs than ``Policy.min_float8_flops``)."""
+
+    primitive: str
+    where: str  # the user's source line
+    scope: str
+    shapes: tuple[tuple[int, ...], ...]
+    flops: int
+    reason: str
+
+    def __str__(self) -> str:
+        shapes = " x ".join(str(list(s)) for s in self.shapes)
+        scope = f" [{self.scope}]" if self.scope else ""
+        return f"{self.primitive} {shapes} at {self.where}{scope}: {self.flops:,} FLOPs"
+
+
+def _dims(dims: Any) -> tuple[int, ...]:
+    return tuple(int(d) for d in dims)
 
 
 def _compute_dtype(step: Step) -> np.dtype:
@@ -135,14 +166,34 @@ def _compute_dtype(step: Step) -> np.dtype:
 class Recorder:
     """Collects what the interpreter did; ``Rewriter`` calls ``equation`` and ``cast``."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, tag_float8: bool = False):
         self.policy = policy
+        self.tag_float8 = tag_float8  # compile float8 dots under scopes the HLO check reads
+        self.float8_dots: list[Float8Dot] = []
+        self.kept: list[KeptDot] = []
         self.ops: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.casts = self.constant_casts = 0
         self.flops: collections.Counter = collections.Counter()
         self.reasons: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
         self.unmatched: tuple[UnmatchedRule, ...] = ()
+
+    def float8_dot(self, step: Step, formats: list) -> Any:
+        """Called by the float8 rule as it emits a dot: record it, and return the scope to emit
+        it under (or None)."""
+        (lhs_c, rhs_c), (lhs_b, rhs_b) = step.params["dimension_numbers"]
+        dot = Float8Dot(
+            len(self.float8_dots),
+            compat.source_line(step.eqn),
+            "/".join(step.state.path),
+            (formats[0].name, formats[1].name),
+            (tuple(step.aval(0).shape), tuple(step.aval(1).shape)),
+            (_dims(lhs_c), _dims(rhs_c)),
+            (_dims(lhs_b), _dims(rhs_b)),
+            matmul_flops(step.eqn),
+        )
+        self.float8_dots.append(dot)
+        return tag_scope(dot.index) if self.tag_float8 else None
 
     def unmatched_rules(self, rules: tuple[UnmatchedRule, ...]) -> None:
         """Told by the top-level rewriter which rules matched no scope (instead of a warning)."""
@@ -166,7 +217,18 @@ class Recorder:
         label = (floating or dtypes or [None])[0]
         self.ops[name][getattr(label, "name", str(label))] += 1
         if name in _MATMUL_LIKE:
-            self.flops[_compute_dtype(step).name] += _flops(step, outs)
+            self.flops[_compute_dtype(step).name] += matmul_flops(step.eqn)
+        if step.scaled_skip is not None:
+            self.kept.append(
+                KeptDot(
+                    name,
+                    compat.source_line(step.eqn),
+                    "/".join(step.state.path),
+                    tuple(tuple(v.aval.shape) for v in step.eqn.invars),
+                    matmul_flops(step.eqn),
+                    step.scaled_skip,
+                )
+            )
         if floating and np.dtype(floating[0]).itemsize >= 4:
             self.reasons[(name, self._why_wide(step, floating[0]))] += 1
 
@@ -193,7 +255,7 @@ class Recorder:
             )
         return "inputs arrived in float32"
 
-    def report(self) -> Report:
+    def report(self, check: Float8Check | None = None) -> Report:
         return Report(
             self.policy,
             {k: dict(v) for k, v in self.ops.items()},
@@ -203,28 +265,60 @@ class Recorder:
             dict(self.reasons),
             dict(self.calls),
             self.unmatched,
+            tuple(self.kept),
+            check,
         )
 
 
-def explain(fn: Callable, *args: Any, policy: Policy | None = None, **kwargs: Any) -> Report:
+def explain(
+    fn: Callable,
+    *args: Any,
+    policy: Policy | DTypeLike | None = None,
+    compiled: bool = False,
+    **kwargs: Any,
+) -> Report:
     """Trace ``fn(*args, **kwargs)`` once, rewrite it under ``policy`` and report what ran where.
 
-    Nothing is computed: only shapes and dtypes of ``args`` matter.
+    Nothing is computed: only shapes and dtypes of ``args`` matter. With ``compiled=True`` the
+    rewritten program is also lowered and compiled for the default backend, and
+    ``Report.float8_check`` says what each float8 dot compiled to: a float8 GEMM, a fallback to
+    a wider GEMM and the likely reason, or (on the CPU) emulation. On a GPU a fallback warns
+    once per program (:class:`jamp.Float8FallbackWarning`).
 
     Example::
 
         table = str(jamp.explain(model.apply, params, x))
+        check = jamp.explain(loss, params, x, policy=fp8, compiled=True).float8_check
     """
     from .transform import resolve_policy, rewrite_and_eval, trace_call
 
-    policy = resolve_policy(policy)
+    policy = resolve_policy(policy, where="explain")
     if not callable(fn):
         raise TypeError(f"explain expects a callable, got {type(fn).__name__}")
-    _, flat, tracer = trace_call(fn, policy, args, kwargs)
-    traced = tracer()
-    recorder = Recorder(policy)
-    compat.trace_to_closed(
-        lambda *a: rewrite_and_eval(traced.closed, policy, a, recorder),
-        [compat.aval_of(x) for x in flat],
+    if not isinstance(compiled, bool):  # before tracing, which may be slow or fail otherwise
+        raise TypeError(f"explain(compiled=...) must be True or False, got {compiled!r}")
+    # A jax.jit-wrapped fn's static arguments stay Python values, as in autocast_transform.
+    signature = CallSignature.of(fn, label="explain")
+    args, kwargs = signature.mark_static(args, kwargs)
+    _, flat, tracer = trace_call(
+        signature.call_unmarked, policy, args, kwargs, source=fn, signature=signature
     )
-    return recorder.report()
+    traced = tracer()
+    recorder = Recorder(policy, tag_float8=compiled)
+    program = lambda *a: rewrite_and_eval(traced.closed, policy, a, recorder)  # noqa: E731
+    if not compiled:
+        compat.trace_to_closed(program, [compat.aval_of(x) for x in flat])
+        return recorder.report()
+    program.__name__ = program.__qualname__ = traced.name
+    shapes = [
+        jax.ShapeDtypeStruct(
+            compat.aval_of(x).shape,
+            compat.aval_of(x).dtype,
+            sharding=x.sharding if isinstance(x, jax.Array) and not compat.is_tracer(x) else None,
+            weak_type=getattr(compat.aval_of(x), "weak_type", False),
+        )
+        for x in flat
+    ]
+    check = check_compiled(jax.jit(program).lower(*shapes).compile(), recorder.float8_dots)
+    warn_fallbacks(check, traced.name)
+    return recorder.report(check)

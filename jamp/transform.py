@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from . import _compat as compat
 from . import graph_nodes
@@ -31,7 +32,9 @@ from .policy import Policy, RegionState
 from .region_stack import tracing_under
 from .rules import custom_ad
 
-PolicyLike = Policy | Any | None  # a Policy, a floating dtype (meaning Policy(dtype)) or None
+# A Policy, a floating dtype (meaning Policy(dtype)) or None (meaning Policy()). Public
+# signatures spell the union out, so the API pages show it rather than an alias name.
+PolicyLike = Policy | DTypeLike | None
 
 
 def _is_dtype_like(value: Any) -> bool:
@@ -50,7 +53,7 @@ def _is_dtype_like(value: Any) -> bool:
 
 
 def resolve_policy(
-    policy: PolicyLike, dtype: Any = None, *, where: str = "autocast_transform"
+    policy: PolicyLike, dtype: DTypeLike | None = None, *, where: str = "autocast_transform"
 ) -> Policy:
     """The Policy a caller meant: ``None`` is ``Policy()``, a dtype is ``Policy(dtype)``.
 
@@ -59,21 +62,34 @@ def resolve_policy(
     (``autocast_transform(f, jnp.float16, dtype=jnp.bfloat16)``) is an error.
     """
     if policy is None:
-        return Policy() if dtype is None else Policy(dtype)
+        return Policy() if dtype is None else _as_compute(Policy(), dtype, "dtype", where)
     if isinstance(policy, Policy):
-        return policy if dtype is None else policy.replace(compute_dtype=dtype)
+        return policy if dtype is None else _as_compute(policy, dtype, "dtype", where)
     if _is_dtype_like(policy):
         if dtype is not None:
             raise ValueError(
                 f"{where}: the compute dtype was given twice, as the policy "
                 f"({policy!r}) and as dtype={dtype!r}; pass one of them"
             )
-        return Policy(policy)
+        return _as_compute(Policy(), policy, "policy", where)
     raise TypeError(
         f"{where}: policy must be a jamp.Policy, a floating dtype such as jnp.bfloat16 "
         f"(meaning jamp.Policy(dtype)) or None; got {type(policy).__name__} "
         f"{short_repr(policy)}"
     )
+
+
+def _as_compute(policy: Policy, dtype: Any, argument: str, where: str) -> Policy:
+    """``policy`` with ``dtype`` as its compute dtype; a bad dtype is named as the caller's
+    argument (``autocast_transform: dtype='bf16': ...``)."""
+    try:
+        return policy.replace(compute_dtype=dtype)
+    except (TypeError, ValueError) as err:
+        try:
+            shown = repr(dtype) if isinstance(dtype, str) else f"jnp.{np.dtype(dtype).name}"
+        except TypeError:
+            shown = short_repr(dtype)
+        raise type(err)(f"{where}: {argument}={shown}: {err}") from None
 
 
 def rewrite_and_eval(
@@ -110,7 +126,7 @@ def _is_castable(value: Any) -> bool:
     return dtype is not None and is_float(dtype) and np.dtype(dtype) != F64
 
 
-def autocast_jaxpr(closed_jaxpr: Any, policy: PolicyLike = None) -> Any:
+def autocast_jaxpr(closed_jaxpr: Any, policy: Policy | DTypeLike | None = None) -> Any:
     """Rewrite a closed jaxpr under ``policy``; returns a closed jaxpr with the same inputs.
 
     ``policy`` is a ``jamp.Policy``, a floating dtype (``Policy(dtype)``) or ``None``.
@@ -132,9 +148,9 @@ def autocast_jaxpr(closed_jaxpr: Any, policy: PolicyLike = None) -> Any:
 
 def autocast_transform(
     fn: Callable,
-    policy: PolicyLike = None,
+    policy: Policy | DTypeLike | None = None,
     *,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     static_argnums: int | Iterable[int] = (),
     static_argnames: str | Iterable[str] = (),
 ) -> Callable:
@@ -148,10 +164,12 @@ def autocast_transform(
       policy: a ``jamp.Policy``; a floating dtype such as ``jnp.float16`` means
         ``jamp.Policy(jnp.float16)``; ``None`` means ``jamp.Policy()`` (bfloat16).
       dtype: replaces the policy's ``compute_dtype`` and keeps the rest of the policy.
-      static_argnums, static_argnames: arguments passed to ``fn`` as the Python values they are
-        (a loop count stays an ``int``), with ``jax.jit``'s meaning: negative numbers count from
-        the end, numbers and names are inferred from each other through ``fn``'s signature, the
-        values must be hashable and each new value traces ``fn`` again.
+      static_argnums: positions of the arguments passed to ``fn`` as the Python values they
+        are (a loop count stays an ``int``), with ``jax.jit``'s meaning: negative numbers count
+        from the end, the values must be hashable and each new value traces ``fn`` again. When
+        ``fn`` is a ``jax.jit``-wrapped function, its own static arguments are static here too.
+      static_argnames: the same arguments by parameter name. Numbers and names are inferred
+        from each other through ``fn``'s signature, as ``jax.jit`` infers them.
 
     Array leaves of the arguments are traced. So are Python numbers passed as whole arguments
     in eager calls (as ``jax.jit`` does, so a changing learning rate does not recompile); under
@@ -180,7 +198,8 @@ def autocast_transform(
     Example::
 
         loss_fn = jamp.autocast_transform(loss_fn)                # bfloat16 matmuls
-        grads = jax.jit(jax.grad(loss_fn))(params, batch)         # float32 grads for float32 params
+        # float32 grads for float32 params
+        grads = jax.jit(jax.grad(loss_fn))(params, batch)
         f16 = jamp.autocast_transform(loss_fn, jnp.float16)       # same as dtype=jnp.float16
         unrolled = jamp.autocast_transform(g, static_argnames="n_steps")   # g(x, n_steps=3)
     """

@@ -51,6 +51,11 @@ def _check_loss_scale(run, period):
     assert ls["skipped_steps"] < run["steps"] // 10
 
 
+# The quick runs train for minutes of CPU time; what they rely on has fast tests: the loss-scale
+# state machine (test_loss_scale.py), optax.apply_if_finite with jamp's flags
+# (test_loss_scale_flax_port.py), linen training with batch stats (test_flax.py), and the
+# examples' own tables, plots and notes below.
+@pytest.mark.slow  # fast twins: the test_digits_* below, test_flax.py, test_loss_scale*.py
 def test_digits_quick_run_agrees_across_precisions(tmp_path, capsys):
     digits = _example("digits")
     plot = tmp_path / "losses.png"
@@ -97,6 +102,7 @@ def test_digits_table_lists_every_mode():
     assert "32768 / 131072 / 65536, 2 skipped" in lines[3]
 
 
+@pytest.mark.slow  # fast twin: test_flax.py::test_linen_training_steps_with_batch_stats
 def test_tiny_gpt_quick_run_bfloat16_learns_like_float32(tmp_path):
     tiny_gpt = _example("tiny_gpt")
     plot = tmp_path / "gpt.png"
@@ -129,6 +135,7 @@ def _eqns(jaxpr, inside=None):
                     yield from _eqns(sub, eqn.primitive.name)
 
 
+@pytest.mark.slow  # fast twin: test_properties.py::test_pinned_program[pinned4-*] (remat)
 def test_tiny_gpt_remat_blocks_recompute_in_bfloat16():
     import jax
 

@@ -14,10 +14,13 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jamp
+from tests.hypothesis_profiles import examples
 from tests.jaxpr_utils import eqns_named, iter_eqns
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
-FP8 = jamp.Policy(E4M3)
+# The tests' matmuls are tiny: min_float8_flops=0 puts them in float8 (the default keeps
+# matmuls below 2 * 2048**3 FLOPs in bfloat16, tested at the end).
+FP8 = jamp.Policy(E4M3, min_float8_flops=0)
 DOT = (((1,), (0,)), ((), ()))
 
 
@@ -58,7 +61,8 @@ def test_policy_float8_values_are_bfloat16():
     assert FP8.compute_dtype == np.dtype(E4M3)
     assert FP8.value_dtype == np.dtype(jnp.bfloat16)
     assert jamp.Policy(jnp.float16).value_dtype == np.dtype(jnp.float16)
-    assert repr(FP8) == "Policy(jnp.float8_e4m3fn)"
+    assert repr(jamp.Policy(E4M3)) == "Policy(jnp.float8_e4m3fn)"
+    assert repr(FP8) == "Policy(jnp.float8_e4m3fn, min_float8_flops=0)"
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -256,7 +260,7 @@ def test_backward_dots_read_e5m2_and_e4m3_operands():
 
 # --- property ---------------------------------------------------------------------------------
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(m=st.integers(1, 6), k=st.integers(1, 40), n=st.integers(1, 6),
        log_scale=st.floats(-6, 6), seed=st.integers(0, 2**16))
 def test_property_finite_and_close_to_reference(m, k, n, log_scale, seed):
@@ -289,7 +293,10 @@ def dot_operand_dtypes(jaxpr):
     return sorted(tuple(v.aval.dtype.name for v in e.invars) for e in eqns_named(jaxpr, "dot_general"))
 
 
-@pytest.mark.parametrize("order", ["grad_outside", "grad_inside"])
+# The eager attention gradient under grad_outside compiles ~100 ops; fast twins for that order:
+# test_backward_uses_e5m2_cotangents_and_f32_gradients[grad_outside], test_both_orders_agree.
+@pytest.mark.parametrize("order", [pytest.param("grad_outside", marks=pytest.mark.slow),
+                                   "grad_inside"])
 def test_only_products_with_a_weight_run_in_float8(order):
     x = normal(0, (8, 16))
     params = tuple(normal(i, shape, scale=0.25) for i, shape in
@@ -320,3 +327,110 @@ def test_mlp_weight_gradient_in_grad_program_is_float8():
     grad = jamp.autocast_transform(jax.grad(mlp_loss, argnums=(0, 1)), FP8)
     dtypes = dot_operand_dtypes(jax.make_jaxpr(grad)(w1, w2, x))
     assert all(any(n.startswith("float8") for n in d) for d in dtypes), dtypes
+
+
+# --- Policy.min_float8_flops: small matmuls stay bfloat16 -------------------------------------
+
+def spec(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)   # traced only: nothing is allocated
+
+
+def two_layers(x, w_small, w_big):
+    return jnp.tanh(x @ w_big) @ w_small
+
+
+# x @ w_big: 2 * 2048 * 2048 * 2048 FLOPs (the default threshold, kept in float8);
+# tanh(...) @ w_small: 2 * 2048 * 2048 * 8 FLOPs, far below it.
+SIZED = (spec(2048, 2048), spec(2048, 8), spec(2048, 2048))
+SIZED_ARRAYS = tuple(jnp.zeros(s.shape) for s in SIZED)   # explain takes arrays (only traced)
+
+
+@pytest.mark.parametrize("order", ["forward", "grad_outside", "grad_inside"])
+def test_default_threshold_keeps_the_small_dot_in_bfloat16(order):
+    policy = jamp.Policy(E4M3)          # default min_float8_flops = 2 * 2048**3
+    assert policy.min_float8_flops == 2 * 2048**3
+    loss = lambda x, ws, wb: jnp.sum(two_layers(x, ws, wb))
+    fn = {"forward": jamp.autocast_transform(two_layers, policy),
+          "grad_outside": jax.grad(jamp.autocast_transform(loss, policy), argnums=(1, 2)),
+          "grad_inside": jamp.autocast_transform(jax.grad(loss, argnums=(1, 2)), policy)}[order]
+    dtypes = dot_operand_dtypes(jax.make_jaxpr(fn)(*SIZED))
+    fp8 = [d for d in dtypes if all(n.startswith("float8") for n in d)]
+    bf16 = [d for d in dtypes if d == ("bfloat16", "bfloat16")]
+    # The big product in float8, the small one in bfloat16; under grad their transposes follow
+    # them. The small product has two (the cotangents of tanh(...) and of w_small); the big
+    # one's custom_vjp computes both of its transposes, of which jax.grad(f) inside the
+    # transform keeps only w_big's (x's is not asked for).
+    want_fp8 = {"forward": 1, "grad_outside": 3, "grad_inside": 2}[order]
+    assert len(fp8) == want_fp8 and len(bf16) == (1 if order == "forward" else 3)
+    assert len(fp8) + len(bf16) == len(dtypes)
+    assert all(d[0] == "float8_e5m2" for d in fp8[1:])   # the transposes read e5m2 cotangents
+
+
+def test_threshold_is_compared_with_each_products_flops():
+    x, w = spec(64, 128), spec(128, 32)
+    flops = 2 * 64 * 128 * 32
+    fn = lambda x, w: x @ w
+    at = jax.make_jaxpr(jamp.autocast_transform(fn, jamp.Policy(E4M3, min_float8_flops=flops)))
+    above = jax.make_jaxpr(jamp.autocast_transform(fn, jamp.Policy(E4M3,
+                                                                   min_float8_flops=flops + 1)))
+    assert dot_operand_dtypes(at(x, w)) == [("float8_e4m3fn", "float8_e4m3fn")]
+    assert dot_operand_dtypes(above(x, w)) == [("bfloat16", "bfloat16")]
+
+
+def test_default_threshold_exports_with_a_symbolic_batch():
+    # FLOPs with a symbolic batch count at its generic value (2**16), so comparing them with
+    # the threshold is not inconclusive: x @ w_big's 2 * b * 512 * 256 is 2 * 2048**3 there.
+    (b,) = jax.export.symbolic_shape("b")
+    specs = (jax.ShapeDtypeStruct((b, 512), jnp.float32), spec(256, 8), spec(512, 256))
+    fn = jamp.autocast_transform(two_layers, jamp.Policy(E4M3))
+    assert dot_operand_dtypes(jax.make_jaxpr(fn)(*specs)) == [
+        ("bfloat16", "bfloat16"), ("float8_e4m3fn", "float8_e4m3fn")]
+    exported = jax.export.export(jax.jit(fn))(*specs)
+    x, ws, wb = normal(0, (3, 512)), normal(1, (256, 8)), normal(2, (512, 256), 0.05)
+    same_split = jamp.Policy(E4M3, min_float8_flops=2 * 3 * 512 * 256)  # at batch 3
+    want = jamp.autocast_transform(two_layers, same_split)(x, ws, wb)
+    np.testing.assert_allclose(exported.call(x, ws, wb), want, rtol=2e-2, atol=2e-2)
+
+
+def test_explain_lists_the_dots_kept_in_bfloat16():
+    report = jamp.explain(two_layers, *SIZED_ARRAYS, policy=jamp.Policy(E4M3))
+    (kept,) = report.float8_kept
+    assert kept.primitive == "dot_general" and kept.reason == "min_float8_flops"
+    assert kept.shapes == ((2048, 2048), (2048, 8)) and kept.flops == 2 * 2048 * 2048 * 8
+    assert "two_layers" in kept.where
+    assert report.flops == {"float8_e4m3fn": 2 * 2048**3, "bfloat16": 2 * 2048 * 2048 * 8}
+    text = str(report)
+    assert "kept in bfloat16, below min_float8_flops=17,179,869,184:" in text
+    assert "[2048, 2048] x [2048, 8]" in text
+    # a policy with no threshold keeps nothing back; bfloat16 policies never list any
+    assert jamp.explain(two_layers, *SIZED_ARRAYS, policy=FP8).float8_kept == ()
+    assert jamp.explain(two_layers, *SIZED_ARRAYS, policy=jamp.Policy()).float8_kept == ()
+
+
+def test_threshold_in_a_rule_scope_and_repr():
+    policy = jamp.Policy(jnp.bfloat16, rules=(("fp8", E4M3),), min_float8_flops=10**9)
+    assert repr(policy) == ("Policy(rules=(('fp8', jnp.float8_e4m3fn),), "
+                            "min_float8_flops=1000000000)")
+    assert policy.replace(min_float8_flops=1e3).min_float8_flops == 1000
+
+    def f(x, w_small, w_big):
+        with jax.named_scope("fp8"):
+            return two_layers(x, w_small, w_big)
+    report = jamp.explain(f, *SIZED_ARRAYS, policy=policy)
+    assert [k.scope for k in report.float8_kept] == ["fp8"]
+    assert set(report.flops) == {"float8_e4m3fn", "bfloat16"}
+
+
+@pytest.mark.parametrize("value, error, match", [
+    (-1, ValueError, r"min_float8_flops must be >= 0 .*got -1"),
+    (1.5, ValueError, r"min_float8_flops must be a whole, finite number of FLOPs, got 1.5"),
+    (float("inf"), ValueError, r"whole, finite"),
+    (True, TypeError, r"min_float8_flops must be a number of FLOPs .*got bool True"),
+    ("1e9", TypeError, r"got str '1e9'"),
+    (None, TypeError, r"got NoneType None"),
+])
+def test_min_float8_flops_validation(value, error, match):
+    with pytest.raises(error, match=match):
+        jamp.Policy(E4M3, min_float8_flops=value)
+    with pytest.raises(error, match=match):
+        FP8.replace(min_float8_flops=value)

@@ -628,6 +628,8 @@ class SmallResNet(nn.Module):
         return nn.Dense(10)(x.mean(axis=(1, 2)))
 
 
+# fast twins: test_folded_conv_bn, test_conv_bn_with_multi_bn_share_conv, test_dead_code_removed
+@pytest.mark.slow
 def test_resnet_frozen_matches_unfrozen():
     model = SmallResNet()
     variables = init(model, X)
@@ -641,6 +643,8 @@ def test_resnet_frozen_matches_unfrozen():
 
 # --- API: export/load, errors ----------------------------------------------------------------
 
+# fast twin: test_tracing_models.py::test_export_round_trips_a_logically_partitioned_dense_layer
+@pytest.mark.slow
 def test_export_load_round_trip():
     model = SmallResNet()
     variables = init(model, X)
@@ -740,3 +744,23 @@ def test_higher_order_primitives_and_gradients_through_the_frozen_function():
     loss = lambda fn: lambda x: fn(x).sum()
     chex.assert_trees_all_close(jax.grad(loss(frozen))(x), jax.grad(loss(lambda x: f(v, x)))(x),
                                 **F32_TOL)
+
+
+def test_calling_the_frozen_function_with_the_variables_says_they_are_folded_in():
+    model = ConvBN()
+    variables = init(model, X)
+    frozen = tracing.freeze(model, variables, X)
+    with pytest.raises(TypeError, match=r"freeze\(ConvBN\) takes the example input only, got 2 "
+                                        r"positional arguments: the variables are folded into "
+                                        r"the frozen function as constants, so call it without "
+                                        r"them, as frozen\(x\), not frozen\(variables, x\)"):
+        frozen(variables, X)
+    two = tracing.freeze(lambda v, x, y: x @ v["w"] + y, {"w": jnp.ones((3, 2))},
+                         jnp.ones((4, 3)), jnp.ones((4, 2)))
+    with pytest.raises(TypeError, match=r"takes the 2 example inputs only, got 3 .* "
+                                        r"frozen\(x0, x1\), not frozen\(variables, x0, x1\)"):
+        two({"w": jnp.ones((3, 2))}, jnp.ones((4, 3)), jnp.ones((4, 2)))
+    noisy = tracing.freeze(lambda v, x, rngs: x * v, jnp.ones(3), jnp.ones(3),
+                           rngs=jax.random.key(0))
+    with pytest.raises(TypeError, match=r"takes the example input only"):
+        noisy(jnp.ones(3), jnp.ones(3))  # the rngs are no positional input of the call

@@ -68,3 +68,26 @@ def test_updated_batch_stats_come_back_in_their_dtype_and_params_stay(policy):
     assert model.bn.var.get_value().dtype == F32
     assert not np.allclose(model.bn.mean.get_value(), mean_before)  # the update came back
     _assert_unchanged(params_before, nnx.state(model, nnx.Param))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_split_states_differentiated_through_a_transformed_function(jit):
+    # nnx.split's states hold Variables: under jax.grad jamp must not write them back when the
+    # function assigned nothing (NNX refuses to mutate a Variable of an outer trace).
+    model = _Net(nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+
+    def loss(params, rest, x):
+        net = nnx.merge(graphdef, params, rest, copy=True)
+        return jnp.mean(net(x) ** 2), nnx.state(net, nnx.BatchStat)
+
+    grad_fn = jax.value_and_grad(jamp.autocast_transform(loss), has_aux=True)
+    (value, stats), grads = (jax.jit(grad_fn) if jit else grad_fn)(params, rest, x)
+    (want, want_stats), want_grads = jax.value_and_grad(loss, has_aux=True)(params, rest, x)
+    assert value.dtype == F32
+    np.testing.assert_allclose(value, want, rtol=2e-2)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        assert got.dtype == ref.dtype == F32
+        np.testing.assert_allclose(got, ref, rtol=5e-2, atol=5e-3)
+    assert not np.allclose(stats["bn"]["mean"].get_value(), 0.0)  # the statistics moved

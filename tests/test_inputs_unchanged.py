@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jamp
+from tests.hypothesis_profiles import examples
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -70,7 +71,7 @@ def _trees(draw):
     return {f"x{i}": _leaf(draw, i) for i in range(draw(st.integers(1, 4)))}
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(tree=_trees(), policy=st.sampled_from(sorted(POLICIES)), jit=st.booleans())
 def test_input_pytrees_keep_their_dtypes_and_values(tree, policy, jit):
     fn = jamp.autocast_transform(_program, POLICIES[policy])

@@ -280,8 +280,10 @@ def test_broadcast_scalars_keep_adapting_inside_jitted_callees():
 # (a batch of one made the bias "as large as the output" and the add promoted to float32).
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
+from tests.hypothesis_profiles import examples  # noqa: E402
 
-@settings(max_examples=12, deadline=None)
+
+@settings(max_examples=examples(12), deadline=None)
 @given(batch=st.lists(st.integers(1, 3), min_size=1, max_size=3), features=st.integers(1, 5),
        out=st.integers(1, 5))
 def test_dense_output_dtype_is_independent_of_batch_shape(batch, features, out):

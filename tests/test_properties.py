@@ -26,8 +26,8 @@ Besides the random search, ``test_pinned_program`` replays minimal counterexampl
 found (and a few programs mixing every feature), and ``test_each_op_after_a_matmul`` runs the cheap
 checks on every op applied to a bfloat16 value, so each rule is exercised on every run.
 
-Hypothesis settings come from the profile registered in ``tests/conftest.py`` (``ci`` by default:
-derandomized, no example database), so failures reproduce run to run.
+Hypothesis settings come from the profile loaded by ``tests/conftest.py`` (``ci``: derandomized, no
+example database, so failures reproduce run to run; ``fast`` in the fast loop: a few examples).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import jamp
+from tests.hypothesis_profiles import examples
 
 try:  # the public home of JAX's type checker; tests never import jax._src
     from jax.extend.core import check_jaxpr as _check_jaxpr
@@ -78,7 +79,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::jamp.UnsupportedPrimitiveWarnin
 PROPERTY_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Example counts per family keep the whole file under ~60 s on 2 CPU cores: properties that only
 # trace are cheap; the ones that compile and run (values, jit, grad, vmap) get fewer examples.
-TRACE_ONLY, RUNS = 15, 5
+TRACE_ONLY, RUNS = examples(15), examples(5)
 
 
 # --- the ops -----------------------------------------------------------------------------------

@@ -865,7 +865,8 @@ MODELS = {
 
 # ports test_generate_autocast_jit_trace_model and test_nchw_autocast_jit_trace_model: the jitted
 # autocast model agrees with the eager one, and with the same model written by hand in bf16.
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", [  # fast twins of the mnist net: the convbn models
+    pytest.param(name, marks=pytest.mark.slow) if name == "mnist" else name for name in MODELS])
 def test_autocast_jit_trace_model(name):
     cls, kwargs, shape = MODELS[name]
     x = jax.random.normal(jax.random.PRNGKey(0), shape)

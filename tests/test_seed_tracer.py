@@ -228,6 +228,9 @@ def test_trace_checker_dropout_train_and_notrain():
     chex.assert_trees_all_close(tracing.trace(lambda x: dropout(x, False), x)(x), x)
 
 
+# fast twin: test_tracing.py::
+#     test_keys_passed_as_inputs_do_not_warn_and_draws_inside_control_flow_are_followed
+@pytest.mark.slow
 def test_trace_random_with_the_key_as_input():
     def normal(key, mean, std):
         return mean + std * jax.random.normal(key, mean.shape)

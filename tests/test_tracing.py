@@ -106,6 +106,9 @@ def test_export_round_trip_keeps_pytrees_and_checks_inputs():
         loaded({"y": X}, Pair(X, jnp.ones(3, jnp.int32)))
 
 
+# fast twin: test_export_dict_keys.py::
+#     test_the_blob_stays_a_jax_export_blob_and_loads_in_a_fresh_process
+@pytest.mark.slow
 def test_export_loads_in_a_fresh_process(tmp_path):
     blob = tracing.trace(lambda x: jnp.sin(x) * 3, (X,)).export()
     path = tmp_path / "f.jaxexport"
@@ -126,6 +129,8 @@ def test_load_rejects_bytes_that_are_not_an_export():
 
 # --- check 1: graphs ---
 
+# fast twin: test_tracing_properties.py::test_shape_generic_chains_pass_at_any_batch_size
+@pytest.mark.slow
 def test_shape_generic_function_passes_other_batch_sizes():
     def layer(x, w):
         h = jax.nn.softmax(x @ w, axis=-1)
@@ -155,9 +160,14 @@ HIGHER_ORDER = {
     "grad of autocast": jax.grad(
         jamp.autocast_transform(lambda x, w: jax.nn.softmax(x @ w).sum()), argnums=1),
 }
+# Running the eager grad of an autocast function op by op compiles ~80 small programs (~5 s).
+# fast twins: [grad of custom_vjp] and test_autocast_functions_trace_check_and_show_their_casts
+SLOW_HIGHER_ORDER = {"grad of autocast"}
 
 
-@pytest.mark.parametrize("name", sorted(HIGHER_ORDER))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_HIGHER_ORDER else name
+    for name in sorted(HIGHER_ORDER)])
 def test_programs_with_sub_jaxprs_and_rules_check_cleanly_across_batch_sizes(name):
     # custom_jvp/custom_vjp parameters hold thunks whose identity changes per trace: the
     # canonical graph must not see them as differences.
@@ -388,6 +398,9 @@ def test_check_inputs_must_be_a_list_of_input_tuples():
 
 # --- Flax ---
 
+# fast twins: test_seed_tracer.py::test_trace_export_of_a_flax_module_with_nested_outputs,
+# test_a_linen_module_passed_whole_names_its_apply
+@pytest.mark.slow
 def test_linen_apply_traces_with_variables_as_inputs():
     from flax import linen as nn
 
@@ -409,6 +422,13 @@ def test_linen_apply_traces_with_variables_as_inputs():
     chex.assert_trees_all_close(loaded(new_vars, x), model.apply(new_vars, x), atol=1e-5)
     with pytest.raises(TypeError, match=r"Net\(...\)\.apply, \(variables, x\)"):
         tracing.trace(model, (x,))
+
+
+def test_a_linen_module_passed_whole_names_its_apply():
+    from flax import linen as nn
+
+    with pytest.raises(TypeError, match=r"Dense\(...\)\.apply, \(variables, x\)"):
+        tracing.trace(nn.Dense(3), (X,))
 
 
 def test_nnx_module_traces_with_its_state_captured():
@@ -512,6 +532,7 @@ def test_checkpoint_with_static_argnums_over_a_closure_is_not_a_leak():
     chex.assert_trees_all_close(traced(X), net(X), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # fast twin: test_checkpoint_with_static_argnums_over_a_closure_is_not_a_leak
 def test_flax_remat_with_static_argnums_is_not_a_leak():
     from flax import linen as nn
 
@@ -620,3 +641,21 @@ def test_damaged_blob_is_a_clear_value_error_without_mlir_noise(capfd):
     assert failures >= 3
     captured = capfd.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_a_check_inputs_entry_the_function_cannot_be_traced_at_is_named_by_its_index():
+    w = jnp.ones((4, 2))
+    with pytest.raises(tracing.TracingCheckError,
+                       match=r"Tracing two_args at check_inputs\[1\] \(float32\[3,5\], "
+                             r"float32\[4,2\]\) failed, though it traced at the example inputs: "
+                             r"TypeError: dot_general requires contracting dimensions"):
+        tracing.check_trace(two_args, (X, w), check_inputs=[(X, w), (jnp.ones((3, 5)), w)])
+
+    def unrolled(x):
+        return sum(x[i] for i in range(int(x.sum()) if x.shape[0] > 3 else 1))
+
+    with pytest.raises(tracing.TracingCheckError,
+                       match=r"Tracing .*unrolled at check_inputs\[0\] \(float32\[5,4\]\) failed, "
+                             r"though it traced at the example inputs: .*concrete value") as info:
+        tracing.trace(unrolled, (X,), check_inputs=[(jnp.ones((5, 4)),)])
+    assert isinstance(info.value.__cause__, tracing.TracingCheckError)

@@ -143,7 +143,11 @@ def bf16_case():
             [(params, jax.random.normal(KEY, (3, 32)))])
 
 
-@pytest.mark.parametrize("case", [resnet_case, lm_case, nnx_case, bf16_case],
+# Each model compiles dozens of eager ops at three batch sizes (5-15 s). Fast twins in
+# test_tracing.py: test_autocast_functions_trace_check_and_show_their_casts (autocast) and
+# test_float32_through_bfloat16_intermediates_does_not_warn (hand-written bfloat16).
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.slow)
+                                  for case in (resnet_case, lm_case, nnx_case, bf16_case)],
                          ids=["autocast-resnet", "autocast-lm", "autocast-nnx", "bf16-mlp"])
 def test_mixed_precision_models_trace_and_check_without_warnings(case):
     fn, example, checks = case()
@@ -153,12 +157,16 @@ def test_mixed_precision_models_trace_and_check_without_warnings(case):
     chex.assert_trees_all_close(traced(*example), fn(*example), atol=0.1, rtol=0.05)
 
 
+# fast twin: test_tracing.py::test_unrolled_python_loop_over_a_size_differs_and_points_at_the_line
+@pytest.mark.slow
 def test_a_shape_dependent_branch_in_the_resnet_is_still_reported():
     fn, example, checks = resnet_case(shape_branch=True)
     with pytest.raises(tracing.TracingCheckError, match="Graphs differed"):
         tracing.check_trace(fn, example, check_inputs=checks)
 
 
+# fast twin: test_tracing.py::test_numpy_randomness_at_trace_time_is_a_differing_constant
+@pytest.mark.slow
 def test_a_python_random_number_in_the_lm_is_still_reported():
     # Without autocast: jamp.autocast_transform caches the trace of model.apply, so a number
     # drawn in Python inside it is drawn once (like a jax.jit-ed callee's), for every call.
@@ -169,6 +177,7 @@ def test_a_python_random_number_in_the_lm_is_still_reported():
         tracing.check_trace(fn, example, check_inputs=checks)
 
 
+@pytest.mark.slow  # fast twin: test_tracing.py::test_nondeterministic_callback_output_warns
 def test_outputs_that_really_diverge_in_a_bf16_model_still_warn():
     params = bf16_params()
     noise = iter(np.random.default_rng(0).uniform(0.5, 1.5, 100).astype(np.float32))
@@ -190,6 +199,7 @@ def lm_and_variables():
     return model, model.init(KEY, tokens(2, 8))
 
 
+@pytest.mark.slow  # fast twin: test_export_round_trips_a_logically_partitioned_dense_layer
 def test_export_round_trips_logically_partitioned_params():
     model, variables = lm_and_variables()
     assert any(isinstance(leaf, nn.LogicallyPartitioned) for leaf in jax.tree.leaves(
@@ -202,6 +212,19 @@ def test_export_round_trips_logically_partitioned_params():
     frozen = tracing.load(tracing.freeze(model, variables, tokens(2, 8)).export())
     chex.assert_trees_all_close(frozen(tokens(2, 8)), model.apply(variables, tokens(2, 8)),
                                 atol=1e-5)
+
+
+def test_export_round_trips_a_logically_partitioned_dense_layer():
+    dense = nn.Dense(3, kernel_init=nn.with_logical_partitioning(
+        nn.initializers.lecun_normal(), ("embed", "mlp")))
+    x = jnp.ones((2, 4))
+    variables = dense.init(KEY, x)
+    assert isinstance(variables["params"]["kernel"], nn.LogicallyPartitioned)
+    loaded = tracing.load(tracing.trace(dense.apply, (variables, x), check_trace=False).export())
+    new = jax.tree.map(lambda v: v * 0.5, variables)
+    chex.assert_trees_all_close(loaded(new, x), dense.apply(new, x), atol=1e-5)
+    frozen = tracing.load(tracing.freeze(dense, variables, x).export())
+    chex.assert_trees_all_close(frozen(x), dense.apply(variables, x), atol=1e-5)
 
 
 def test_export_round_trips_nnx_states_and_frozen_nnx_models():

@@ -1,116 +1,64 @@
 """Serialization of traced and frozen programs with ``jax.export``, and ``load``.
 
 The blob is ``jax.export``'s own serialization (StableHLO plus the input/output pytree
-structures), so it can also be read with ``jax.export.deserialize``. The pytree nodes that
-``jax.export`` does not know natively are registered for serialization on export, under
-``module.QualName``: namedtuples, and custom nodes whose auxiliary data is plain data (None,
-bools, numbers, strings, and tuples, lists and string-keyed dicts of them), which covers Flax's
-own nodes: ``LogicallyPartitioned``/``Partitioned`` boxes, ``nnx.State`` and ``nnx.Variable``s
-(``Param``, ``BatchStat``, ...). ``load`` registers them the same way, looking the class up in the
-modules the loading process has already imported (it never imports a module a blob names).
+structures), so it can also be read with ``jax.export.deserialize``. The pytree nodes it does not
+know natively, and dicts whose keys are not all strings (``nnx.List`` layers in an
+``nnx.State``), are stored as ``serialization.py`` describes. An export made with
+``polymorphic_shapes`` has symbolic dimensions (``b``); its loaded function takes any size for
+them, and a call that does not fit is reported by input and dimension.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
 
+from jamp import _compat as compat
+
+from . import serialization
+from .shapes import is_symbolic, shape_text
 from .signature import Signature
 
-_REGISTERED: set[type] = set()
-_BUILTIN_NODES = (tuple, list, dict, type(None))
+_WHERE = " where "  # jax.export does not store constraints: the function's name says them
+_AND = "; "  # between constraints: cannot be part of one (``max(a, b) >= 2`` holds ", ")
 
 
-def export_program(pytree_fn: Callable, signature: Signature, out_tree: Any) -> bytes:
-    """``jax.export`` of ``pytree_fn`` at the signature's avals, serialized to bytes."""
-    specs = signature.specs()
-    for tree in (signature.in_tree, out_tree):
-        _register_nodes(tree)
-    exported = jax.export.export(jax.jit(pytree_fn))(*specs)
+def export_program(
+    closed: Any, specs: Any, out_tree: Any, name: str, constraints: Sequence[str] = ()
+) -> bytes:
+    """``jax.export`` of the closed jaxpr at ``specs`` (a tuple of input pytrees of
+    ``ShapeDtypeStruct``, symbolic or not), with pytree outputs ``out_tree``, as bytes.
+
+    The exported function is named ``name`` (what ``tracing.load`` calls it), followed by the
+    symbolic shapes' ``constraints`` (``freeze(CNN) where b >= 2``), which ``jax.export``
+    checks but does not serialize, so that a loaded function can name the one a call breaks."""
+    label = f"{name}.export()"
+    in_tree = serialization.storable(jax.tree.structure(specs), "inputs", label)
+    stored_out = serialization.storable(out_tree, "outputs", label)
+    jaxpr, consts = compat.open_and_consts(closed)
+
+    def run(*inputs: Any) -> Any:
+        return jax.tree.unflatten(
+            stored_out, compat.eval_jaxpr(jaxpr, consts, jax.tree.leaves(inputs))
+        )
+
+    run.__name__ = run.__qualname__ = name + (
+        _WHERE + _AND.join(constraints) if constraints else ""
+    )
+    exported = jax.export.export(jax.jit(run))(*jax.tree.unflatten(in_tree, jax.tree.leaves(specs)))
     try:
         return bytes(exported.serialize())
     except (ValueError, TypeError) as err:  # a node (or its aux data) jax.export cannot write
         raise TypeError(
             f"export: the inputs or outputs hold a pytree node jax.export cannot serialize: {err}"
         ) from err
-
-
-def serialized_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _register_nodes(treedef: Any) -> None:
-    """Register every node type of ``treedef`` that jax.export cannot serialize natively."""
-    node = treedef.node_data()
-    if node is not None and node[0] not in _BUILTIN_NODES:
-        _register(node[0])
-    for child in treedef.children():
-        _register_nodes(child)
-
-
-def _is_namedtuple(cls: type) -> bool:
-    return issubclass(cls, tuple) and hasattr(cls, "_fields")
-
-
-def _register(cls: type) -> None:
-    if cls in _REGISTERED:
-        return
-    try:
-        if _is_namedtuple(cls):
-            jax.export.register_namedtuple_serialization(cls, serialized_name=serialized_name(cls))
-        else:
-            jax.export.register_pytree_node_serialization(
-                cls,
-                serialized_name=serialized_name(cls),
-                serialize_auxdata=lambda aux, cls=cls: _encode_aux(cls, aux),
-                deserialize_auxdata=_decode_aux,
-            )
-    except ValueError:  # registered before (by the user, or under another name): theirs is used
-        pass
-    _REGISTERED.add(cls)
-
-
-# Auxiliary data as JSON, with tuples and lists told apart: plain data only, so loading a blob
-# never runs code (no pickle).
-def _to_json(value: Any, cls: type) -> Any:
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (tuple, list)):
-        return {"tuple" if isinstance(value, tuple) else "list": [_to_json(v, cls) for v in value]}
-    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {"dict": {k: _to_json(v, cls) for k, v in value.items()}}
-    raise TypeError(
-        f"the pytree node {serialized_name(cls)} has auxiliary data holding a "
-        f"{type(value).__name__} ({value!r:.80}), which tracing can only serialize when it is "
-        "plain data (None, bool, numbers, strings, tuples, lists, dicts with string keys); "
-        "register the node yourself with jax.export.register_pytree_node_serialization"
-    )
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, dict):
-        ((kind, content),) = value.items()
-        if kind == "dict":
-            return {k: _from_json(v) for k, v in content.items()}
-        items = [_from_json(v) for v in content]
-        return tuple(items) if kind == "tuple" else items
-    return value
-
-
-def _encode_aux(cls: type, aux: Any) -> bytes:
-    return json.dumps(_to_json(aux, cls)).encode()
-
-
-def _decode_aux(data: bytes) -> Any:
-    return _from_json(json.loads(data.decode()))
 
 
 def _imported_class(name: str) -> type | None:
@@ -128,21 +76,53 @@ def _imported_class(name: str) -> type | None:
 
 
 _UNREGISTERED = re.compile(r"unregistered type `([^`]+)`")
+_ARGS = re.compile(r"\bargs(?=\[)")
+
+
+_FIXED_SHAPES = (
+    "this export takes the shapes it was made at only: export with polymorphic_shapes= "
+    "(e.g. .export(polymorphic_shapes='b, ...')) for sizes that vary"
+)
 
 
 class LoadedFunction:
-    """A deserialized program: call it with the pytree inputs it was exported for."""
+    """A deserialized program: call it with the pytree inputs it was exported for (any size for
+    the symbolic dimensions of an export made with ``polymorphic_shapes``)."""
 
     def __init__(self, exported: Any) -> None:
         self.exported = exported
-        args_tree = jax.tree.unflatten(exported.in_tree, list(exported.in_avals))[0]
+        plain_in = serialization.restored(exported.in_tree)
+        args_tree = jax.tree.unflatten(plain_in, list(exported.in_avals))[0]
         leaves, in_tree = jax.tree.flatten(args_tree)
         self.signature = Signature.from_avals(in_tree, leaves)
+        self._out_tree = serialization.restored(exported.out_tree)
+        self._symbolic = any(is_symbolic(a.shape) for a in leaves)
+        _, where, constraints = exported.fun_name.rpartition(_WHERE)
+        self._constraints = constraints.split(_AND) if where and self._symbolic else []
         self.__name__ = f"tracing.load({exported.fun_name})"
 
     def __call__(self, *inputs: Any) -> Any:
-        self.signature.flatten(inputs, self.__name__)  # clear errors before jax.export's own
-        return self.exported.call(*inputs)
+        # Clear errors before jax.export's own: structure, dtypes, fixed and single-symbol
+        # sizes, constraints on them.
+        leaves = self.signature.flatten(inputs, self.__name__, _FIXED_SHAPES, self._constraints)
+        args, kwargs = jax.tree.unflatten(self.exported.in_tree, leaves)
+        try:
+            outputs = self.exported.call(*args, **kwargs)
+        except ValueError as err:
+            if not self._symbolic or "shape" not in str(err).lower():
+                raise
+            # jax.export checks compound dimensions (2*b) and constraints (b >= 2) itself
+            accepted = ", ".join(
+                f"{where} {shape_text(a.shape)}"
+                for where, a in zip(self.signature.paths, self.signature.avals)
+                if is_symbolic(a.shape)
+            )
+            jax_says = _ARGS.sub("inputs", str(err))  # JAX's args[0] is the user's inputs[0]
+            raise ValueError(
+                f"{self.__name__}: the input shapes do not fit the export, which takes "
+                f"{accepted}: {jax_says}"
+            ) from None
+        return jax.tree.unflatten(self._out_tree, jax.tree.leaves(outputs))
 
     @property
     def hlo(self) -> str:
@@ -180,7 +160,7 @@ def load(blob: bytes | bytearray) -> LoadedFunction:
                 message = str(err) if name else str(err).removeprefix("tracing.load: ")
                 raise ValueError(f"tracing.load: {message}{hint}") from err
             seen.add(name)
-            _register(cls)
+            serialization.register(cls)
     return LoadedFunction(exported)
 
 

@@ -5,6 +5,8 @@ the autocast rewrite (``policy=``, so weights are stored already cast), constant
 variables known (``passes.fold_constants``), dead-code removal, BatchNorm folding into the conv or
 dense before it (``passes.fold_batchnorm``) and dead-code removal again. The frozen program owns
 its constants: none of them is one of the caller's arrays, so the variables can be freed.
+``export(polymorphic_shapes=...)`` runs the same pipeline again at symbolic input shapes, from
+the caller's variables if they are still alive (they are held weakly, not kept).
 
 Freezing is for inference: a call that updates variables (``mutable=[...]``, a BatchNorm in
 training mode, an NNX module not in eval mode) raises ``ValueError`` instead of silently dropping
@@ -15,20 +17,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import re
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jamp import _compat as compat
 from jamp.policy import Policy
 
 from . import passes
 from .passes.fold_constants import with_aval
-from .program import Program, callable_name
+from .program import CannotRetrace, Program, callable_name
 from .signature import Signature, leaf_aval
 
 _NO_RNGS = object()  # the frozen function has no rngs input
@@ -41,12 +46,27 @@ class FrozenFunction(Program):
     ``freeze`` it stays an input: pass ``rngs=`` again, or leave it out to reuse the freeze-time
     value. ``.jaxpr``, ``.graph``, ``.hlo`` and ``.export()`` are as for ``TracedFunction``; the
     exported program takes the rngs, when there are any, as its last positional argument.
+    ``.export(polymorphic_shapes="b, ...")`` freezes the call again at symbolic shapes, from the
+    same variables, which must still be alive then (the frozen function does not keep them).
     """
 
+    reshape_remedy = (
+        "freeze it again at the new shapes, or export it with polymorphic_shapes= "
+        "(frozen.export(polymorphic_shapes='b, ...')) and call tracing.load(blob), which takes "
+        "any size for the symbolic dimensions"
+    )
+    remade_by = "freezing it again"
+
     def __init__(
-        self, closed: Any, signature: Signature, out_tree: Any, name: str, rngs: Any = _NO_RNGS
+        self,
+        closed: Any,
+        signature: Signature,
+        out_tree: Any,
+        name: str,
+        rngs: Any = _NO_RNGS,
+        retrace: Any = None,
     ) -> None:
-        super().__init__(closed, signature, out_tree, name)
+        super().__init__(closed, signature, out_tree, name, retrace=retrace)
         self._rngs = rngs
 
     @property
@@ -54,6 +74,20 @@ class FrozenFunction(Program):
         return self._rngs is not _NO_RNGS
 
     def __call__(self, *inputs: Any, rngs: Any = _NO_RNGS) -> Any:
+        expected = len(self.signature.in_tree.children()) - int(self.takes_rngs)
+        if len(inputs) == expected + 1:  # frozen(variables, x): called as the module is
+            one = "the example input" if expected == 1 else f"the {expected} example inputs"
+            xs = "x" if expected == 1 else ", ".join(f"x{i}" for i in range(expected))
+            if self.takes_rngs and rngs is _NO_RNGS and _same_structure(inputs[-1], self._rngs):
+                raise TypeError(  # frozen(x, rngs)
+                    f"{self.__name__} takes {one} positionally and the rngs by keyword, got "
+                    f"{len(inputs)} positional arguments: call it as frozen({xs}, rngs=rngs)"
+                )
+            raise TypeError(
+                f"{self.__name__} takes {one} only, got {len(inputs)} positional arguments: "
+                "the variables are folded into the frozen function as constants, so call it "
+                f"without them, as frozen({xs}), not frozen(variables, {xs})"
+            )
         if not self.takes_rngs:
             if rngs is not _NO_RNGS:
                 raise TypeError(
@@ -62,6 +96,17 @@ class FrozenFunction(Program):
                 )
             return super().__call__(*inputs)
         return super().__call__(*inputs, self._rngs if rngs is _NO_RNGS else rngs)
+
+
+def _same_structure(value: Any, rngs: Any) -> bool:
+    """Whether ``value`` looks like the rngs: their structure, leaf dtypes and shapes."""
+    expected: Any = jax.tree.structure(rngs)
+    if expected != jax.tree.structure(value):
+        return False
+    return all(
+        jnp.shape(a) == jnp.shape(b) and getattr(a, "dtype", None) == getattr(b, "dtype", None)
+        for a, b in zip(jax.tree.leaves(value), jax.tree.leaves(rngs))
+    )
 
 
 @dataclasses.dataclass
@@ -214,21 +259,30 @@ def _check_rngs(rngs: Any) -> None:
             )
 
 
-def _variable_leaves(variables: Any) -> list[Any]:
+def _variable_leaves(variables: Any) -> tuple[list[str], list[Any]]:
+    """(each leaf's path, as ``variables['w']``; the leaves)."""
     with_paths = jax.tree_util.tree_flatten_with_path(variables)[0]
-    for path, leaf in with_paths:
-        leaf_aval(leaf, "variables" + jax.tree_util.keystr(path))  # a clear error for non-arrays
-    return [leaf for _, leaf in with_paths]
+    paths = ["variables" + jax.tree_util.keystr(path) for path, _ in with_paths]
+    for where, (_, leaf) in zip(paths, with_paths):
+        leaf_aval(leaf, where)  # a clear error for non-arrays
+    return paths, [leaf for _, leaf in with_paths]
 
 
 def _owned(closed: Any, caller_leaves: list[Any]) -> Any:
     """``closed`` with every constant that is one of the caller's arrays replaced by a copy."""
     caller = {id(leaf) for leaf in caller_leaves}
+    numpy_leaves = [leaf for leaf in caller_leaves if isinstance(leaf, np.ndarray)]
+
+    def is_callers(c: Any) -> bool:  # JAX may wrap a NumPy constant in a view of its memory
+        return id(c) in caller or (
+            isinstance(c, np.ndarray) and any(np.may_share_memory(c, leaf) for leaf in numpy_leaves)
+        )
+
     jaxpr, consts = compat.open_and_consts(closed)
-    if not any(id(c) in caller for c in consts):
+    if not any(is_callers(c) for c in consts):
         return closed
     owned = [
-        with_aval(jnp.array(c, copy=True), compat.aval_of(c)) if id(c) in caller else c
+        with_aval(jnp.array(c, copy=True), compat.aval_of(c)) if is_callers(c) else c
         for c in consts
     ]
     return compat.trace_to_closed(
@@ -259,9 +313,10 @@ def freeze(
 
         model = ResNet()                  # linen, BatchNorm(use_running_average=True)
         frozen = tracing.freeze(model, variables, x)
-        frozen(x)                                         # same outputs, no variables needed
-        del variables                                     # the frozen program owns its constants
-        blob = frozen.export()                            # tracing.load(blob)(x)
+        frozen(x)                                        # same outputs, no variables needed
+        any_batch = frozen.export(polymorphic_shapes="b, ...")   # before del: it reads them
+        del variables                                    # the frozen program owns its constants
+        blob = frozen.export()                           # tracing.load(blob)(x)
 
         frozen16 = tracing.freeze(model, variables, x, policy=jamp.Policy())   # bf16 weights
         nnx_model.eval()                                                       # NNX
@@ -277,27 +332,111 @@ def freeze(
     name = f"freeze({resolved.name})"
     has_rngs = rngs is not _NO_RNGS
     signature = Signature.of(tuple(example_inputs) + ((rngs,) if has_rngs else ()))
-    leaves = _variable_leaves(resolved.variables)
-    var_tree = jax.tree.structure(resolved.variables)
-    var_avals = [leaf_aval(leaf, "variables") for leaf in leaves]
-
-    def flat_fn(*flat: Any) -> Any:
-        frozen_vars = jax.tree.unflatten(var_tree, flat[: len(leaves)])
-        inputs = jax.tree.unflatten(signature.in_tree, flat[len(leaves) :])
-        kwargs = dict(apply_kwargs)
-        if has_rngs:
-            inputs, kwargs["rngs"] = inputs[:-1], inputs[-1]
-        return resolved.call(frozen_vars, tuple(inputs), kwargs)
-
-    closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*var_avals, *signature.avals)
-    if policy is not None:
-        from jamp.transform import autocast_jaxpr
-
-        closed = autocast_jaxpr(closed, policy)
-    closed = passes.dce(passes.fold_constants(closed, leaves))
-    if fold_batchnorm:
-        closed = passes.dce(passes.fold_batchnorm(closed))
-    closed = _owned(closed, leaves)
-    return FrozenFunction(
-        closed, signature, jax.tree.structure(out_shape), name, rngs if has_rngs else _NO_RNGS
+    if has_rngs:  # the last input, passed as rngs=
+        signature = signature.with_last_input_named("rngs")
+    paths, leaves = _variable_leaves(resolved.variables)
+    freezer = _Freezer(  # not the target itself: it holds the variables
+        resolved.call,
+        jax.tree.structure(resolved.variables),
+        apply_kwargs,
+        has_rngs,
+        policy,
+        fold_batchnorm,
     )
+    closed, out_tree = freezer.freeze(leaves, signature)
+    held = _HeldVariables(paths, leaves)  # weakly: the frozen program owns copies of what it needs
+
+    def retrace(inputs: tuple) -> tuple[Any, Any]:  # for export(polymorphic_shapes=...)
+        return freezer.freeze(held.get(name), Signature.of(inputs))
+
+    return FrozenFunction(
+        closed, signature, out_tree, name, rngs if has_rngs else _NO_RNGS, retrace
+    )
+
+
+@dataclasses.dataclass
+class _Freezer:
+    """The freeze pipeline for one target, at any input signature (symbolic ones included)."""
+
+    call: Callable[[Any, tuple, dict], Any]  # the target's
+    var_tree: Any
+    apply_kwargs: dict
+    has_rngs: bool
+    policy: Policy | None
+    fold_batchnorm: bool
+
+    def freeze(self, leaves: list[Any], signature: Signature) -> tuple[Any, Any]:
+        """(closed jaxpr over the inputs, output tree) with ``leaves`` as the variables."""
+        var_avals = [leaf_aval(leaf, "variables") for leaf in leaves]
+
+        def flat_fn(*flat: Any) -> Any:
+            frozen_vars = jax.tree.unflatten(self.var_tree, flat[: len(leaves)])
+            inputs = jax.tree.unflatten(signature.in_tree, flat[len(leaves) :])
+            kwargs = dict(self.apply_kwargs)
+            if self.has_rngs:
+                inputs, kwargs["rngs"] = inputs[:-1], inputs[-1]
+            return self.call(frozen_vars, tuple(inputs), kwargs)
+
+        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*var_avals, *signature.avals)
+        if self.policy is not None:
+            from jamp.transform import autocast_jaxpr
+
+            closed = autocast_jaxpr(closed, self.policy)
+        closed = passes.dce(passes.fold_constants(closed, leaves))
+        if self.fold_batchnorm:
+            closed = passes.dce(passes.fold_batchnorm(closed))
+        return _owned(closed, leaves), jax.tree.structure(out_shape)
+
+
+class _HeldVariables:
+    """The caller's variable arrays, held weakly (the frozen program must not keep them alive:
+    ``del variables`` frees them); Python numbers, which cannot be, are held as they are.
+
+    NumPy arrays can change in place after the freeze (a training loop writing into them), so a
+    digest of their bytes is kept to refuse a re-freeze from weights the frozen function does
+    not hold; jax arrays are immutable, but can be deleted (donated)."""
+
+    def __init__(self, paths: list[str], leaves: list[Any]) -> None:
+        self._paths = paths
+        self._refs = [_weak(leaf) for leaf in leaves]
+        self._digests = [_digest(leaf) for leaf in leaves]
+
+    def get(self, name: str) -> list[Any]:
+        leaves = [ref() for ref in self._refs]
+        if any(leaf is None or _is_deleted(leaf) for leaf in leaves):
+            raise CannotRetrace(
+                f"{name}.export(polymorphic_shapes=...): {name} was frozen from variables that "
+                "have since been freed (del variables, a deleted or donated jax array, "
+                "or an NNX module updated or deleted), and exporting with polymorphic_shapes "
+                "freezes the call again from them: export before freeing them, or freeze again "
+                "and export that"
+            )
+        for where, leaf, digest in zip(self._paths, leaves, self._digests):
+            if digest is not None and _digest(leaf) != digest:
+                raise CannotRetrace(
+                    f"{name}.export(polymorphic_shapes=...): {where} has changed since the "
+                    "freeze (written in place), and exporting with polymorphic_shapes freezes "
+                    "the call again from the variables: export before changing it, or freeze "
+                    "again"
+                )
+        return leaves
+
+
+def _digest(leaf: Any) -> bytes | None:
+    """A digest of a NumPy array's bytes (the only mutable kind of leaf); None for others."""
+    if not isinstance(leaf, np.ndarray):
+        return None
+    as_bytes: Any = np.ascontiguousarray(leaf).reshape(-1).view(np.uint8)  # bfloat16: no buffer
+    return hashlib.blake2b(as_bytes, digest_size=16).digest()
+
+
+def _is_deleted(leaf: Any) -> bool:
+    is_deleted = getattr(leaf, "is_deleted", None)
+    return bool(is_deleted()) if callable(is_deleted) else False
+
+
+def _weak(leaf: Any) -> Callable[[], Any]:
+    try:
+        return weakref.ref(leaf)
+    except TypeError:  # a Python or NumPy scalar
+        return lambda: leaf

@@ -47,6 +47,34 @@ def reject_tracers(inputs: tuple, label: str) -> None:
         raise TypeError(f"JAX is tracing (the call is inside a transformation): {_OUTSIDE}")
 
 
+def _is_number_list(x: Any) -> bool:
+    """A Python list (of lists) whose leaves are all Python numbers: ``[1.0, 2.0]``."""
+    if type(x) is not list:
+        return False
+    leaves = jax.tree.leaves(x)
+    return bool(leaves) and all(type(leaf) in (bool, int, float, complex) for leaf in leaves)
+
+
+def reject_number_lists(raw: Any, label: str) -> None:
+    """TypeError for a Python list of numbers among the inputs ``raw`` (as the user gave them,
+    named ``label``). As a pytree it would be traced as that many separate scalar inputs, fixed
+    in count (calls with an array, or a list of another length, then fail), where an array is
+    what is meant (torch.jit.trace refuses it too). Separate scalars remain possible as a list
+    of arrays."""
+    inputs = as_inputs(raw)
+    with_paths = jax.tree_util.tree_flatten_with_path(inputs, is_leaf=_is_number_list)[0]
+    for path, leaf in with_paths:
+        if _is_number_list(leaf):
+            path = path if inputs is raw else path[1:]  # raw stood for the one argument
+            text = repr(leaf) if len(repr(leaf)) <= 40 else "[...]"
+            raise TypeError(
+                f"{label}{jax.tree_util.keystr(path)} is a Python list of numbers, {text}: as "
+                f"a pytree it would be traced as {len(jax.tree.leaves(leaf))} separate scalar "
+                f"inputs, not as one array. Pass jnp.asarray({text}) for an array input, or a "
+                "list of arrays (jnp.float32(v) for each v) for separate scalars"
+            )
+
+
 def check_binds(fn: Callable, name: str, raw: Any, inputs: tuple, label: str) -> None:
     """TypeError naming ``label`` when ``inputs`` cannot be ``fn``'s positional arguments."""
     try:
@@ -98,6 +126,7 @@ def validate_check_inputs(
         label = f"check_inputs[{number}]"
         inputs = as_inputs(raw)
         reject_tracers(inputs, label)
+        reject_number_lists(raw, label)
         if len(inputs) != example_count:
             kind = (
                 "a list, which stands for one argument"

@@ -1,6 +1,6 @@
 """The input signature of a traced program: each leaf's path (``inputs[0]['x']``) and aval, and
 the checks that name a wrong input by its path. Shared by ``program`` (calls) and ``export``
-(loaded functions), below both.
+(loaded functions), below both. An export's signature may have symbolic dimensions (``shapes.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import jax
 import numpy as np
 
 from jamp import _compat as compat
+
+from .shapes import SymbolBindings, is_symbolic, shape_text
 
 
 def input_path(path: Sequence[Any]) -> str:
@@ -39,6 +41,7 @@ class Signature:
     in_tree: Any
     paths: tuple[str, ...]
     avals: tuple[Any, ...]
+    aliases: tuple[tuple[str, str], ...] = ()  # (path prefix, the name errors give it instead)
 
     @classmethod
     def of(cls, inputs: tuple) -> Signature:
@@ -53,6 +56,15 @@ class Signature:
         paths = tuple(input_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
         return cls(in_tree, paths, tuple(avals))
 
+    def with_last_input_named(self, name: str) -> Signature:
+        """This signature with the last positional input named ``name`` in errors (a frozen
+        function's ``rngs``, passed by keyword): ``rngs['dropout']``, not ``inputs[1]['dropout']``."""
+        prefix = f"inputs[{len(self.in_tree.children()) - 1}]"
+        aliases = self.aliases + ((prefix, name),)
+        return dataclasses.replace(
+            self, paths=tuple(_aliased(p, aliases) for p in self.paths), aliases=aliases
+        )
+
     def specs(self) -> Any:
         """The inputs as a pytree of ``jax.ShapeDtypeStruct``."""
         return jax.tree.unflatten(
@@ -60,33 +72,49 @@ class Signature:
             [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in self.avals],
         )
 
-    def flatten(self, inputs: tuple, name: str) -> list[Any]:
+    def flatten(
+        self,
+        inputs: tuple,
+        name: str,
+        remedy: str = "trace it again for new shapes",
+        constraints: Sequence[str] = (),
+    ) -> list[Any]:
         """The leaves of ``inputs`` after checking them against the signature.
 
         Raises TypeError for another tree structure or dtype, ValueError for another shape, each
-        naming the first mismatching leaf by its path.
+        naming the first mismatching leaf by its path; ``remedy`` says what to do about a shape.
+        Symbolic dimensions (an export's ``b``) take any size, the same wherever they occur, that
+        keeps ``constraints`` (``"b >= 2"``).
         """
         with_paths, tree = jax.tree_util.tree_flatten_with_path(inputs)
         if tree != self.in_tree:
             raise TypeError(f"{name}: {self.structure_mismatch(with_paths, tree)}")
+        symbols = SymbolBindings()
         leaves = []
         for where, aval, (_, leaf) in zip(self.paths, self.avals, with_paths):
             got = leaf_aval(leaf, where)
             if got.dtype != aval.dtype:
                 raise TypeError(
                     f"{name}: {where} has dtype {got.dtype}, but the function was "
-                    f"traced for {aval.dtype} (shape {aval.shape})"
+                    f"traced for {aval.dtype} (shape {shape_text(aval.shape)})"
                 )
-            if got.shape != aval.shape:
+            if is_symbolic(aval.shape):
+                problem = symbols.mismatch(where, got.shape, aval.shape)
+                if problem:
+                    raise ValueError(f"{name}: {problem}")
+            elif got.shape != aval.shape:
                 raise ValueError(
                     f"{name}: {where} has shape {got.shape}, but the function was "
-                    f"traced for shape {aval.shape}; trace it again for new shapes"
+                    f"traced for shape {aval.shape}; {remedy}"
                 )
             leaves.append(leaf)
+        broken = symbols.broken_constraint(constraints)
+        if broken:
+            raise ValueError(f"{name}: {broken}")
         return leaves
 
     def structure_mismatch(self, with_paths: list, tree: Any) -> str:
-        got_paths = [input_path(p) for p, _ in with_paths]
+        got_paths = [_aliased(input_path(p), self.aliases) for p, _ in with_paths]
         for expected, got in zip(self.paths, got_paths):
             if expected != got:
                 return (
@@ -107,3 +135,10 @@ class Signature:
             f"the inputs differ in container types from the traced ones. Traced with "
             f"{self.in_tree}, called with {tree}"
         )
+
+
+def _aliased(path: str, aliases: Sequence[tuple[str, str]]) -> str:
+    for prefix, name in aliases:
+        if path == prefix or path.startswith((prefix + "[", prefix + ".")):
+            return name + path[len(prefix) :]
+    return path

@@ -173,7 +173,9 @@ def _accumulation_magnitudes(closed: Any, leaves: list[Any]) -> list[float]:
 def _largest_finite(x: Any) -> float:
     if not is_floating(getattr(x, "dtype", None)):
         return 0.0
-    values = np.abs(np.asarray(x, dtype=np.float64))
+    from .graph import plain_array
+
+    values = np.abs(plain_array(x).astype(np.float64))
     values = values[np.isfinite(values)]
     return float(values.max()) if values.size else 0.0
 

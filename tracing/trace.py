@@ -25,7 +25,13 @@ from . import graph as graphs
 from . import leaks, randomness
 from . import tolerance as tolerances
 from .errors import TracerWarning, TracingCheckError
-from .inputs import as_inputs, check_binds, reject_tracers, validate_check_inputs
+from .inputs import (
+    as_inputs,
+    check_binds,
+    reject_number_lists,
+    reject_tracers,
+    validate_check_inputs,
+)
 from .program import Program, callable_name, keep_dict_order, order_skeleton
 from .signature import Signature
 
@@ -55,8 +61,16 @@ class TracedFunction(Program):
 
     Call it like the function (same pytree inputs, same shapes and dtypes). ``.jaxpr`` is the
     closed jaxpr, ``.graph`` its text, ``.hlo`` the StableHLO, ``.export()`` the ``jax.export``
-    bytes that ``tracing.load`` reads back.
+    bytes that ``tracing.load`` reads back; ``.export(polymorphic_shapes="b, ...")`` traces the
+    function again at symbolic shapes, for a loaded function that takes any batch size.
     """
+
+    reshape_remedy = (
+        "trace it again at the new shapes, or export it with polymorphic_shapes= "
+        "(traced.export(polymorphic_shapes='b, ...')) and call tracing.load(blob), which takes "
+        "any size for the symbolic dimensions"
+    )
+    remade_by = "tracing it again"
 
 
 def resolve_function(fn: Any) -> tuple[Callable, str]:
@@ -172,8 +186,10 @@ def trace(
     disagrees, to the magnitude of the accumulations on its path (``tracing/tolerance.py`` has
     the exact rule). ``example_inputs`` must be a tuple for several arguments (a list is one
     argument); ``check_inputs`` entries must have its pytree structure (``TypeError`` naming
-    ``check_inputs[i]`` otherwise). A tracer the function stores where it can read it again (a
-    global, a closure, an attribute) raises ``TracingCheckError``; JAX's own caches do not.
+    ``check_inputs[i]`` otherwise). A Python list of numbers as an input (``([1.0, 2.0],)``)
+    raises ``TypeError``: it would be traced as separate scalars, so pass ``jnp.asarray`` of it.
+    A tracer the function stores where it can read it again (a global, a closure, an
+    attribute) raises ``TracingCheckError``; JAX's own caches do not.
 
     ``fn`` may be a linen ``model.apply`` (the variables are then an input:
     ``trace(model.apply, (variables, x))``) or an NNX module, whose current state is captured as
@@ -186,11 +202,16 @@ def trace(
         text = traced.graph       # the jaxpr as text
         blob = traced.export()    # tracing.load(blob)(x, w)
     """
-    primary, name = _trace_and_check(
+    primary, name, resolved = _trace_and_check(
         fn, example_inputs, check_inputs, check_tolerance, run_checks=check_trace
     )
+
+    def retrace(inputs: tuple) -> tuple[Any, Any]:  # for export(polymorphic_shapes=...)
+        again = trace_once(resolved, inputs, name)
+        return again.closed, again.out_tree
+
     return TracedFunction(
-        primary.closed, primary.signature, primary.out_tree, name, primary.out_template
+        primary.closed, primary.signature, primary.out_tree, name, primary.out_template, retrace
     )
 
 
@@ -216,17 +237,37 @@ def _trace_and_check(
     check_inputs: Sequence[Any] | None,
     tolerance: float,
     run_checks: bool,
-) -> tuple[Trace, str]:
+) -> tuple[Trace, str, Callable]:
     """The trace at the example inputs (with the PRNG-key check) and, if asked, the others."""
+    _check_options(run_checks, tolerance)
     fn, name = resolve_function(fn)
     example = as_inputs(example_inputs)
     reject_tracers(example, "example_inputs")
     check_binds(fn, name, example_inputs, example, "example_inputs")
+    reject_number_lists(example_inputs, "example_inputs")
     primary = trace_once(fn, example, name)
     randomness.warn_constant_keys(primary.closed, name)
     if run_checks:
         _run_checks(fn, name, primary, example, check_inputs, tolerance)
-    return primary, name
+    return primary, name, fn
+
+
+def _check_options(check_trace: Any, check_tolerance: Any) -> None:
+    """A clear error for option values that would otherwise be misread silently (a string
+    ``check_trace`` is truthy, a negative tolerance means the dtype's own)."""
+    if not isinstance(check_trace, (bool, np.bool_)):
+        raise TypeError(
+            f"check_trace must be True or False, got {type(check_trace).__name__} {check_trace!r}"
+        )
+    if isinstance(check_tolerance, (bool, np.bool_)) or not isinstance(
+        check_tolerance, (int, float, np.integer, np.floating)
+    ):
+        raise TypeError(
+            f"check_tolerance must be a number such as 1e-5, got "
+            f"{type(check_tolerance).__name__} {check_tolerance!r}"
+        )
+    if not (np.isfinite(check_tolerance) and check_tolerance >= 0):
+        raise ValueError(f"check_tolerance must be finite and >= 0, got {check_tolerance}")
 
 
 def _run_checks(
@@ -244,11 +285,26 @@ def _run_checks(
     reference = graphs.canonicalize(primary.closed)
     for number, inputs in enumerate(input_sets):
         label = "the example inputs" if number == 0 else f"check_inputs[{number - 1}]"
-        again = trace_once(fn, inputs, name)
+        again = _trace_entry(fn, inputs, name, label)
         _compare_graphs(reference, graphs.canonicalize(again.closed), primary, again, label)
         _compare_outputs(
             fn, name, primary if again.same_avals(primary) else again, inputs, tolerance
         )
+
+
+def _trace_entry(fn: Callable, inputs: tuple, name: str, label: str) -> Trace:
+    """``trace_once`` at one entry of the checks; a failure names the entry (``check_inputs[1]``)
+    and its shapes, since the function traced at the example inputs."""
+    try:
+        return trace_once(fn, inputs, name)
+    except Exception as err:
+        avals = Signature.of(inputs).avals
+        shapes = ", ".join(graphs.aval_text(a, sizes=True) for a in avals)
+        message = str(err).removeprefix(f"Tracing {name} failed: ")
+        raise TracingCheckError(
+            f"Tracing {name} at {label} ({shapes}) failed, though it traced at the example "
+            f"inputs: {type(err).__name__}: {message}"
+        ) from err
 
 
 def _compare_graphs(
@@ -256,6 +312,8 @@ def _compare_graphs(
 ) -> None:
     first_name = f"trace at the example inputs {primary.describe()}"
     other_name = f"trace at {label} {again.describe()}"
+    if again.same_avals(primary):  # every size must match too: one that differs was read from state
+        reference, other = (graphs.canonicalize(t.closed, sizes=True) for t in (primary, again))
     diff = graphs.describe_difference(reference, other, first_name, other_name)
     if diff:
         raise TracingCheckError("Graphs differed across invocations!\n" + diff)

@@ -113,8 +113,9 @@ def _primal(step: Step) -> tuple[Any, list[Any], RegionState, RegionState]:
     dtypes = [np.dtype(a.dtype) for a in closed.out_avals]
     narrowed = False
     if _returns_compute_dtype(step):
-        largest = max(step.aval(i).size for i in step.floating())
-        narrow = [d == F32 and a.size >= largest for d, a in zip(dtypes, closed.out_avals)]
+        size = compat.generic_size  # sizes may be symbolic (a polymorphic export's batch)
+        largest = max(size(step.aval(i).size) for i in step.floating())
+        narrow = [d == F32 and size(a.size) >= largest for d, a in zip(dtypes, closed.out_avals)]
         dtypes = [step.state.value_dtype if n else d for n, d in zip(narrow, dtypes)]
         narrowed = any(narrow)
     return closed, dtypes, state, dataclasses.replace(state, keep_compute_dtype=narrowed)

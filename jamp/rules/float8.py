@@ -1,7 +1,8 @@
 """float8 matmuls and convolutions: ``Policy(jnp.float8_e4m3fn)``.
 
-A lower-table op with two floating operands, one of them a weight (see ``_qualifies``), runs on
-float8 copies of its operands, each scaled per tensor from its current absolute maximum
+A lower-table op with two floating operands, one of them a weight (see ``_qualifies``), and at
+least ``Policy.min_float8_flops`` FLOPs (smaller ones stay bfloat16) runs on float8 copies of
+its operands, each scaled per tensor from its current absolute maximum
 (``scale = amax / finfo(fp8).max``: the largest magnitude maps to the format's largest finite
 value, nothing saturates to inf). Forward operands use ``float8_e4m3fn``, cotangents
 ``float8_e5m2`` (TransformerEngine's HYBRID recipe):
@@ -26,6 +27,7 @@ slice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat as compat
-from ..interpreter import F32, F64, SCALED_FORMATS, Step, _output_type
+from ..interpreter import F32, F64, SCALED_FORMATS, Step, _output_type, matmul_flops
 from ..policy import FLOAT8_COMPUTE
 
 FORWARD_FORMAT = FLOAT8_COMPUTE  # activations and weights
@@ -231,8 +233,20 @@ FLOAT8_FORMS = {"dot_general": _float8_dot, "conv_general_dilated": _float8_qdq}
 
 def float8_rule(step: Step) -> Sequence[Any] | None:
     """A lower-table op on per-tensor scaled float8 operands; None where it does not qualify
-    (no weight operand, an integer operand, ``ragged_dot_general``): it then runs in bfloat16."""
+    (no weight operand, an integer operand, ``ragged_dot_general``, fewer FLOPs than
+    ``Policy.min_float8_flops``): it then runs in bfloat16.
+
+    The size test applies to every product on its own: the three GEMMs of a matmul (forward and
+    both transposes) have the same FLOPs, so a transposed dot follows its forward dot. A
+    convolution's gradient convolutions do not always: with strides (or dilation) their FLOPs
+    differ from the forward's, so near the threshold a gradient convolution of an
+    ``autocast_transform(jax.grad(f))`` program may fall on the other side of it (float8 forward,
+    bfloat16 gradient, or the reverse). A symbolic size (a polymorphic export) counts at its
+    generic value (``matmul_flops``)."""
     if not _qualifies(step):
+        return None
+    if matmul_flops(step.eqn) < step.policy.min_float8_flops:
+        step.scaled_skip = "min_float8_flops"
         return None
     formats = [
         GRADIENT_FORMAT if step.has_tag(i, "cotangent") else FORWARD_FORMAT for i in range(2)
@@ -240,8 +254,13 @@ def float8_rule(step: Step) -> Sequence[Any] | None:
     default = step.policy.accumulate_dtype or step.state.value_dtype
     out_dtype = _output_type(step, default).get("preferred_element_type") or default
     step.flop_dtype = GRADIENT_FORMAT if GRADIENT_FORMAT in formats else FORWARD_FORMAT
-    with compat.equation_context(step.eqn):
-        return FLOAT8_FORMS[step.eqn.primitive.name](step, formats, np.dtype(out_dtype))
+    name = step.eqn.primitive.name
+    # jamp.explain(compiled=True) compiles each float8 dot under a scope of its own, which XLA
+    # keeps in the op_name of the GEMM that runs it (float8_check.py).
+    record = getattr(step.rewriter.recorder, "float8_dot", None)
+    scope = record(step, formats) if callable(record) and name == "dot_general" else None
+    with compat.equation_context(step.eqn), scope or contextlib.nullcontext():
+        return FLOAT8_FORMS[name](step, formats, np.dtype(out_dtype))
 
 
 SCALED_FORMATS[FORWARD_FORMAT] = float8_rule

@@ -21,6 +21,7 @@ from flax import nnx
 
 import jamp
 import jamp.interpreter
+import tracing
 from tests.jaxpr_utils import iter_eqns
 
 F32 = jnp.float32
@@ -52,6 +53,34 @@ class ZooCase:
     # Smallest accepted gradient cosine to float32 per compute dtype name (default 0.99); a
     # model that lowers it says next to the value why its float32 gradient cannot do better.
     grad_cosine: dict = dataclasses.field(default_factory=dict)
+    # The model's inference call, for the freeze/export check (``ZooModel.freezes``).
+    inference: Optional["FreezeCase"] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FreezeCase:
+    """The model's inference call as ``tracing.freeze`` takes it:
+    ``tracing.freeze(target, variables, *inputs, **kwargs)``. ``batch_axes`` gives each input's
+    batch axis (None for an input without one, e.g. a PRNG key)."""
+    target: Any
+    variables: Any
+    inputs: tuple
+    batch_axes: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+    def polymorphic_shapes(self) -> tuple:
+        """``polymorphic_shapes`` with each batch axis symbolic: "b, ..." or "_, b, ..."."""
+        return tuple(None if axis is None else ", ".join(["_"] * axis + ["b", "..."])
+                     for axis in self.batch_axes)
+
+    def at_batch(self, extra: int) -> tuple:
+        """The inputs with ``extra`` more examples along their batch axes (repeated)."""
+        def grow(x, axis):
+            moved = jnp.moveaxis(x, axis, 0)
+            return jnp.moveaxis(jnp.resize(moved, (moved.shape[0] + extra,) + moved.shape[1:]),
+                                0, axis)
+        return tuple(x if axis is None else jax.tree.map(lambda a: grow(a, axis), x)
+                     for x, axis in zip(self.inputs, self.batch_axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +91,12 @@ class ZooModel:
     # The model feeds a value the region computes (16-bit) into a loop as its initial carry:
     # JAX refuses that before jamp sees the loop (docs/reference/dtypes.md, "Regions").
     region_carry_limit: bool = False
+    # Indices into ``ZooCase.grad_args`` of the arguments batched on axis 0 (all their arrays):
+    # the trace check (``check_trace_other_batch``) checks ``loss_fn`` at the example batch and
+    # at a larger one. Empty: not trace-checked (arguments that are not arrays, no batch axis).
+    batch_args: tuple[int, ...] = ()
+    # The model's ZooCase has an ``inference`` call to freeze: checked by ``freeze_batch``.
+    freezes: bool = False
 
 
 POLICIES = {
@@ -195,6 +230,7 @@ class Float32Run:
     """A model's float32 results, computed once per process and shared by every policy."""
 
     def __init__(self, model: ZooModel):
+        self.model = model
         self.label = f"{model.name}[float32]"
         self.case = model.build()
         self._stages: dict[str, tuple[bool, Any]] = {}
@@ -219,6 +255,28 @@ class Float32Run:
     @stage
     def reference_grads(self):
         return self.case.jit(self.case.grad(self.loss))(*fresh_copy(self.case.grad_args))
+
+    @stage
+    def trace_check(self):
+        """The warnings of ``tracing.check_trace`` of the float32 ``loss_fn`` at two batches."""
+        return check_trace_at_two_batches(self.case.loss_fn, self.case, self.model.batch_args)
+
+
+def larger_batch(args: tuple, batch_args: tuple[int, ...]) -> tuple:
+    """``args`` with the arrays of the ``batch_args`` arguments 2 examples longer (repeated)."""
+    grow = lambda x: jnp.resize(x, (x.shape[0] + 2,) + x.shape[1:])
+    return tuple(jax.tree.map(grow, a) if i in batch_args else a for i, a in enumerate(args))
+
+
+def check_trace_at_two_batches(fn: Callable, case: ZooCase, batch_args: tuple[int, ...]):
+    """Run ``tracing.check_trace(fn, grad_args, check_inputs=[grad_args at a larger batch])``;
+    its ``TracingCheckError`` propagates, its warnings (``TracerWarning``) are returned."""
+    args = fresh_copy(case.grad_args)
+    jamp.interpreter._warned.clear()  # jamp warns once per process; every run must see it
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracing.check_trace(fn, args, check_inputs=[larger_batch(args, batch_args)])
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
 
 
 _FLOAT32_RUNS: dict[str, Float32Run] = {}
@@ -327,6 +385,28 @@ class ZooRun:
     def report(self):
         args = fresh_copy(self.case.args)
         return jamp.explain(self.case.forward, *args, policy=self.policy)
+
+    @stage
+    def frozen_export(self):
+        """The inference call frozen under the policy, exported with a symbolic batch and
+        loaded: [(loaded outputs, outputs of the call frozen at that batch)] at the example
+        batch and at one 2 larger."""
+        spec = self.case.inference
+        assert spec is not None, f"{self.model.name} freezes but its ZooCase has no inference"
+
+        def freeze(inputs):
+            return tracing.freeze(spec.target, spec.variables, *inputs, policy=self.policy,
+                                  **spec.kwargs)
+        blob = freeze(spec.inputs).export(polymorphic_shapes=spec.polymorphic_shapes())
+        loaded = tracing.load(blob)
+        return [(loaded(*inputs), freeze(inputs)(*inputs))
+                for inputs in (spec.inputs, spec.at_batch(2))]
+
+    @stage
+    def trace_check(self):
+        """The warnings of ``tracing.check_trace`` of the autocast ``loss_fn`` at two batches."""
+        fn = jamp.autocast_transform(self.case.loss_fn, self.policy)
+        return check_trace_at_two_batches(fn, self.case, self.model.batch_args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,6 +628,45 @@ def check_explain_share(run: ZooRun) -> None:
                            f"{run.report.flops}\n{run.report}")
 
 
+def check_trace_other_batch(run: ZooRun) -> None:
+    """``tracing.check_trace`` of the model's ``loss_fn`` at its example batch and at a larger
+    batch (``ZooModel.batch_args``), float32 and under the run's policy, raises nothing and warns
+    nothing: its graphs match with every size abstracted, parameters included (Equinox's runtime
+    checks in diffrax bind ``pure_callback``s whose ``result_avals`` hold the batch size), and
+    its compiled outputs match the function run op by op."""
+    problems = []
+    for label, source in (("float32", run.shared), (run.policy_name, run)):
+        try:
+            problems += [f"{label}: {message}" for message in source.trace_check]
+        except StageFailed as e:
+            problems.append(str(e))
+    assert not problems, "\n".join(problems)
+
+
+def check_freeze_export_other_batch(run: ZooRun) -> None:
+    """The model's inference call frozen under the run's policy (``tracing.freeze``, BatchNorms
+    folded), exported with its batch dimension symbolic (``polymorphic_shapes``) and loaded,
+    runs at the example batch and at a batch 2 larger, and agrees with the call frozen at that
+    batch: same pytree and dtypes, values within 2 units in the last place of the output's
+    dtype at the output's scale (the same program, compiled for a symbolic batch)."""
+    bad = []
+    for got, want in run.frozen_export:
+        got, want = array_leaves(got), array_leaves(want)
+        assert [p for p, _ in got] == [p for p, _ in want], "output pytrees differ"
+        for (path, g), (_, w) in zip(got, want):
+            if g.dtype != w.dtype or g.shape != w.shape:
+                bad.append(f"{path}: loaded {g.dtype}{g.shape}, frozen {w.dtype}{w.shape}")
+                continue
+            g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
+            scale = float(np.max(np.abs(w64), initial=0.0))
+            tol = 2 * float(jnp.finfo(g.dtype).eps) * scale if is_float(g) else 0.0
+            err = float(np.max(np.abs(g64 - w64), initial=0.0))
+            if not err <= tol:
+                bad.append(f"{path} at batch {g.shape}: max |loaded - frozen| = {err:.3g} > "
+                           f"{tol:.3g}")
+    assert not bad, "\n".join(bad)
+
+
 CHECKS = {
     "runs_clean": check_runs_clean,
     "jit_eq_eager": check_jit_equals_eager,
@@ -560,4 +679,16 @@ CHECKS = {
     "inputs_unchanged": check_inputs_unchanged,
     "explain_share": check_explain_share,
     "region_eq_transform": check_region_equals_transform,
+    "trace_batch": check_trace_other_batch,
+    "freeze_batch": check_freeze_export_other_batch,
 }
+
+# Checks that apply only to some models (the others are not collected for them).
+APPLIES: dict[str, Callable[[ZooModel], bool]] = {
+    "trace_batch": lambda model: bool(model.batch_args),
+    "freeze_batch": lambda model: model.freezes,
+}
+
+
+def checks_for(model: ZooModel) -> list[str]:
+    return [name for name in CHECKS if APPLIES.get(name, lambda _: True)(model)]

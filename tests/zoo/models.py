@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .harness import ZooCase, ZooModel
+from .harness import FreezeCase, ZooCase, ZooModel
 
 KEY = jax.random.key(0)
 
@@ -44,8 +44,10 @@ def flax_resnet() -> ZooCase:
     def loss_fn(params, batch_stats, x):
         logits, _ = forward({"params": params, "batch_stats": batch_stats}, x)
         return logits
+    inference = FreezeCase(model, variables, (x[0],), (0,), {"train": False})
     return ZooCase(forward, (variables, x), loss_fn,
-                   (variables["params"], variables["batch_stats"], x), depth=2 * 6)
+                   (variables["params"], variables["batch_stats"], x), depth=2 * 6,
+                   inference=inference)
 
 
 def flax_lm1b() -> ZooCase:
@@ -62,8 +64,10 @@ def flax_lm1b() -> ZooCase:
 
     def forward(params, tokens, rngs):
         return model.apply({"params": params}, tokens, rngs=rngs)
+    serving = m.TransformerLM(config.replace(deterministic=True))  # dropout off
+    inference = FreezeCase(serving, {"params": params}, (tokens,), (0,))
     return ZooCase(forward, (params, tokens, rngs), forward, (params, tokens, rngs),
-                   depth=2 * 2 * 3)
+                   depth=2 * 2 * 3, inference=inference)
 
 
 def flax_sst2() -> ZooCase:
@@ -78,8 +82,10 @@ def flax_sst2() -> ZooCase:
 
     def forward(params, tokens, lengths, rngs):
         return model.apply({"params": params}, tokens, lengths, deterministic=False, rngs=rngs)
+    inference = FreezeCase(model, variables, (tokens, lengths), (0, 0), {"deterministic": True})
     return ZooCase(forward, (variables["params"], tokens, lengths, rngs), forward,
-                   (variables["params"], tokens, lengths, rngs), depth=2 * 10 + 4)
+                   (variables["params"], tokens, lengths, rngs), depth=2 * 10 + 4,
+                   inference=inference)
 
 
 def flax_vae() -> ZooCase:
@@ -92,7 +98,9 @@ def flax_vae() -> ZooCase:
     def forward(params, x, z_rng):
         return model.apply({"params": params}, x, z_rng)
     z_rng = jax.random.key(3)
-    return ZooCase(forward, (params, x, z_rng), forward, (params, x, z_rng), depth=2 * 4)
+    inference = FreezeCase(forward, params, (x, z_rng), (0, None))  # the key stays an input
+    return ZooCase(forward, (params, x, z_rng), forward, (params, x, z_rng), depth=2 * 4,
+                   inference=inference)
 
 
 # ------------------------------------------------------------------------------------- Flax NNX
@@ -137,10 +145,14 @@ def nnx_scan_mlp() -> ZooCase:
 
     def loss_fn(model, x):
         return model(x)
+    serving = nnx.clone(model)
+    serving.eval()  # BatchNorm running averages, Dropout off
+    inference = FreezeCase(serving, None, (x,), (0,))
     # NNX's own transforms: nnx.jit and nnx.grad (w.r.t. the nnx.Param state) propagate the
     # BatchNorm/RNG updates; jax.grad cannot differentiate through nnx.scan on a merged module.
     return ZooCase(forward, (model, x), loss_fn, (model, x), depth=2 * 5, jit=nnx.jit,
-                   grad=nnx.grad, params_of=lambda model: nnx.state(model, nnx.Param))
+                   grad=nnx.grad, params_of=lambda model: nnx.state(model, nnx.Param),
+                   inference=inference)
 
 
 # ------------------------------------------------------------------------------------- Equinox
@@ -161,7 +173,8 @@ def eqx_mlp() -> ZooCase:
 
     def loss_fn(params, x):
         return forward(eqx.combine(params, static), x)
-    return ZooCase(forward, (model, x), loss_fn, (params, x), depth=2 * 4, jit=eqx.filter_jit)
+    return ZooCase(forward, (model, x), loss_fn, (params, x), depth=2 * 4, jit=eqx.filter_jit,
+                   inference=FreezeCase(loss_fn, params, (x,), (0,)))
 
 
 def eqx_cnn_batchnorm() -> ZooCase:
@@ -201,7 +214,15 @@ def eqx_cnn_batchnorm() -> ZooCase:
 
     def loss_fn(params, state, x):
         return forward(eqx.combine(params, static), state, x)[0]
-    return ZooCase(forward, (model, state, x), loss_fn, (params, state, x), depth=2 * 3, jit=eqx.filter_jit)
+    # Inference: BatchNorm on its running statistics (eqx.nn.inference_mode), state unchanged.
+    serving_params, serving_static = _eqx_split(eqx.nn.inference_mode(model))
+
+    def serve(variables, x):
+        params, state = variables
+        return forward(eqx.combine(params, serving_static), state, x)[0]
+    inference = FreezeCase(serve, (serving_params, state), (x,), (0,))
+    return ZooCase(forward, (model, state, x), loss_fn, (params, state, x), depth=2 * 3, jit=eqx.filter_jit,
+                   inference=inference)
 
 
 def eqx_attention() -> ZooCase:
@@ -230,7 +251,8 @@ def eqx_attention() -> ZooCase:
 
     def loss_fn(params, x):
         return forward(eqx.combine(params, static), x)
-    return ZooCase(forward, (model, x), loss_fn, (params, x), depth=2 * 3, jit=eqx.filter_jit)
+    return ZooCase(forward, (model, x), loss_fn, (params, x), depth=2 * 3, jit=eqx.filter_jit,
+                   inference=FreezeCase(loss_fn, params, (x,), (0,)))
 
 
 def eqx_lstm_scan() -> ZooCase:
@@ -264,7 +286,8 @@ def eqx_lstm_scan() -> ZooCase:
 
     def loss_fn(params, xs):
         return forward(eqx.combine(params, static), xs)
-    return ZooCase(forward, (model, xs), loss_fn, (params, xs), depth=2 * 12 + 2, jit=eqx.filter_jit)
+    return ZooCase(forward, (model, xs), loss_fn, (params, xs), depth=2 * 12 + 2, jit=eqx.filter_jit,
+                   inference=FreezeCase(loss_fn, params, (xs,), (0,)))
 
 
 def eqx_custom_vjp() -> ZooCase:
@@ -296,7 +319,8 @@ def eqx_custom_vjp() -> ZooCase:
     def forward(params, x):
         h = dense_tanh((params["w1"], params["b1"]), x)
         return h @ params["w2"]
-    return ZooCase(forward, (params, x), forward, (params, x), depth=2 * 2)
+    return ZooCase(forward, (params, x), forward, (params, x), depth=2 * 2,
+                   inference=FreezeCase(forward, params, (x,), (0,)))
 
 
 def diffrax_neural_ode() -> ZooCase:
@@ -347,12 +371,12 @@ def haiku_resnet18() -> ZooCase:
     """
     import haiku as hk
 
-    def net(x):
+    def net(x, is_training=True):
         config = dict(hk.nets.ResNet.CONFIGS[18], channels_per_group=(8, 16, 32, 64))
         return hk.nets.ResNet(**config, num_classes=10,
                               initial_conv_config={"output_channels": 8},
                               logits_config={"w_init": hk.initializers.VarianceScaling()},
-                              name="res_net18")(x, is_training=True)
+                              name="res_net18")(x, is_training=is_training)
     model = hk.transform_with_state(net)
     x = jax.random.normal(jax.random.key(3), (8, 32, 32, 3))
     params, state = model.init(jax.random.key(0), x)
@@ -362,8 +386,12 @@ def haiku_resnet18() -> ZooCase:
 
     def loss_fn(params, state, x):
         return forward(params, state, x)[0]
+
+    def serve(variables, x):  # inference: BatchNorm on its moving averages
+        return model.apply(*variables, None, x, is_training=False)[0]
     return ZooCase(forward, (params, state, x), loss_fn, (params, state, x), depth=2 * 18,
-                   grad_cosine={"bfloat16": 0.9, "float16": 0.98})
+                   grad_cosine={"bfloat16": 0.9, "float16": 0.98},
+                   inference=FreezeCase(serve, (params, state), (x,), (0,)))
 
 
 def haiku_lstm() -> ZooCase:
@@ -380,7 +408,8 @@ def haiku_lstm() -> ZooCase:
 
     def forward(params, xs):
         return model.apply(params, None, xs)
-    return ZooCase(forward, (params, xs), forward, (params, xs), depth=2 * 12 + 2)
+    return ZooCase(forward, (params, xs), forward, (params, xs), depth=2 * 12 + 2,
+                   inference=FreezeCase(forward, params, (xs,), (1,)))  # batch on axis 1
 
 
 # --------------------------------------------------------------------------------------- Keras
@@ -411,23 +440,27 @@ def keras_cnn() -> ZooCase:
 
     def loss_fn(trainable, non_trainable, x):
         return forward(trainable, non_trainable, x)[0]
+
+    def serve(variables, x):  # inference: BatchNormalization on its moving statistics
+        return model.stateless_call(*variables, x, training=False)[0]
     return ZooCase(forward, (trainable, non_trainable, x), loss_fn, (trainable, non_trainable, x),
-                   depth=2 * 4)
+                   depth=2 * 4, inference=FreezeCase(serve, (trainable, non_trainable), (x,), (0,)))
 
 
 MODELS = [
-    ZooModel("flax_resnet", flax_resnet, slow=True),
-    ZooModel("flax_lm1b", flax_lm1b, slow=True),
-    ZooModel("flax_sst2", flax_sst2),
-    ZooModel("flax_vae", flax_vae),
-    ZooModel("nnx_scan_mlp", nnx_scan_mlp, region_carry_limit=True),
-    ZooModel("eqx_mlp", eqx_mlp),
-    ZooModel("eqx_cnn_batchnorm", eqx_cnn_batchnorm),
-    ZooModel("eqx_attention", eqx_attention),
-    ZooModel("eqx_lstm_scan", eqx_lstm_scan),
-    ZooModel("eqx_custom_vjp", eqx_custom_vjp),
-    ZooModel("diffrax_neural_ode", diffrax_neural_ode, slow=True),
-    ZooModel("haiku_resnet18", haiku_resnet18, slow=True),
-    ZooModel("haiku_lstm", haiku_lstm),
-    ZooModel("keras_cnn", keras_cnn),
+    ZooModel("flax_resnet", flax_resnet, slow=True, freezes=True),
+    ZooModel("flax_lm1b", flax_lm1b, slow=True, freezes=True),
+    ZooModel("flax_sst2", flax_sst2, freezes=True),
+    ZooModel("flax_vae", flax_vae, freezes=True),
+    ZooModel("nnx_scan_mlp", nnx_scan_mlp, region_carry_limit=True, freezes=True),
+    ZooModel("eqx_mlp", eqx_mlp, batch_args=(1,), freezes=True),
+    ZooModel("eqx_cnn_batchnorm", eqx_cnn_batchnorm, freezes=True),
+    ZooModel("eqx_attention", eqx_attention, freezes=True),
+    ZooModel("eqx_lstm_scan", eqx_lstm_scan, freezes=True),
+    ZooModel("eqx_custom_vjp", eqx_custom_vjp, freezes=True),
+    # Not frozen: its Equinox runtime checks are host callbacks, which jax.export cannot serialize.
+    ZooModel("diffrax_neural_ode", diffrax_neural_ode, slow=True, batch_args=(1,)),
+    ZooModel("haiku_resnet18", haiku_resnet18, slow=True, freezes=True),
+    ZooModel("haiku_lstm", haiku_lstm, freezes=True),
+    ZooModel("keras_cnn", keras_cnn, freezes=True),
 ]

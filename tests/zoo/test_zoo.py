@@ -8,7 +8,7 @@ the quick ones fill both workers at the end.
 """
 import pytest
 
-from .harness import CHECKS, POLICIES
+from .harness import CHECKS, POLICIES, checks_for
 from .models import MODELS
 
 
@@ -16,7 +16,7 @@ def _checks_of(model):
     class ModelChecks:
         zoo_model = model
 
-        @pytest.mark.parametrize("check", list(CHECKS))
+        @pytest.mark.parametrize("check", checks_for(model))
         @pytest.mark.parametrize("policy", list(POLICIES))
         def test_zoo(self, policy, check, zoo_run):
             CHECKS[check](zoo_run)

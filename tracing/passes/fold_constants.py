@@ -15,6 +15,9 @@ Two details keep the folded program faithful and lean:
 - values built from scalars alone (``broadcast_in_dim`` of a literal, ``iota``) are known for
   folding but re-emitted as the cheap equation when the program reads them, not stored as a
   large constant (XLA builds them inside fusions for free).
+
+A program traced at symbolic shapes (``export(polymorphic_shapes=...)``) folds the same way;
+an equation with a symbolic size in its outputs or parameters stays in the program.
 """
 
 from __future__ import annotations
@@ -144,8 +147,22 @@ def with_aval(value: Any, aval: Any) -> Any:
     return compat.convert(value, aval.dtype, weak_type=aval.weak_type)
 
 
+def is_static(eqn: Any) -> bool:
+    """No symbolic size (a polymorphic export's batch) in the outputs or the parameters: such an
+    equation cannot be computed now, whatever its inputs (``iota`` or ``broadcast_in_dim`` to a
+    batch-sized shape, ``dim_as_value`` of the batch size)."""
+    shapes = [getattr(var.aval, "shape", ()) for var in eqn.outvars]
+    return not _symbolic_in([*shapes, *eqn.params.values()])
+
+
+def _symbolic_in(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_symbolic_in(v) for v in value)
+    return jax.export.is_symbolic_dim(value)
+
+
 def fold_or_bind(folder: Folder, eqn: Any, values: list) -> list[Any]:
-    if all(is_known(v) for v in values) and folder.foldable(eqn):
+    if all(is_known(v) for v in values) and folder.foldable(eqn) and is_static(eqn):
         outs = evaluate(eqn, values)
         folder.note_generator(eqn, values, outs)
         return outs

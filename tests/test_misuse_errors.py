@@ -1,0 +1,300 @@
+"""Misuse of the public API that used to fail obscurely or pass silently (issue 24).
+
+Each mistake raises an error of the documented type whose message names the culprit in the
+user's terms (their argument, pytree path, primitive name) and the way out; or, where the
+intent is clear, it now does what the user meant.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend.core import Primitive
+
+import jamp
+import tracing
+from jamp import interpreter
+
+BF16 = jnp.bfloat16
+
+
+# --- Policy(rules=...) ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rules, fix", [
+    ({"*/head": None}, "rules=(('*/head', None),)"),
+    ({"*/head": jnp.float32, "*/norm": None},
+     "rules=(('*/head', jnp.float32), ('*/norm', None))"),
+])
+def test_policy_rules_given_a_dict_says_to_write_the_pairs(rules, fix):
+    with pytest.raises(TypeError, match="got a dict") as info:
+        jamp.Policy(rules=rules)
+    assert fix in str(info.value)
+    # The suggested form builds the policy the dict meant, in the dict's order.
+    assert jamp.Policy(rules=tuple(rules.items())).rules == tuple(
+        (glob, None if dtype is None else np.dtype(dtype)) for glob, dtype in rules.items()
+    )
+
+
+def test_policy_rules_given_a_string_or_none_names_the_form():
+    with pytest.raises(TypeError, match=r"got the string '\*/head'.*rules=\(\('\*/head', None\),\)"):
+        jamp.Policy(rules="*/head")
+    with pytest.raises(TypeError, match=r"got NoneType None; use rules=\(\) for no rules"):
+        jamp.Policy(rules=None)
+    with pytest.raises(TypeError, match="got a dict"):
+        jamp.Policy().replace(rules={"*/head": None})
+
+
+# --- all_finite, scale/unscale, select_tree, adjust ------------------------------------------
+
+
+def test_all_finite_names_a_leaf_that_is_not_an_array():
+    with pytest.raises(TypeError, match=r"all_finite: tree is a str \('a string'\), not an array"):
+        jamp.all_finite("a string")
+    with pytest.raises(TypeError, match=re.escape("all_finite: tree['grads']['b'] is a str")):
+        jamp.all_finite({"grads": {"a": jnp.ones(2), "b": "x"}})
+    with pytest.raises(TypeError, match=re.escape("tree[1] is an object")):
+        jamp.all_finite([jnp.ones(2), object()])
+
+
+def test_all_finite_still_takes_numbers_integers_and_tracers():
+    assert bool(jamp.all_finite({"a": [1.0, 2.0], "step": jnp.int32(3), "none": None}))
+    assert not bool(jamp.all_finite({"a": 1.0, "b": float("nan")}))
+    assert not bool(jax.jit(jamp.all_finite)({"a": jnp.array([1.0, jnp.inf])}))
+
+
+def test_scale_and_unscale_name_the_leaf_that_is_not_an_array():
+    scale = jamp.StaticLossScale(8.0)
+    with pytest.raises(TypeError, match=r"StaticLossScale.scale: tree is a str \('loss'\)"):
+        scale.scale("loss")
+    with pytest.raises(TypeError, match=re.escape("DynamicLossScale.unscale: tree['name'] is a str")):
+        jamp.DynamicLossScale().unscale({"w": jnp.ones(2), "name": "layer"})
+
+
+def test_select_tree_names_the_leaf_whose_shape_or_dtype_differs():
+    a = {"w": jnp.ones(2), "b": jnp.ones(3)}
+    with pytest.raises(TypeError, match=re.escape("a['w'] is float32[2] but b['w'] is float16[2]")):
+        jamp.select_tree(True, a, {"w": jnp.ones(2, jnp.float16), "b": jnp.ones(3)})
+    with pytest.raises(TypeError, match=re.escape("a['b'] is float32[3] but b['b'] is float32[4]")):
+        jamp.select_tree(True, a, {"w": jnp.ones(2), "b": jnp.ones(4)})
+    with pytest.raises(TypeError, match=re.escape("select_tree: b['name'] is a str")):
+        jamp.select_tree(True, {"name": jnp.ones(1)}, {"name": "x"})
+    picked = jamp.select_tree(jnp.asarray(False), a, {"w": jnp.zeros(2), "b": jnp.zeros(3)})
+    assert float(picked["w"].sum()) == 0.0
+
+
+def test_adjust_given_the_gradients_instead_of_the_flag():
+    grads = {"w": jnp.ones(2)}
+    with pytest.raises(TypeError, match=r"got dict: pass jamp.all_finite\(grads\), not the grad"):
+        jamp.DynamicLossScale().adjust(grads)
+    with pytest.raises(TypeError, match="got dict"):
+        jamp.StaticLossScale(2.0).adjust(grads)
+
+
+def test_an_integer_loss_scale_is_stored_as_float32_as_documented():
+    # docs/migration/from-jmp.md lists this among the deliberate differences from jmp.
+    static = jamp.StaticLossScale(2**12)
+    assert static.loss_scale.dtype == jnp.float32 and float(static.loss_scale) == 4096.0
+    dynamic = jamp.DynamicLossScale(2**15, period=10)
+    assert dynamic.loss_scale.dtype == jnp.float32 and dynamic.period.dtype == jnp.int32
+    assert static.unscale(jnp.float16(8192.0)).dtype == jnp.float32
+
+
+# --- tracing.trace inputs and options --------------------------------------------------------
+
+
+def test_trace_refuses_a_python_list_of_numbers_naming_the_input():
+    with pytest.raises(TypeError) as info:
+        tracing.trace(lambda x: x * 2, ([1.0, 2.0],))
+    message = str(info.value)
+    assert message.startswith("example_inputs[0] is a Python list of numbers, [1.0, 2.0]")
+    assert "2 separate scalar inputs" in message and "jnp.asarray([1.0, 2.0])" in message
+    with pytest.raises(TypeError, match=re.escape("example_inputs[0]['a'] is a Python list")):
+        tracing.trace(lambda d: d["a"], ({"a": [[1, 2], [3, 4]]},))
+    with pytest.raises(TypeError, match=r"^example_inputs is a Python list of numbers"):
+        tracing.trace(lambda x: x, [1.0, 2.0])  # a list stands for the one argument
+
+
+def test_trace_check_inputs_with_a_number_list_is_named_too():
+    with pytest.raises(TypeError, match=re.escape("check_inputs[0][0] is a Python list")):
+        tracing.trace(lambda x: x * 2, (jnp.ones(2),), check_inputs=[([1.0, 2.0],)])
+
+
+def test_trace_list_for_several_arguments_still_gets_the_tuple_hint():
+    with pytest.raises(TypeError, match=r"give the positional arguments as a tuple"):
+        tracing.trace(lambda x, y: x + y, [1.0, 2.0])
+
+
+def test_trace_takes_what_the_error_suggests():
+    as_array = tracing.trace(lambda x: x * 2, (jnp.asarray([1.0, 2.0]),))
+    np.testing.assert_allclose(as_array(jnp.asarray([3.0, 4.0])), [6.0, 8.0])
+    scalars = tracing.trace(lambda xs: xs[0] * xs[1], ([jnp.float32(1.0), jnp.float32(2.0)],))
+    assert float(scalars([jnp.float32(3.0), jnp.float32(4.0)])) == 12.0
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"check_tolerance": "1e-5"}, TypeError, r"check_tolerance must be a number.*got str"),
+    ({"check_tolerance": -1.0}, ValueError, r"check_tolerance must be finite and >= 0, got -1.0"),
+    ({"check_tolerance": float("nan")}, ValueError, r"check_tolerance must be finite"),
+    ({"check_trace": "no"}, TypeError, r"check_trace must be True or False, got str 'no'"),
+])
+def test_trace_options_of_the_wrong_kind_are_refused(options, error, message):
+    with pytest.raises(error, match=message):
+        tracing.trace(lambda x: x * 2, (jnp.ones(2),), **options)
+
+
+# --- autocast_transform of a jax.jit function with static arguments --------------------------
+
+
+def _power(x, n, *, scale=1.0):
+    for _ in range(n):
+        x = x @ x * scale
+    return x
+
+
+@pytest.mark.parametrize("jitted", [
+    jax.jit(_power, static_argnums=1),
+    jax.jit(_power, static_argnames="n"),
+    jax.jit(_power, static_argnums=-1),
+], ids=["argnums", "argnames", "negative"])
+def test_autocast_transform_of_a_jit_with_static_args_rewrites_it(jitted):
+    x = jnp.full((2, 2), 0.5)
+    mixed = jamp.autocast_transform(jitted)
+    reference = jamp.autocast_transform(_power, static_argnums=1)
+    for n in (1, 2):  # each value of the static argument traces again
+        out = mixed(x, n)
+        assert out.dtype == BF16
+        np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                      np.asarray(reference(x, n), np.float32))
+    assert "bf16" in str(jax.make_jaxpr(mixed, static_argnums=1)(x, 2))
+
+
+def test_jit_static_args_of_methods_partials_and_keywords():
+    x = jnp.full((2, 2), 0.5)
+
+    class Model:
+        @functools.partial(jax.jit, static_argnums=(0, 2))
+        def power(self, x, n):
+            return _power(x, n)
+
+    assert jamp.autocast_transform(Model().power)(x, 2).dtype == BF16
+    bound = functools.partial(jax.jit(_power, static_argnums=1), x)
+    assert jamp.autocast_transform(bound)(2).dtype == BF16
+    with_scale = jax.jit(_power, static_argnames=("n", "scale"))
+    assert float(jamp.autocast_transform(with_scale)(x, 1, scale=2.0)[0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("static", [{"static_argnames": "n"}, {"static_argnums": 1}],
+                         ids=["argnames", "argnums"])
+def test_partial_binding_a_jit_static_keyword(static):
+    x = jnp.full((2, 2), 0.5)
+    bound = functools.partial(jax.jit(_power, **static), n=2)
+    out = jamp.autocast_transform(bound)(x)
+    assert out.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(
+        jamp.autocast_transform(_power, static_argnums=1)(x, 2), np.float32))
+    assert jamp.explain(bound, x).ops["dot_general"] == {"bfloat16": 2}
+    # scale, still the caller's, stays static as jit made it
+    both = functools.partial(jax.jit(_power, static_argnames=("n", "scale")), n=1)
+    assert float(jamp.autocast_transform(both)(x, scale=2.0)[0, 0]) == 1.0
+
+
+@pytest.mark.parametrize("entry, name", [
+    (lambda f, x: jamp.autocast_transform(f)(x, [1, 2]), "autocast_transform"),
+    (lambda f, x: jamp.explain(f, x, [1, 2]), "explain"),
+    (lambda f, x: jamp.find_nonfinite(f, x, [1, 2]), "find_nonfinite"),
+    (lambda f, x: jamp.value_ranges(f, x, [1, 2]), "value_ranges"),
+])
+def test_unhashable_jit_static_argument_names_the_callers_entry_point(entry, name):
+    jitted = jax.jit(_power, static_argnums=1)
+    with pytest.raises(TypeError, match=rf"^{name}\(_power\): static argument 'n' \(static "
+                                        r"in your jax.jit\) must be hashable.*got list \[1, 2\]"):
+        entry(jitted, jnp.ones(2))
+
+
+def test_jit_static_args_compose_with_an_outer_jit_and_grad():
+    x = jnp.full((2, 2), 0.5)
+    mixed = jamp.autocast_transform(jax.jit(_power, static_argnums=1))
+    assert jax.jit(mixed, static_argnums=1)(x, 2).dtype == BF16
+    assert jax.grad(lambda x: mixed(x, 2).astype(jnp.float32).sum())(x).dtype == jnp.float32
+    # An outer jit that traces the static argument is named, with the fix.
+    with pytest.raises(TypeError, match=r"_power\): static argument 'n' .* is a traced value.*"
+                                        r"static_argnames='n'"):
+        jax.jit(mixed)(x, 2)
+
+
+def test_jit_static_args_in_explain_find_nonfinite_and_value_ranges():
+    def loss(x, n):
+        return _power(x, n).sum()
+
+    jitted, x = jax.jit(loss, static_argnums=1), jnp.full((2, 2), 0.5)
+    assert jamp.explain(jitted, x, 2).ops["dot_general"] == {"bfloat16": 2}
+    assert jamp.find_nonfinite(jitted, x, 2, grad=0) is None
+    ranges = jamp.value_ranges(jitted, x, 2, grad=True)
+    assert {e.dtype for e in ranges.entries} == {"bfloat16"}
+
+
+# --- jamp.interpreter.register* --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("register, suggestion", [
+    (lambda: interpreter.register("dot_genral")(lambda step: None), "'dot_general'"),
+    (lambda: interpreter.register_walk("scna", bodies=lambda eqn: [])(lambda *a: None), "'scan'"),
+    (lambda: interpreter.register_opaque("shardmap"), "'shard_map'"),
+], ids=["register", "register_walk", "register_opaque"])
+def test_registering_a_name_that_is_no_primitive_names_it_and_close_matches(register, suggestion):
+    before = {name: (e.rewrite, e.walk, e.opaque) for name, e in interpreter.RULES.items()}
+    with pytest.raises(ValueError, match="is not a primitive of this JAX") as info:
+        register()
+    assert f"did you mean {suggestion}" in str(info.value)
+    after = {name: (e.rewrite, e.walk, e.opaque) for name, e in interpreter.RULES.items()}
+    assert after == before  # nothing registered
+
+
+def test_register_used_without_a_name_says_how():
+    def rule(step):
+        return []
+
+    with pytest.raises(TypeError, match=r"not @jamp.interpreter.register\b"):
+        interpreter.register(rule)
+
+
+def test_names_of_other_jax_versions_and_primitive_objects_register():
+    # jamp's own modules register the pre-0.10 name "pjit" beside "jit".
+    assert interpreter.primitive_names(["jit", "pjit"], "register") == ["jit", "pjit"]
+    assert interpreter.RULES["pjit"].rewrite is interpreter.RULES["jit"].rewrite
+    prim = Primitive("jamp_test_misuse_prim")  # no lowering: not known by name
+    with pytest.raises(ValueError, match="pass the Primitive object itself"):
+        interpreter.register("jamp_test_misuse_prim")
+    try:
+        rule = interpreter.register(prim)(lambda step: [])
+        assert interpreter.rewrite_rule("jamp_test_misuse_prim") is rule
+    finally:
+        interpreter.RULES.pop("jamp_test_misuse_prim", None)
+
+
+# --- dtypes and policies of the other entry points -------------------------------------------
+
+
+def test_autocast_region_dtype_that_is_no_dtype_is_named():
+    with pytest.raises(TypeError, match=r"jamp.autocast\(dtype='bf16'\): not a dtype.*jnp.bfloat16"):
+        jamp.autocast(dtype="bf16")
+    with pytest.raises(TypeError, match=r"jamp.autocast\(cast_inputs='yes'\): not a dtype"):
+        jamp.autocast(cast_inputs="yes")
+
+
+def test_autocast_transform_dtype_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"autocast_transform: dtype=jnp.int32: .*floating dtype"):
+        jamp.autocast_transform(lambda a: a, dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"autocast_transform: dtype='bf16': "):
+        jamp.autocast_transform(lambda a: a, dtype="bf16")
+
+
+@pytest.mark.parametrize("entry", [jamp.explain, jamp.find_nonfinite, jamp.value_ranges],
+                         ids=lambda f: f.__name__)
+def test_a_bad_policy_is_reported_by_the_function_called(entry):
+    with pytest.raises(TypeError, match=rf"^{entry.__name__}: policy must be a jamp.Policy"):
+        entry(lambda a: a @ a, jnp.ones((2, 2)), policy="bf16")
