@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -540,6 +541,82 @@ def differentiating_above(max_frames: int = 48) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# --- A differentiation started inside a region (``jax.grad`` called in ``with jamp.autocast():``)
+# JAX's ``jvp``/``linearize`` push their trace above the current one (the region), so the
+# user's operations meet JAX's derivative rules before the region could decide their dtypes.
+# While a region is pushed, ``ad``'s two differentiation traces are made from subclasses that
+# first hand the user's operations to a region above them (``above(trace)``, the region
+# trace's choice): the policy decides, then JAX differentiates what it decided, as under
+# ``jax.grad`` of a function with a region inside. ``ad`` looks these classes up by name when it
+# makes a trace, so swapping the two names is the whole hook; they are restored when the last
+# region in any thread exits, and a trace made in a thread without a region behaves as JAX's.
+
+_DIFFERENTIATION_TRACES = ("JVPTrace", "LinearizeTrace")
+_routing_lock = threading.Lock()
+_routing_users = 0
+_original_traces: dict[str, type] = {}
+
+
+def _routed_trace(cls: type, above: Callable[[Any], Any]) -> type:
+    def routed(method: str) -> Callable[..., Any]:
+        plain = getattr(cls, method)
+
+        def process(self: Any, primitive: Any, *rest: Any, **params: Any) -> Any:
+            # The region's own binds on this trace (and JAX's, from a derivative rule of a
+            # trace above) are differentiated as they come.
+            upper = None if self._jamp_plain else above(self)
+            if upper is None or differentiating_above():
+                return plain(self, primitive, *rest, **params)
+            self._jamp_plain = True
+            try:
+                return getattr(upper, method)(primitive, *rest, **params)
+            finally:
+                self._jamp_plain = False
+
+        process.__name__ = method
+        return process
+
+    methods = ("process_primitive", "process_custom_jvp_call", "process_custom_vjp_call")
+    namespace = {m: routed(m) for m in methods}
+    namespace.update(_jamp_plain=False, __module__=cls.__module__, __qualname__=cls.__qualname__)
+    return type(cls.__name__, (cls,), namespace)
+
+
+@contextlib.contextmanager
+def differentiation_routed_above(above: Callable[[Any], Any]) -> Iterator[None]:
+    """While active, JAX's differentiation traces hand the user's operations to ``above(trace)``
+    (a trace whose parent is that trace, or None for JAX's own processing) first."""
+    global _routing_users
+    from jax._src.interpreters import ad
+
+    with _routing_lock:
+        if _routing_users == 0:
+            for name in _DIFFERENTIATION_TRACES:
+                original = _original_traces.setdefault(name, getattr(ad, name))
+                setattr(ad, name, _routed_trace(original, above))
+        _routing_users += 1
+    try:
+        yield
+    finally:
+        with _routing_lock:
+            _routing_users -= 1
+            if _routing_users == 0:
+                for name in _DIFFERENTIATION_TRACES:
+                    setattr(ad, name, _original_traces[name])
+
+
+def trace_parent(trace: Any) -> Any:
+    """The trace that ``trace``, one of JAX's transforming traces (differentiation, ``vmap``,
+    partial evaluation), binds its results on; None for any other trace (a jit's staging trace
+    also names the trace it was started from ``parent_trace``, but binds nothing there)."""
+    from jax._src.interpreters import ad, batching
+
+    transforming = (*_original_traces.values(), ad.JVPTrace, ad.LinearizeTrace)
+    if isinstance(trace, (*transforming, batching.BatchTrace, _pe.JaxprTrace)):
+        return trace.parent_trace
+    return None
 
 
 def wrap_traced_fun(fun: Any, around: Callable[[], Any]) -> Any:

@@ -17,11 +17,21 @@ To JAX and to Flax NNX the region looks like the trace it runs in (``share_trace
 refuses to update a Variable from another trace level); a jit-key context (``REGION_KEY``) still
 makes a jitted function called in the region trace again under the policy.
 
-Two things a region cannot do are refused with an error that says what to do instead (see
+``jax.grad`` (``vjp``, ``jvp``, ``linearize``, ``hessian``) called inside a region pushes its
+differentiation trace above the region, so the user's operations would meet JAX's derivative
+rules before the policy (which would mix its dtypes with theirs). While a region is pushed,
+JAX's differentiation traces hand those operations to a second region of the same policy above
+them first (``compat.differentiation_routed_above``, :func:`region_above`): the policy decides,
+then JAX differentiates what it decided, exactly as ``jax.grad`` of a function with the region
+inside. What JAX's ``ad`` module binds on a region (a derivative rule's primal and tangent ops,
+a backward pass's transposes, also of a pullback made outside the region) runs as it is: it was
+decided before differentiation, and torch's backward too runs in the forward's dtypes whatever
+autocast says when it runs.
+
+One thing a region cannot do is refused with an error that says what to do instead (see
 docs/reference/dtypes.md, "Regions"): JAX traces a loop body with its initial carry's type before
 the loop reaches the region, so a carry the region computed in 16 bits meets a body traced
-without the policy; and ``jax.grad`` called unjitted inside a region differentiates above it,
-where its derivative rules would mix the policy's dtypes with their own.
+without the policy.
 
 What the rewriter learns from the whole jaxpr, the trace learns as the values go by (a
 :class:`RegionEnv`): which values came from outside (parameters, a batch: a bias is one of them
@@ -198,10 +208,12 @@ class CastsByVar(dict):
 class RegionTrace(compat.Trace):
     """The trace of one ``jamp.autocast`` region: applies ``policy`` and binds on ``parent``."""
 
-    def __init__(self, parent: Any, policy: Policy):
+    def __init__(self, parent: Any, policy: Policy, region: int | None = None):
         super().__init__()
         self.parent = parent
         self.policy = policy
+        if region is None:  # entered inside the policy's region: nested regions are the markers past these
+            region = max(1, region_depth(compat.current_scope_names()))
         rewritten = SubJaxprCache(_STORES.setdefault(policy, weakref.WeakKeyDictionary()))
         scopes = _SCOPES.setdefault(policy, ScopeLog()) if policy.rules else None
         self.rewriter = Rewriter(
@@ -209,8 +221,7 @@ class RegionTrace(compat.Trace):
             RegionState(True, policy.compute_dtype),
             rewritten,
             scope_log=scopes,
-            # entered inside the policy's region: nested regions are the markers past these
-            region=max(1, region_depth(compat.current_scope_names())),
+            region=region,
         )
         self.env = RegionEnv()
         compat.share_trace_identity(self, parent)
@@ -230,8 +241,12 @@ class RegionTrace(compat.Trace):
         if not self._needs_rule(primitive, state, args, params):
             with compat.set_current_trace(self.parent):
                 return primitive.bind(*args, **params)
-        if state.enabled and compat.differentiating_above():
-            raise RegionUnderAutodiffError(AUTODIFF_MESSAGE)
+        if compat.differentiating_above():
+            # JAX's derivative rules bind what a region above them decided (a jax.grad called
+            # in the region: differentiation_routed_above), and a backward pass the transposes
+            # of ops already decided: both run as they are, as torch's backward does.
+            with compat.set_current_trace(self.parent):
+                return primitive.bind(*args, **params)
         env = self.env
         invars = []
         for value in args:
@@ -345,21 +360,27 @@ def _carries_programs(primitive: Any, params: dict) -> bool:
     return known
 
 
-class RegionUnderAutodiffError(TypeError):
-    """``jax.grad`` (``vjp``, ``jvp``, ``linearize``) was called inside a region, unjitted."""
-
-
-# A differentiation started inside the region runs above it: JAX's derivative rules would see the
-# primal values after the policy changed their dtypes, while their tangents keep JAX's own types.
-AUTODIFF_MESSAGE = (
-    "jax.grad (or jax.vjp/jvp/linearize/value_and_grad) was called inside a `with "
-    "jamp.autocast():` block: JAX differentiates above the region, so its derivative rules would "
-    "mix the dtypes the policy chose with their own. Put the region inside the function you "
-    "differentiate (def loss(params, batch): with jamp.autocast(): ...; then jax.grad(loss)), "
-    "which runs backward ops in the forward ops' dtypes and returns gradients in the "
-    "parameters' dtypes (torch's advice too: autocast the forward and the loss), or jit the "
-    "gradient function (jax.jit(jax.grad(loss)) called in the region is rewritten whole)"
-)
+def region_above(differentiating: Any) -> RegionTrace | None:
+    """The region that decides the user's operations before ``differentiating`` (a JVP or
+    linearize trace of a ``jax.grad`` called inside a region) differentiates them: one per such
+    trace, made at its first operation, with the policy of the region it was started in (found
+    below it, past any ``vmap``), binding on it. None where no region is below it."""
+    if not active():
+        return None
+    upper = differentiating.__dict__.get("_jamp_region_above")
+    if upper is None:
+        below = compat.trace_parent(differentiating)
+        for _ in range(64):  # a stack of traces is short; a cycle would be a bug
+            if below is None or isinstance(below, RegionTrace):
+                break
+            below = compat.trace_parent(below)
+        upper = (
+            RegionTrace(differentiating, below.policy, region=below.rewriter.region)
+            if isinstance(below, RegionTrace)
+            else False
+        )
+        differentiating._jamp_region_above = upper
+    return upper or None
 
 
 # JAX traces a loop body (with the types its initial carry has) before the loop reaches the
@@ -380,7 +401,11 @@ def pushed(policy: Policy) -> Iterator[None]:
     trace = RegionTrace(compat.current_trace(), policy)
     _tls.depth = getattr(_tls, "depth", 0) + 1
     try:
-        with REGION_KEY(policy), compat.set_current_trace(trace):
+        with (
+            REGION_KEY(policy),
+            compat.differentiation_routed_above(region_above),
+            compat.set_current_trace(trace),
+        ):
             yield
         if policy.rules:  # as autocast_transform warns once it has seen the whole program
             log = trace.rewriter.scope_log

@@ -161,30 +161,106 @@ def test_grad_called_inside_a_region_runs_forward_and_backward_under_the_policy(
 
 @pytest.mark.parametrize("act", [jnp.exp, jnp.tanh, jnp.square, jax.nn.gelu, jax.nn.log_softmax])
 @pytest.mark.parametrize("jitted", [False, True])
-def test_unjitted_grad_called_inside_a_region_is_refused_with_the_way_out(act, jitted):
-    """JAX differentiates above the region: its derivative rules would mix the policy's dtypes
-    with their own (a crash in one rule, a bfloat16 gradient of a float32 parameter in another,
-    differently on each JAX version). It is refused, naming the two forms that work."""
+def test_unjitted_grad_called_inside_a_region_is_grad_of_the_function_under_the_policy(act, jitted):
+    """An unjitted ``jax.grad`` (here inside a jitted step, and eagerly) called in a region: the
+    policy decides the forward ops before JAX differentiates them, so it is ``jax.grad`` of the
+    function with the region inside it: backward ops in the forward ops' dtypes, gradients in
+    the parameters' dtypes, the same values."""
 
     def loss(w):
-        return jnp.sum(act(X @ w))
+        return jnp.sum(act(X @ w + B))
 
     def step(w):
         with jamp.autocast():
             return jax.value_and_grad(loss)(w)
 
-    with pytest.raises(TypeError, match="called inside a `with jamp.autocast\\(\\):` block") as e:
-        (jax.jit(step) if jitted else step)(W)
-    assert "Put the region inside the function you differentiate" in str(e.value)
-
-    def region_in_loss(w):  # the first way out: the region inside the differentiated function
-        with jamp.autocast():
-            return loss(w)
-
-    grads = jax.grad(region_in_loss)(W)
-    assert grads.dtype == F32
+    run = jax.jit if jitted else (lambda fn: fn)  # (XLA fuses a jitted program: compare alike)
+    value, grads = run(step)(W)
+    expected_value, expected = run(jax.value_and_grad(in_region(loss)))(W)
+    assert (value.dtype, grads.dtype) == (expected_value.dtype, expected.dtype) == (F32, F32)
+    chex.assert_trees_all_close((value, grads), (expected_value, expected), rtol=1e-6, atol=1e-6)
     chex.assert_trees_all_close(grads, jax.grad(jamp.autocast_transform(loss))(W), rtol=0.02,
                                 atol=0.02 * float(jnp.max(jnp.abs(grads))))
+    program = jax.make_jaxpr(step)(W)
+    # the forward product and the backward one (the pullback is called in the region too: its
+    # transposes run as the forward decided them) compute in bfloat16
+    products = operand_dtypes(program, "dot_general")
+    assert len(products) == 2 and set(products) == {("bfloat16", "bfloat16")}
+
+
+def test_vjp_jvp_vmap_of_grad_and_hessian_called_inside_a_region():
+    def loss(w, b):
+        return jnp.sum(jax.nn.log_softmax(jnp.tanh(X @ w + b) @ w))
+
+    plain_vjp = jax.vjp(in_region(loss), W, B)
+    with jamp.autocast():
+        out, pullback = jax.vjp(loss, W, B)
+        grads = pullback(jnp.ones_like(out))
+        tangent_out = jax.jvp(loss, (W, B), (W, B))
+        per_example = jax.vmap(jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w))), (None, 0))(W, X)
+        hessian = jax.hessian(lambda b: loss(W, b))(B)
+    assert dtypes(grads) == [F32, F32] and dtypes(tangent_out) == [F32, F32]
+    chex.assert_trees_all_close(grads, plain_vjp[1](jnp.ones_like(out)), rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(tangent_out, jax.jvp(in_region(loss), (W, B), (W, B)),
+                                rtol=1e-6, atol=1e-6)
+    assert per_example.shape == (8, 16, 16) and per_example.dtype == F32
+    chex.assert_trees_all_close(
+        per_example,
+        jax.vmap(jax.grad(in_region(lambda w, x: jnp.sum(jnp.tanh(x @ w)))), (None, 0))(W, X),
+        rtol=1e-6, atol=1e-6)
+    assert hessian.shape == (16, 16) and hessian.dtype == F32
+    assert bool(jnp.all(jnp.isfinite(hessian)))
+
+
+def test_a_pullback_made_outside_and_called_in_a_region_runs_as_its_forward_decided():
+    """torch's backward runs in the forward's dtypes, whatever autocast says when it runs."""
+    out, pullback = jax.vjp(lambda w: jnp.sum(jnp.tanh(X @ w)), W)
+    with jamp.autocast():
+        (grads,) = pullback(jnp.ones_like(out))
+        program = jax.make_jaxpr(in_region(pullback))(jnp.ones_like(out))
+    assert grads.dtype == F32
+    chex.assert_trees_all_close(grads, pullback(jnp.ones_like(out))[0])
+    assert set(operand_dtypes(program, "dot_general")) == {("float32", "float32")}
+
+
+def test_grad_inside_a_region_follows_nested_regions_and_rules_inside_the_function():
+    def loss(w):
+        h = X @ w
+        with jamp.autocast(enabled=False):
+            h = h.astype(F32) @ w
+        with jamp.autocast(dtype=jnp.float16):
+            h = h @ w
+        return jnp.sum(h)
+
+    def step(w):
+        with jamp.autocast():
+            return jax.grad(loss)(w)
+
+    program = jax.make_jaxpr(step)(W)
+    forward = operand_dtypes(program, "dot_general")[:3]
+    assert forward == [("bfloat16",) * 2, ("float32",) * 2, ("float16",) * 2]
+    assert step(W).dtype == F32
+    chex.assert_trees_all_close(step(W), jax.grad(in_region(loss))(W), rtol=1e-6, atol=1e-6)
+
+
+def test_grad_inside_a_region_leaves_other_threads_and_later_code_to_jax():
+    from jax._src.interpreters import ad
+
+    classes = (ad.JVPTrace, ad.LinearizeTrace)
+    seen = []
+
+    def other_thread():  # a grad in a thread without a region, while one is open here
+        seen.append(jax.grad(lambda w: jnp.sum(X @ w))(W).dtype)
+
+    with jamp.autocast():
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+        assert (ad.JVPTrace, ad.LinearizeTrace) != classes  # routed while a region is open
+    assert seen == [F32]
+    assert (ad.JVPTrace, ad.LinearizeTrace) == classes  # JAX's own again after the last region
+    program = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(X @ w)))(W)
+    assert set(operand_dtypes(program, "dot_general")) == {("float32", "float32")}
 
 
 # --- around calls that carry programs ----------------------------------------------------------

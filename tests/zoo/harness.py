@@ -364,6 +364,31 @@ class ZooRun:
                                              self.policy.replace(output_dtype=F32)))
         return self._call("autocast(grad(f))", fn, self.case.grad_args)
 
+    def _grads_with_region(self, around_grad: bool):
+        """Gradients of the loss with ``jamp.autocast(policy)`` around the ``jax.grad`` call
+        (``around_grad``) or inside the differentiated loss, both in the user's jit."""
+        grad, loss, policy = self.case.grad, self.loss, self.policy
+
+        def region_loss(*args):
+            with jamp.autocast(policy):
+                return loss(*args)
+
+        def grad_in_region(*args):
+            with jamp.autocast(policy):
+                return grad(loss)(*args)
+
+        fn = grad_in_region if around_grad else grad(region_loss)
+        name = "grad inside a region" if around_grad else "grad of a region"
+        return self._call(name, self.case.jit(fn), self.case.grad_args)
+
+    @stage
+    def grads_in_region(self):
+        return self._grads_with_region(around_grad=True)
+
+    @stage
+    def grads_of_region(self):
+        return self._grads_with_region(around_grad=False)
+
     @functools.cached_property
     def region_function(self) -> Callable:
         """``forward`` with ``with jamp.autocast(policy):`` around its body, no wrapper."""
@@ -602,6 +627,38 @@ def check_region_equals_transform(run: ZooRun) -> None:
     assert not bad, "\n".join(bad)
 
 
+def check_grad_inside_region(run: ZooRun) -> None:
+    """``jax.grad`` called inside a region (issue 21) is ``jax.grad`` of the loss with the region
+    inside: gradients of the same dtypes (the parameters') and values, to a few units in the last
+    place of the compute dtype at each gradient's scale (the two programs differ in converts, so
+    XLA may fuse them differently). Where a region refuses the model (``cast_inputs``, a 16-bit
+    loop carry), both forms refuse it."""
+    try:
+        inside = array_leaves(run.grads_of_region)
+    except StageFailed as refused:
+        try:
+            run.grads_in_region
+        except StageFailed as also:
+            assert type(also.__cause__) is type(refused.__cause__), str(also)
+            return
+        raise AssertionError(f"grad inside a region ran where grad of a region raised: {refused}")
+    around = array_leaves(run.grads_in_region)
+    assert [p for p, _ in around] == [p for p, _ in inside]
+    compute = run.policy.compute_dtype
+    bad = []
+    for (path, a), (_, b) in zip(around, inside):
+        if a.dtype != b.dtype:
+            bad.append(f"{path}: grad inside a region {a.dtype}, grad of a region {b.dtype}")
+            continue
+        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        scale = max(float(np.max(np.abs(b64), initial=0.0)), float(jnp.finfo(compute).tiny))
+        tol = 4 * float(jnp.finfo(compute).eps) * scale
+        worst = float(np.max(np.abs(a64 - b64), initial=0.0))
+        if not worst <= tol:
+            bad.append(f"{path}: max difference {worst:.3g} > {tol:.3g}")
+    assert not bad, "\n".join(bad)
+
+
 def table_decisions(fn: Callable, args: tuple, policy: jamp.Policy) -> collections.Counter:
     """(primitive, operand dtypes, result dtypes) of every lower- and fp32-table equation of the
     program ``fn(*args)`` traces to, sub-jaxprs included, counted."""
@@ -679,6 +736,7 @@ CHECKS = {
     "inputs_unchanged": check_inputs_unchanged,
     "explain_share": check_explain_share,
     "region_eq_transform": check_region_equals_transform,
+    "grad_in_region": check_grad_inside_region,
     "trace_batch": check_trace_other_batch,
     "freeze_batch": check_freeze_export_other_batch,
 }
