@@ -51,9 +51,6 @@ FILES = ("lax_control_flow_test", "api_test", "custom_api_test", "lax_autodiff_t
 # legitimately changes (the jaxpr's text, JAX's trace/compile caches, which error a misuse raises);
 # "harness" = an artefact of patching jax.jit from outside (see identity_jit_plugin.py).
 BUCKETS = (
-    ("custom_vjp(symbolic_zeros=True) differentiated inside a region: the bwd gets a zero array, "
-     "not a SymbolicZero, for an output no perturbed input reaches", "jamp (region_trace.py)",
-     r"::CustomVJPTest::test_symbolic_zero_custom_vjp_jit(_vmap)?\b"),  # region form only
     ("a jitted callee is traced again inside a region (its jit key holds the policy)",
      "by design", r"::APITest::test_inner_jit_function_retracing\b"),
     ("the jitted object is the plugin's wrapper (repr, name, its trace-cache entry, a reference "

@@ -291,6 +291,38 @@ def test_custom_vjp_with_symbolic_zeros_and_an_unused_output():
                                rtol=5e-2, atol=5e-2)
 
 
+def test_custom_vjp_with_symbolic_zeros_gets_the_symbolic_zero_cotangent_jax_gives():
+    """JAX hands a ``symbolic_zeros=True`` bwd a ``SymbolicZero`` for an output the
+    differentiated function does not use; under jamp it gets the same, also where the bwd
+    refuses anything else (JAX's own tests assert on the type), in both forms."""
+    seen = []
+
+    @jax.custom_vjp
+    def pair(s, d):
+        return s * 2.0, s * d
+
+    def fwd(s, d):
+        return pair(s.value, d.value), (s.value, d.value)
+
+    def bwd(res, gs):
+        s, d = res
+        assert isinstance(gs[0], SymbolicZero), "the unused output's cotangent"
+        seen.append(tuple(isinstance(g, SymbolicZero) for g in gs))
+        return gs[1] * d, gs[1] * s
+
+    pair.defvjp(fwd, bwd, symbolic_zeros=True)
+    loss = lambda s, d: jnp.sum(pair(s, d)[1] @ d.T)  # the first output is unused
+    s, d = _rand(4, 4), _rand(4, 4)
+    expected = jax.grad(loss, argnums=(0, 1))(s, d)
+    with jamp.autocast():
+        in_region = jax.grad(loss, argnums=(0, 1))(s, d)
+    transformed = jax.grad(jamp.autocast_transform(loss), argnums=(0, 1))(s, d)
+    for got in (in_region, transformed):
+        np.testing.assert_allclose(got[0], expected[0], rtol=5e-2, atol=5e-2)
+        np.testing.assert_allclose(got[1], expected[1], rtol=5e-2, atol=5e-2)
+    assert set(seen) == {(True, False)}
+
+
 def test_custom_jvp_with_symbolic_zeros_sees_the_zero_tangents_jax_gives():
     """``equinox.filter_custom_jvp`` (diffrax's solver state): a rule with ``symbolic_zeros``
     sees a symbolic zero for an input JAX does not perturb, under jamp as without it."""

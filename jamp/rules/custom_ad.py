@@ -180,8 +180,9 @@ class _Backward:
     closed: Any  # an open jaxpr: hashed and compared by identity
     logs_tree: Any  # the user's backward-pass logs (``defvjp_with_logs``), the last outputs
     log_dtypes: tuple[Any, ...]  # ... cast back to the dtypes the user's bwd traced them in
-    # Where ``closed`` is None: traces the backward program in bwd, for the cotangents that are
-    # symbolic zeros there (see ``custom_vjp_rule``).
+    # Traces the backward program in bwd, for the cotangents that are symbolic zeros there (see
+    # ``custom_vjp_rule``): always where ``closed`` is None, else for a user's rule with
+    # ``symbolic_zeros=True`` that is handed a symbolic zero.
     retrace: Callable[[tuple[bool, ...]], tuple[Any, list[Any], Any, tuple]] | None = None
 
 
@@ -224,6 +225,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
     rewriter = step.rewriter.child(primal_state)
     eqn = step.eqn  # the rules below must not hold `step` (its operands are tracers)
     n_out = len(out_dtypes)
+    symbolic_zeros = bool(eqn.params.get("symbolic_zeros", False))
 
     @jax.custom_vjp
     def primal(*args: Any) -> list[Any]:
@@ -285,8 +287,10 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 
         try:
             bwd_jaxpr, bwd_consts, logs_tree, log_dtypes = trace_backward((False,) * n_out)
-        except ValueError as error:
-            if not compat.is_shared_cotangent_error(error):
+        except Exception as error:
+            # A bwd with symbolic_zeros=True may refuse an array where it expects a symbolic
+            # zero (it asserts on the type): it is traced in bwd only, for the zeros JAX passes.
+            if not (symbolic_zeros or compat.is_shared_cotangent_error(error)):
                 raise
             # Under vmap (jax >= 0.12), the original's bwd refuses a nonzero cotangent for an
             # output shared across the batch; JAX itself passes a symbolic zero there, known
@@ -296,17 +300,30 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             return primal_outs, (saved, residuals)
         # Values the user's bwd closes over are known now, in the forward pass: pass them on.
         bwd_consts = _rule_consts(rewriter, bwd_consts, eqn)
-        saved = _Backward(perturbed, bwd_jaxpr, logs_tree, log_dtypes)
+        # A user's bwd with symbolic_zeros=True is handed the symbolic zeros JAX passes, traced
+        # again in bwd for them (the program above takes every cotangent as an array).
+        retrace = trace_backward if symbolic_zeros else None
+        saved = _Backward(perturbed, bwd_jaxpr, logs_tree, log_dtypes, retrace=retrace)
         return primal_outs, (saved, [*residuals, *bwd_consts])
 
     def bwd(saved: tuple[Any, list[Any]], cotangents: Sequence[Any]) -> tuple[Any, ...]:
         backward, values = saved
-        if backward.retrace is not None:  # traced here, for the cotangents that are zeros
-            residuals = values
-            zero_cts = tuple(isinstance(c, SymbolicZero) for c in cotangents)
-            jaxpr, consts, logs_tree, log_dtypes = backward.retrace(zero_cts)
+        zero_cts = tuple(isinstance(c, SymbolicZero) for c in cotangents)
+        traced_here = None
+        if backward.retrace is not None and (backward.closed is None or any(zero_cts)):
+            try:
+                jaxpr, consts, logs_tree, log_dtypes = backward.retrace(zero_cts)
+                traced_here = (jaxpr, _rule_consts(rewriter, consts, eqn), logs_tree, log_dtypes)
+            except RuleClosureError:
+                if backward.closed is None:
+                    raise
+                # its rule closes over a value the rewrite computed: the program traced in the
+                # forward pass, with the zeros as arrays
+        if traced_here is not None:
+            jaxpr, consts, logs_tree, log_dtypes = traced_here
+            n_bwd_consts = 0 if backward.closed is None else len(backward.closed.constvars)
+            residuals = values[: len(values) - n_bwd_consts]
             backward = _Backward(backward.perturbed, jaxpr, logs_tree, log_dtypes)
-            consts = _rule_consts(rewriter, consts, eqn)
             given = [c for c in cotangents if not isinstance(c, SymbolicZero)]
         else:
             n_consts = len(backward.closed.constvars)
