@@ -463,6 +463,40 @@ def test_nnx_batchnorm_updates_its_statistics_inside_a_region_under_nnx_jit():
     chex.assert_trees_all_close(out, expected, atol=0.1)
 
 
+def test_nnx_value_and_grad_called_inside_a_region_eagerly_and_under_nnx_jit():
+    """``nnx.value_and_grad`` in a region is ``nnx.value_and_grad`` of the loss with the region
+    inside: float32 gradients, the same values, BatchNorm's statistics updated as there."""
+    from flax import nnx
+
+    def make():
+        return nnx.Sequential(nnx.Linear(16, 16, rngs=nnx.Rngs(0)),
+                              nnx.BatchNorm(16, rngs=nnx.Rngs(0)),
+                              nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
+
+    def loss(model, x):
+        return jnp.mean(jnp.tanh(model(x)) ** 2)
+
+    def region_loss(model, x):
+        with jamp.autocast():
+            return loss(model, x)
+
+    def around(model, x):
+        with jamp.autocast():
+            return nnx.value_and_grad(loss)(model, x)
+
+    for run in (lambda f: f, nnx.jit):
+        model, reference = make(), make()
+        value, grads = run(around)(model, X)
+        expected_value, expected = run(nnx.value_and_grad(region_loss))(reference, X)
+        leaves, expected_leaves = jax.tree.leaves(nnx.state(grads)), jax.tree.leaves(nnx.state(expected))
+        assert {x.dtype for x in leaves} == {F32} and len(leaves) == len(expected_leaves) == 6
+        chex.assert_trees_all_close((value, leaves), (expected_value, expected_leaves),
+                                    rtol=1e-5, atol=1e-6)
+        stats = model.layers[1].mean[...]
+        assert not np.allclose(stats, 0.0)
+        chex.assert_trees_all_close(stats, reference.layers[1].mean[...], rtol=1e-5, atol=1e-6)
+
+
 def test_a_loop_carry_the_region_made_16_bit_gets_an_error_that_says_what_to_do():
     """JAX traces a loop body with its initial carry's type before jamp sees the loop: a carry
     the region computed in bfloat16 meets a body traced without the policy. The error says why
