@@ -145,9 +145,20 @@ def traceback_of(eqn: Any) -> Any:
     return eqn.source_info.traceback
 
 
+def equation_context(eqn: Any) -> contextlib.AbstractContextManager[Any]:
+    """Re-bind under the equation's source info and name stack, as ``jax.core.eval_jaxpr`` does;
+    nothing for an operation a region re-binds as it is bound (``is_current``: its source info
+    and name stack are the current ones already, and this runs for every operation)."""
+    if getattr(eqn, "is_current", False):
+        return _ALREADY_CURRENT
+    return _equation_context(eqn)
+
+
+_ALREADY_CURRENT = contextlib.nullcontext()
+
+
 @contextlib.contextmanager
-def equation_context(eqn: Any) -> Iterator[None]:
-    """Re-bind under the equation's source info and name stack, as ``jax.core.eval_jaxpr`` does."""
+def _equation_context(eqn: Any) -> Iterator[None]:
     name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
     with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
         yield
@@ -534,13 +545,22 @@ def differentiating_above(max_frames: int = 48) -> bool:
     for _ in range(max_frames):
         if frame is None:
             return False
-        filename = frame.f_code.co_filename
-        if not filename.startswith(_OWN_CODE):
-            return False
-        if filename.endswith(_AD_FILE):
-            return True
+        kind = _FRAME_KINDS.get(frame.f_code)
+        if kind is None:  # (looked at once per code object: this runs for every operation)
+            if len(_FRAME_KINDS) > 50_000:  # code made at run time (exec) must not pile up
+                _FRAME_KINDS.clear()
+            filename = frame.f_code.co_filename
+            kind = _FRAME_KINDS[frame.f_code] = (
+                _AD if filename.endswith(_AD_FILE) else _OWN if filename.startswith(_OWN_CODE) else 0
+            )
+        if kind != _OWN:
+            return kind == _AD
         frame = frame.f_back
     return False
+
+
+_OWN, _AD = 1, 2  # a frame of JAX's or jamp's own code; of JAX's ad module
+_FRAME_KINDS: dict[Any, int] = {}
 
 
 # --- A differentiation started inside a region (``jax.grad`` called in ``with jamp.autocast():``)

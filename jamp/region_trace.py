@@ -103,6 +103,7 @@ class RegionEquation:
     __slots__ = ("primitive", "params", "invars", "source_info", "_outvars")
 
     ctx = type("NoContext", (), {"manager": contextlib.nullcontext()})()  # already current
+    is_current = True  # its source info and name stack are current: no context to re-enter
 
     def __init__(self, primitive: Any, params: dict, invars: list, source_info: Any):
         self.primitive, self.params, self.invars = primitive, params, invars
