@@ -243,6 +243,29 @@ def test_grad_inside_a_region_follows_nested_regions_and_rules_inside_the_functi
     chex.assert_trees_all_close(step(W), jax.grad(in_region(loss))(W), rtol=1e-6, atol=1e-6)
 
 
+def test_grad_inside_a_region_of_a_shard_map_body():
+    from jax.sharding import Mesh, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("d",))
+
+    def loss(w):
+        body = jax.shard_map(lambda x, w: jnp.tanh(x @ w), mesh=mesh,
+                             in_specs=(PartitionSpec("d"), PartitionSpec()),
+                             out_specs=PartitionSpec("d"))
+        return jnp.sum(body(X, w))
+
+    def around(w):
+        with jamp.autocast():
+            return jax.grad(loss)(w)
+
+    program = jax.make_jaxpr(around)(W)
+    products = operand_dtypes(program, "dot_general")
+    assert len(products) == 2 and set(products) == {("bfloat16", "bfloat16")}
+    grads = around(W)
+    assert grads.dtype == F32
+    chex.assert_trees_all_close(grads, jax.grad(in_region(loss))(W), rtol=1e-6, atol=1e-6)
+
+
 def test_grad_inside_a_region_leaves_other_threads_and_later_code_to_jax():
     from jax._src.interpreters import ad
 
