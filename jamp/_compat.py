@@ -550,9 +550,8 @@ def differentiating_above(max_frames: int = 48) -> bool:
             if len(_FRAME_KINDS) > 50_000:  # code made at run time (exec) must not pile up
                 _FRAME_KINDS.clear()
             filename = frame.f_code.co_filename
-            kind = _FRAME_KINDS[frame.f_code] = (
-                _AD if filename.endswith(_AD_FILE) else _OWN if filename.startswith(_OWN_CODE) else 0
-            )
+            own = _OWN if filename.startswith(_OWN_CODE) else 0
+            kind = _FRAME_KINDS[frame.f_code] = _AD if filename.endswith(_AD_FILE) else own
         if kind != _OWN:
             return kind == _AD
         frame = frame.f_back
@@ -599,7 +598,7 @@ def _routed_trace(cls: type, above: Callable[[Any], Any]) -> type:
         return process
 
     methods = ("process_primitive", "process_custom_jvp_call", "process_custom_vjp_call")
-    namespace = {m: routed(m) for m in methods}
+    namespace: dict[str, Any] = {m: routed(m) for m in methods}
     namespace.update(_jamp_plain=False, __module__=cls.__module__, __qualname__=cls.__qualname__)
     return type(cls.__name__, (cls,), namespace)
 
@@ -635,7 +634,7 @@ def trace_parent(trace: Any) -> Any:
 
     transforming = (*_original_traces.values(), ad.JVPTrace, ad.LinearizeTrace)
     if isinstance(trace, (*transforming, batching.BatchTrace, _pe.JaxprTrace)):
-        return trace.parent_trace
+        return getattr(trace, "parent_trace", None)
     return None
 
 

@@ -213,7 +213,8 @@ class RegionTrace(compat.Trace):
         super().__init__()
         self.parent = parent
         self.policy = policy
-        if region is None:  # entered inside the policy's region: nested regions are the markers past these
+        if region is None:
+            # entered inside the policy's region: nested regions are the markers past these
             region = max(1, region_depth(compat.current_scope_names()))
         rewritten = SubJaxprCache(_STORES.setdefault(policy, weakref.WeakKeyDictionary()))
         scopes = _SCOPES.setdefault(policy, ScopeLog()) if policy.rules else None
