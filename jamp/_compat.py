@@ -12,8 +12,8 @@ and ``pjit``, the primitive's name before 0.10.) ``partial_eval.trace_to_jaxpr_d
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -523,98 +523,95 @@ Trace = _core.Trace
 set_current_trace = _core.set_current_trace
 
 
-_AD_FILE = os.path.join("jax", "_src", "interpreters", "ad.py")
-_OWN_CODE = tuple(
-    os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep
-    for m in (jax, sys.modules[__package__])
-)
-
-
-def differentiating_above(max_frames: int = 48) -> bool:
-    """Whether the primitive being bound on the calling trace (a region) comes from one of JAX's
-    differentiation traces (``jvp``, ``linearize``: what ``grad``/``vjp`` run) pushed above it.
-
-    Those traces make their parent the current trace before binding on it, so the current trace
-    cannot tell; the calling frames can. The user's own code binds on the region through JAX's
-    frames only (``jnp``, ``lax``, ``core``) up to the first frame of other code; a
-    differentiation above the region shows a frame of JAX's ``ad`` module before that. (Frames'
-    locals are never read: on Python 3.11/3.12 that snapshots them onto the frame, which can keep
-    tracers alive past their trace.) Other partial evaluations, such as Flax's ``nn.scan`` finding
-    loop invariants, run in ``partial_eval`` and do not count."""
-    frame: Any = sys._getframe(1)
-    for _ in range(max_frames):
-        if frame is None:
-            return False
-        kind = _FRAME_KINDS.get(frame.f_code)
-        if kind is None:  # (looked at once per code object: this runs for every operation)
-            if len(_FRAME_KINDS) > 50_000:  # code made at run time (exec) must not pile up
-                _FRAME_KINDS.clear()
-            filename = frame.f_code.co_filename
-            own = _OWN if filename.startswith(_OWN_CODE) else 0
-            kind = _FRAME_KINDS[frame.f_code] = _AD if filename.endswith(_AD_FILE) else own
-        if kind != _OWN:
-            return kind == _AD
-        frame = frame.f_back
-    return False
-
-
-_OWN, _AD = 1, 2  # a frame of JAX's or jamp's own code; of JAX's ad module
-_FRAME_KINDS: dict[Any, int] = {}
-
-
 # --- A differentiation started inside a region (``jax.grad`` called in ``with jamp.autocast():``)
 # JAX's ``jvp``/``linearize`` push their trace above the current one (the region), so the
 # user's operations meet JAX's derivative rules before the region could decide their dtypes.
-# While a region is pushed, ``ad``'s two differentiation traces are made from subclasses that
-# first hand the user's operations to a region above them (``above(trace)``, the region
+# While a region is pushed, the methods by which ``ad``'s two differentiation traces take an
+# operation first hand the user's operations to a region above them (``above(trace)``, the region
 # trace's choice): the policy decides, then JAX differentiates what it decided, as under
-# ``jax.grad`` of a function with a region inside. ``ad`` looks these classes up by name when it
-# makes a trace, so swapping the two names is the whole hook; they are restored when the last
-# region in any thread exits, and a trace made in a thread without a region behaves as JAX's.
+# ``jax.grad`` of a function with a region inside. The methods are JAX's own again when the last
+# region in any thread exits (JAX's classes themselves stay: other code may patch them too), and
+# in a thread without a region they do what JAX's do. JAX's backward pass is marked the same
+# while a region is pushed, so a region lets a pullback's operations through as their forward
+# decided them, also a custom_vjp bwd (user code) of a pullback made outside the region.
 
 _DIFFERENTIATION_TRACES = ("JVPTrace", "LinearizeTrace")
+_ROUTED_METHODS = ("process_primitive", "process_custom_jvp_call", "process_custom_vjp_call")
+_BACKWARD_PASS = "backward_pass3"
 _routing_lock = threading.Lock()
 _routing_users = 0
-_original_traces: dict[str, type] = {}
+_originals: dict[tuple[Any, str], Any] = {}  # (owner, name) -> JAX's own attribute
+_routing = threading.local()  # .plain: differentiating what was decided; .backward: passes
 
 
-def _routed_trace(cls: type, above: Callable[[Any], Any]) -> type:
-    def routed(method: str) -> Callable[..., Any]:
-        plain = getattr(cls, method)
+def _depth(name: str) -> int:
+    return getattr(_routing, name, 0)
 
-        def process(self: Any, primitive: Any, *rest: Any, **params: Any) -> Any:
-            # The region's own binds on this trace (and JAX's, from a derivative rule of a
-            # trace above) are differentiated as they come.
-            upper = None if self._jamp_plain else above(self)
-            if upper is None or differentiating_above():
+
+@contextlib.contextmanager
+def _deeper(name: str) -> Iterator[None]:
+    setattr(_routing, name, _depth(name) + 1)
+    try:
+        yield
+    finally:
+        setattr(_routing, name, _depth(name) - 1)
+
+
+def _routed(plain: Callable[..., Any], above: Callable[[Any], Any]) -> Callable[..., Any]:
+    def process(self: Any, primitive: Any, *rest: Any, **params: Any) -> Any:
+        # What the region above binds on this trace, and what JAX binds while it differentiates
+        # that (on a differentiation trace below: a nested grad's), is differentiated as it is.
+        binding = self.__dict__.get("_jamp_region_binding", False)
+        upper = None if binding or _depth("plain") else above(self)
+        if upper is None:
+            with _deeper("plain"):
                 return plain(self, primitive, *rest, **params)
-            self._jamp_plain = True
-            try:
-                return getattr(upper, method)(primitive, *rest, **params)
-            finally:
-                self._jamp_plain = False
+        self._jamp_region_binding = True
+        try:
+            return getattr(upper, plain.__name__)(primitive, *rest, **params)
+        finally:
+            self._jamp_region_binding = False
 
-        process.__name__ = method
-        return process
+    return functools.wraps(plain)(process)
 
-    methods = ("process_primitive", "process_custom_jvp_call", "process_custom_vjp_call")
-    namespace: dict[str, Any] = {m: routed(m) for m in methods}
-    namespace.update(_jamp_plain=False, __module__=cls.__module__, __qualname__=cls.__qualname__)
-    return type(cls.__name__, (cls,), namespace)
+
+def decided_above(plain_at_entry: int, backward_at_entry: int) -> bool:
+    """Whether an operation bound now on a region was decided before it got there: bound while
+    JAX differentiates what a region above decided, or by a backward pass (of operations decided
+    when their forward ran), begun after the region (entered at these depths) was."""
+    return _depth("plain") > plain_at_entry or _depth("backward") > backward_at_entry
+
+
+def routing_depths() -> tuple[int, int]:
+    """This thread's depths of routed differentiation and backward passes, for decided_above."""
+    return _depth("plain"), _depth("backward")
+
+
+def _marked(backward_pass: Callable[..., Any]) -> Callable[..., Any]:
+    def marked(*args: Any, **kwargs: Any) -> Any:
+        with _deeper("backward"):
+            return backward_pass(*args, **kwargs)
+
+    return functools.wraps(backward_pass)(marked)
 
 
 @contextlib.contextmanager
 def differentiation_routed_above(above: Callable[[Any], Any]) -> Iterator[None]:
     """While active, JAX's differentiation traces hand the user's operations to ``above(trace)``
-    (a trace whose parent is that trace, or None for JAX's own processing) first."""
+    (a trace whose parent is that trace, or None for JAX's own processing) first, and what they
+    and JAX's backward passes bind is counted (``decided_above``)."""
     global _routing_users
     from jax._src.interpreters import ad
 
     with _routing_lock:
-        if _routing_users == 0:
-            for name in _DIFFERENTIATION_TRACES:
-                original = _original_traces.setdefault(name, getattr(ad, name))
-                setattr(ad, name, _routed_trace(original, above))
+        if _routing_users == 0:  # (what is there now is JAX's, or another library's: keep it)
+            _originals.clear()
+            for cls in (getattr(ad, name) for name in _DIFFERENTIATION_TRACES):
+                for method in _ROUTED_METHODS:
+                    plain = _originals[cls, method] = cls.__dict__[method]
+                    setattr(cls, method, _routed(plain, above))
+            plain = _originals[ad, _BACKWARD_PASS] = getattr(ad, _BACKWARD_PASS)
+            setattr(ad, _BACKWARD_PASS, _marked(plain))
         _routing_users += 1
     try:
         yield
@@ -622,8 +619,8 @@ def differentiation_routed_above(above: Callable[[Any], Any]) -> Iterator[None]:
         with _routing_lock:
             _routing_users -= 1
             if _routing_users == 0:
-                for name in _DIFFERENTIATION_TRACES:
-                    setattr(ad, name, _original_traces[name])
+                for (owner, name), original in _originals.items():
+                    setattr(owner, name, original)
 
 
 def trace_parent(trace: Any) -> Any:
@@ -632,8 +629,7 @@ def trace_parent(trace: Any) -> Any:
     also names the trace it was started from ``parent_trace``, but binds nothing there)."""
     from jax._src.interpreters import ad, batching
 
-    transforming = (*_original_traces.values(), ad.JVPTrace, ad.LinearizeTrace)
-    if isinstance(trace, (*transforming, batching.BatchTrace, _pe.JaxprTrace)):
+    if isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace, batching.BatchTrace, _pe.JaxprTrace)):
         return getattr(trace, "parent_trace", None)
     return None
 

@@ -213,6 +213,7 @@ class RegionTrace(compat.Trace):
         super().__init__()
         self.parent = parent
         self.policy = policy
+        self.entry_depths = compat.routing_depths()
         if region is None:
             # entered inside the policy's region: nested regions are the markers past these
             region = max(1, region_depth(compat.current_scope_names()))
@@ -243,10 +244,10 @@ class RegionTrace(compat.Trace):
         if not self._needs_rule(primitive, state, args, params):
             with compat.set_current_trace(self.parent):
                 return primitive.bind(*args, **params)
-        if compat.differentiating_above():
+        if compat.decided_above(*self.entry_depths):
             # JAX's derivative rules bind what a region above them decided (a jax.grad called
             # in the region: differentiation_routed_above), and a backward pass the transposes
-            # of ops already decided: both run as they are, as torch's backward does.
+            # of ops decided in the forward pass: both run as they are, as torch's backward does.
             with compat.set_current_trace(self.parent):
                 return primitive.bind(*args, **params)
         env = self.env

@@ -20,7 +20,8 @@ program within bfloat16 tolerance, (3) ``jax.jit`` agrees with eager (values and
 (5) ``jax.vmap`` agrees with a Python loop, (6) every ``dot_general``/``conv_general_dilated`` in
 the rewritten jaxpr (sub-jaxprs included) has bfloat16 operands and output, and so does every
 one in the gradient's jaxpr, (7) the output dtype follows the DESIGN.md/README tables (including
-the README's bias-add rule) where they decide it unambiguously.
+the README's bias-add rule) where they decide it unambiguously, (8) ``jax.grad`` called inside a
+``jamp.autocast()`` region equals ``jax.grad`` of the function with the region inside it.
 
 Besides the random search, ``test_pinned_program`` replays minimal counterexamples hypothesis
 found (and a few programs mixing every feature), and ``test_each_op_after_a_matmul`` runs the cheap
@@ -70,6 +71,7 @@ TOL_VS_F32 = 5e-2
 KINK_MARGIN = 2e-2
 TOL_GRAD, GRAD_AGREEING_FRACTION, TOL_GRAD_WORST = 1e-1, 0.85, 1.0
 TOL_SAME_PRECISION = 2e-2  # jit vs eager, vmap vs loop: same dtypes, only XLA ordering/fusion
+TOL_SAME_REGION = 1e-6  # two forms of one region program: the same operations, compiled alike
 
 # The missing-rule warning is warned once per process, so under the project's "error" filter only
 # the first example of a session would fail: the properties below check behaviour instead
@@ -458,6 +460,38 @@ def check_vmap(program: tuple, seed: int, batch_w: bool = True) -> None:
     assert_close(batched, jnp.stack(looped), TOL_SAME_PRECISION, "vmap vs loop")
 
 
+def check_grad_inside_region(program: tuple, seed: int) -> None:
+    """(8) ``jax.grad`` called inside a ``jamp.autocast()`` region (the region form, issue 21) is
+    ``jax.grad`` of the loss with the region inside it: float32, the same values, the same
+    operand and result dtypes of every matmul and convolution, forward and backward."""
+    f, (x, w) = as_function(program), make_inputs(seed)
+    loss = _loss(f, x)
+
+    def region_loss(w):
+        with jamp.autocast():
+            return loss(w)
+
+    def grad_in_region(w):
+        with jamp.autocast():
+            return jax.grad(loss)(w)
+
+    try:
+        expected = jax.jit(jax.grad(region_loss))(w)
+    except TypeError as refused:  # a region refuses a cond/loop operand it made 16-bit
+        with pytest.raises(TypeError) as also:
+            jax.jit(grad_in_region)(w)
+        assert str(also.value).splitlines()[0] == str(refused).splitlines()[0]
+        return
+    inside = jax.jit(grad_in_region)(w)
+    assert inside.dtype == expected.dtype == F32, (inside.dtype, expected.dtype)
+    assert_close(inside, expected, TOL_SAME_REGION, "grad inside a region vs grad of a region")
+    signature = lambda fn: sorted(
+        tuple(str(v.aval.dtype) for v in (*e.invars, *e.outvars))
+        for e in _matmuls(jax.make_jaxpr(fn)(w)))
+    products = signature(grad_in_region)
+    assert products == signature(jax.grad(region_loss)), "other matmul dtypes forward or backward"
+
+
 def _matmuls(jaxpr: Any) -> list[Any]:
     return [e for e in iter_eqns(jaxpr) if e.primitive.name in MATMUL_PRIMS]
 
@@ -557,6 +591,13 @@ def test_backward_matmuls_run_in_bfloat16(family, data):
     check_backward_matmuls_lowered(*_draw(data, family))
 
 
+@family_param
+@settings(max_examples=RUNS, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_grad_called_inside_a_region_is_grad_of_the_region(family, data):
+    check_grad_inside_region(*_draw(data, family))
+
+
 # --- pinned programs: counterexamples hypothesis found, and coverage it may not reach ----------
 # Derandomized search depends on the test code, so a counterexample found once may not be drawn
 # again after an edit; its minimal form is kept here and checked on every run.
@@ -566,6 +607,7 @@ CHECKS = {
     "output_dtype": check_output_dtype, "jit_matches_eager": check_jit_matches_eager,
     "grad": check_grad, "vmap": check_vmap, "matmuls_lowered": check_matmuls_lowered,
     "backward_matmuls_lowered": check_backward_matmuls_lowered,
+    "grad_inside_region": check_grad_inside_region,
 }
 PINNED = [
     # jnp.full(shape, python_float) after a matmul: promoted to float32, unlike jnp.zeros/ones.

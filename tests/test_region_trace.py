@@ -269,21 +269,77 @@ def test_grad_inside_a_region_of_a_shard_map_body():
 def test_grad_inside_a_region_leaves_other_threads_and_later_code_to_jax():
     from jax._src.interpreters import ad
 
-    classes = (ad.JVPTrace, ad.LinearizeTrace)
-    seen = []
+    def methods():
+        names = ("process_primitive", "process_custom_jvp_call", "process_custom_vjp_call")
+        return [cls.__dict__[n] for cls in (ad.JVPTrace, ad.LinearizeTrace) for n in names] + [
+            ad.backward_pass3]
+
+    jax_own, seen = methods(), []
 
     def other_thread():  # a grad in a thread without a region, while one is open here
-        seen.append(jax.grad(lambda w: jnp.sum(X @ w))(W).dtype)
+        seen.append(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(X @ w)))(W))
 
     with jamp.autocast():
         worker = threading.Thread(target=other_thread)
         worker.start()
         worker.join()
-        assert (ad.JVPTrace, ad.LinearizeTrace) != classes  # routed while a region is open
-    assert seen == [F32]
-    assert (ad.JVPTrace, ad.LinearizeTrace) == classes  # JAX's own again after the last region
+        assert methods() != jax_own  # routed while a region is open
+    assert set(operand_dtypes(seen[0], "dot_general")) == {("float32", "float32")}
+    assert methods() == jax_own  # JAX's own again after the last region
+    with pytest.raises(ZeroDivisionError):  # also when the block raises
+        with jamp.autocast():
+            jax.grad(lambda w: jnp.sum(X @ w))(W)
+            raise ZeroDivisionError
+    assert methods() == jax_own
     program = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(X @ w)))(W)
     assert set(operand_dtypes(program, "dot_general")) == {("float32", "float32")}
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint], ids=["jit", "checkpoint"])
+def test_grad_of_a_jitted_or_checkpointed_loss_inside_a_region(wrap):
+    """JAX's own wrappers called by jax.grad (no user frame between): the policy still decides."""
+
+    def loss(w):
+        return jnp.sum(jnp.tanh(X @ w))
+
+    def around(w):
+        with jamp.autocast():
+            return jax.grad(wrap(loss))(w)
+
+    products = operand_dtypes(jax.make_jaxpr(around)(W), "dot_general")
+    assert products and set(products) == {("bfloat16", "bfloat16")}
+    chex.assert_trees_all_close(around(W), jax.grad(wrap(in_region(loss)))(W), rtol=1e-6, atol=1e-6)
+
+
+def test_a_custom_vjp_bwd_of_a_pullback_made_outside_runs_as_its_forward_decided():
+    @jax.custom_vjp
+    def linear(x, w):
+        return x @ w
+
+    linear.defvjp(lambda x, w: (x @ w, (x, w)), lambda r, g: (g @ r[1].T, r[0].T @ g))
+    out, pullback = jax.vjp(lambda w: jnp.sum(jnp.tanh(linear(X, w))), W)
+
+    def called_in_region(ct):
+        with jamp.autocast():
+            return pullback(ct)[0]
+
+    assert set(operand_dtypes(jax.make_jaxpr(called_in_region)(1.0), "dot_general")) == {
+        ("float32", "float32")}
+    assert called_in_region(1.0).dtype == F32
+    chex.assert_trees_all_close(called_in_region(1.0), pullback(1.0)[0])
+
+    # a region written inside a bwd still applies there (torch's custom_bwd with autocast)
+    @jax.custom_vjp
+    def linear_bf16_bwd(x, w):
+        return x @ w
+
+    def bwd(r, g):
+        with jamp.autocast():
+            return ((g @ r[1].T).astype(F32), (r[0].T @ g).astype(F32))
+
+    linear_bf16_bwd.defvjp(lambda x, w: (x @ w, (x, w)), bwd)
+    program = jax.make_jaxpr(jax.grad(lambda w: jnp.sum(linear_bf16_bwd(X, w))))(W)
+    assert ("bfloat16", "bfloat16") in operand_dtypes(program, "dot_general")
 
 
 # --- around calls that carry programs ----------------------------------------------------------
