@@ -324,7 +324,7 @@ class RegionTrace(compat.Trace):
         """The parent traces (or runs) the per-shard body with the mesh's axes bound, and a region
         of this policy pushed on the body's own trace applies it there."""
         state = self.rewriter.current_state()
-        if state.enabled:
+        if state.enabled and not compat.decided_above(*self.entry_depths):
             policy = self.policy
             if state.dtype != policy.compute_dtype:  # a nested `dtype=` region at the call
                 policy = policy.replace(compute_dtype=state.dtype)
@@ -335,6 +335,9 @@ class RegionTrace(compat.Trace):
     def _staged(self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict) -> Any:
         """Stage the call to its jaxpr equation and rewrite that, as ``autocast_transform``
         rewrites the same equation in a traced program."""
+        if compat.decided_above(*self.entry_depths):  # as in process_primitive
+            with compat.set_current_trace(self.parent):
+                return compat.bind_custom(primitive, subfuns, args, params)
         if compat.runs_custom_calls_inline(self.parent, args):
             # Where the parent would run the body itself (eagerly, under
             # jax.ensure_compile_time_eval) no rule of the call can apply: the body runs in the
