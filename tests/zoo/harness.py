@@ -748,5 +748,14 @@ APPLIES: dict[str, Callable[[ZooModel], bool]] = {
 }
 
 
+# Checks run under some policies only: the region forms take the same path for every compute
+# dtype, and cast_inputs=True is refused by a region (region_eq_transform checks the refusal).
+POLICIES_OF: dict[str, tuple[str, ...]] = {"grad_in_region": ("bf16",)}
+
+
+def policies_for(check: str) -> tuple[str, ...]:
+    return POLICIES_OF.get(check, tuple(POLICIES))
+
+
 def checks_for(model: ZooModel) -> list[str]:
     return [name for name in CHECKS if APPLIES.get(name, lambda _: True)(model)]

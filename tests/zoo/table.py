@@ -10,7 +10,7 @@ import time
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
-from .harness import CHECKS, POLICIES, ZooRun, checks_for  # noqa: E402
+from .harness import CHECKS, POLICIES, ZooRun, checks_for, policies_for  # noqa: E402
 from .models import MODELS  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def main(patterns):
         for policy in POLICIES:
             run, cells, start = ZooRun(model, policy), [], time.perf_counter()
             for name, check in CHECKS.items():
-                if name not in checks_for(model):
+                if name not in checks_for(model) or policy not in policies_for(name):
                     cells.append("-")
                     continue
                 try:
