@@ -66,7 +66,7 @@ def dict_orders(tree):
     return []
 
 
-@settings(max_examples=examples(25), deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(trees(), trees())
 def test_random_pytrees_trace_export_and_load(first, second):
     def fn(a, b):
@@ -105,7 +105,7 @@ def chain(ops):
     return fn
 
 
-@settings(max_examples=examples(20), deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(st.lists(st.sampled_from(sorted(ROW_OPS)), min_size=1, max_size=5),
        st.integers(1, 6), st.integers(1, 6))
 def test_shape_generic_chains_pass_at_any_batch_size(ops, batch, check_batch):
@@ -118,7 +118,7 @@ def test_shape_generic_chains_pass_at_any_batch_size(ops, batch, check_batch):
     chex.assert_trees_all_close(traced(x), fn(x), rtol=1e-5, atol=1e-5)
 
 
-@settings(max_examples=examples(15), deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(st.lists(st.sampled_from(sorted(ROW_OPS)), min_size=1, max_size=4),
        st.integers(1, 5), st.integers(1, 5))
 def test_loops_over_the_batch_size_fail_when_the_size_changes(ops, batch, check_batch):
