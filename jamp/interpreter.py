@@ -27,6 +27,7 @@ import numpy as np
 from jax.extend.core import Primitive
 
 from . import _compat as compat
+from . import reduce_dtype
 from .policy import (
     Policy,
     RegionState,
@@ -708,7 +709,34 @@ def lower_rule(step: Step) -> Sequence[Any]:
         return outs
     dtype = step.state.value_dtype
     args = step.with_cast({i: dtype for i in floating})
-    return step.bind(args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+    return bind_lower(step, args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+
+
+def bind_lower(step: Step, args: Sequence[Any], **overrides: Any) -> list[Any]:
+    """Bind a lower-table op on its cast operands. Under ``Policy.reduce_dtype`` its backward
+    products accumulate in that dtype (reduce_dtype.py); a product that *is* a backward one (an
+    operand is a cotangent of an ``autocast_transform(jax.grad(f))`` program) outputs it."""
+    reduce = reduce_dtype_for(step)
+    if reduce is None:
+        return step.bind(args, **overrides)
+    if any(step.has_tag(i, "cotangent") for i in range(len(args))):
+        return step.bind(args, **{**overrides, "preferred_element_type": reduce})
+    step.bound_args = args
+    params = compat.bind_params(step.eqn)
+    params.update(overrides)
+    with compat.equation_context(step.eqn):
+        return [reduce_dtype.bind(step.eqn.primitive, params, step.args, args, reduce)]
+
+
+def reduce_dtype_for(step: Step) -> np.dtype | None:
+    """``Policy.reduce_dtype`` where it widens this op's backward products: every operand
+    floating (an integer operand has no cotangent to widen) and narrower than it."""
+    reduce = step.policy.reduce_dtype
+    if reduce is None or "preferred_element_type" not in step.params:
+        return None
+    if len(step.floating()) != len(step.args) or step.state.value_dtype.itemsize >= reduce.itemsize:
+        return None
+    return reduce
 
 
 # Compute dtypes whose lower-table ops run on scaled operands (jamp/fp8.py registers float8):
