@@ -136,11 +136,14 @@ class CollectiveReport:
       devices: devices the program was partitioned over (1: compiled for one device).
       collectives: each collective, in program order.
       note: why there is nothing to report, where there is not (arguments without shardings).
+      hlo: the program's HLO text right after SPMD partitioning, which the report was read from
+        ("" for one device): ``print(report.collectives.hlo)`` to read it yourself.
     """
 
     devices: int
     collectives: tuple[Collective, ...]
     note: str = ""
+    hlo: str = dataclasses.field(default="", repr=False)
 
     @property
     def bytes_by_dtype(self) -> dict[str, int]:
@@ -201,7 +204,9 @@ def read_collectives(
     ]
     if final is not None:
         found = _backend_dtypes(found, final)
-    return CollectiveReport(int(devices.group(1)) if devices else 1, tuple(found))
+    return CollectiveReport(
+        int(devices.group(1)) if devices else 1, tuple(found), hlo=partitioned
+    )
 
 
 def _collective(module: Module, instr: Instruction, arg_names: Sequence[str]) -> Collective:

@@ -270,6 +270,7 @@ class Env:
         self.expanded: set[Any] = set()
         self.input_view: set[Any] = set()
         self._cotangent: set[Any] | None = None
+        self.cotangent_inputs: set[Any] = set()  # sub-jaxpr inputs hinted as cotangents
         # Region mode only (``Rewriter.region``, see region_trace.py): values in a 16-bit dtype
         # because of the policy, and jnp's float32 promotions of them (-> the 16-bit value).
         self.lowered: set[Any] = set()
@@ -277,16 +278,19 @@ class Env:
 
     @property
     def cotangent(self) -> set[Any]:
-        """Values the backward pass computed (outputs of transposed equations, and sub-jaxpr
-        inputs that receive one): float8 scales them to the gradient format (jamp/fp8.py).
+        """Values the backward pass computed (outputs of transposed equations, sub-jaxpr inputs
+        that receive one, and what is computed from those: inside a loop body of the backward
+        pass the equations carry no transpose name of their own): float8 scales them to the
+        gradient format (jamp/fp8.py), ``Policy.reduce_dtype`` widens the products they enter.
         Found on the first question, so other policies never pay for the walk."""
         if self._cotangent is None:
-            self._cotangent = {
-                v
-                for eqn in (self.jaxpr.eqns if self.jaxpr is not None else ())
-                if "transpose" in compat.transform_names(eqn)
-                for v in eqn.outvars
-            }
+            found = set(self.cotangent_inputs)
+            for eqn in self.jaxpr.eqns if self.jaxpr is not None else ():
+                if "transpose" in compat.transform_names(eqn) or any(
+                    isinstance(v, compat.Var) and v in found for v in eqn.invars
+                ):
+                    found.update(eqn.outvars)
+            self._cotangent = found
         return self._cotangent
 
     def accumulated(self, var: Any) -> bool:
@@ -544,7 +548,7 @@ class Rewriter:
                 if hint.source is not None:
                     env.known[var] = hint.source
                 for tag in hint.tags:
-                    getattr(env, tag).add(var)
+                    (env.cotangent_inputs if tag == "cotangent" else getattr(env, tag)).add(var)
         self._active.append(env)
         try:
             for eqn in jaxpr.eqns:
