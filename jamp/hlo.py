@@ -249,7 +249,8 @@ _CALLED = re.compile(
 
 def _frames(text: str) -> dict[str, str]:
     """A pass dump's ``FileNames``/``FileLocations``/``StackFrames`` tables as
-    stack_frame_id -> ``file:line`` (empty for text without them)."""
+    stack_frame_id -> ``file:line``: the innermost frame outside installed packages (the
+    user's line, not Flax's ``Dense``), else the innermost one. Empty for text without them."""
     tables: dict[str, dict[str, str]] = {}
     table: dict[str, str] | None = None
     for line in text.splitlines():
@@ -262,11 +263,30 @@ def _frames(text: str) -> dict[str, str]:
         elif stripped:
             table = None
     names, locations = tables.get("FileNames", {}), tables.get("FileLocations", {})
+    stack = tables.get("StackFrames", {})
+
+    def where(frame: str) -> tuple[str, str | None]:
+        """(file:line of the frame, its parent frame's id)."""
+        value = stack.get(frame, "")
+        location = locations.get(_field(value, "file_location_id") or "", "")
+        file = names.get(_field(location, "file_name_id") or "", "?").strip('"')
+        # The dump prints each parent as its id + 1 (0, "no parent", prints as 1).
+        parent = int(_field(value, "parent_frame_id") or 1) - 1
+        return f"{file}:{_field(location, 'line')}", str(parent) if parent else None
+
     frames = {}
-    for frame, value in tables.get("StackFrames", {}).items():
-        location = locations.get(re.search(r"file_location_id=(\d+)", value).group(1), "")  # type: ignore[union-attr]
-        file = re.search(r"file_name_id=(\d+)", location)
-        line = re.search(r"\bline=(\d+)", location)
-        if file and line:
-            frames[frame] = f"{names.get(file.group(1), '?').strip(chr(34))}:{line.group(1)}"
+    for frame in stack:
+        chain: list[str] = []
+        current: str | None = frame
+        while current is not None and current in stack and len(chain) < 64:
+            text_, current = where(current)
+            chain.append(text_)
+        if chain:
+            own = [c for c in chain if not re.search(r"[/\\](site|dist)-packages[/\\]", c)]
+            frames[frame] = (own or chain)[0]
     return frames
+
+
+def _field(text: str, name: str) -> str | None:
+    match = re.search(rf"\b{name}=(\d+)", text)
+    return match.group(1) if match else None
