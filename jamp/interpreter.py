@@ -733,10 +733,18 @@ def bind_lower(step: Step, args: Sequence[Any], **overrides: Any) -> list[Any]:
 
 
 def reduce_dtype_for(step: Step) -> np.dtype | None:
-    """``Policy.reduce_dtype`` where it widens this op's backward products: every operand
-    floating (an integer operand has no cotangent to widen) and narrower than it."""
+    """``Policy.reduce_dtype`` where it widens this op's backward products: a convolution or a
+    dot_general without batch dimensions (the products whose contracting dimension is the
+    batch: a weight's gradient), every operand floating (an integer operand has no cotangent)
+    and narrower than it. Batched products (attention's ``q @ k``, per example and head) keep
+    the compute dtype: their cotangents are not summed across a data-parallel mesh, and XLA's
+    CPU runtime cannot run some batched bfloat16 x bfloat16 = float32 dots ("Unsupported
+    element type for DotThunk")."""
     reduce = step.policy.reduce_dtype
-    if reduce is None or "preferred_element_type" not in step.params:
+    name = step.eqn.primitive.name
+    if reduce is None or name not in ("dot_general", "conv_general_dilated"):
+        return None
+    if name == "dot_general" and any(step.params["dimension_numbers"][1]):
         return None
     if len(step.floating()) != len(step.args) or step.state.value_dtype.itemsize >= reduce.itemsize:
         return None

@@ -216,9 +216,9 @@ def _reduce_dtype(value: Any, compute: np.dtype) -> np.dtype | None:
         or (dtype.itemsize == narrowest.itemsize and dtype != narrowest)
     ):
         raise ValueError(
-            f"Policy.reduce_dtype={dtype.name} is narrower than the {narrowest.name} the backward "
-            f"matmuls of a {compute.name} policy compute in: gradients would be rounded before "
-            f"they are summed. Use jnp.float32 (or None to sum in {narrowest.name})"
+            f"Policy.reduce_dtype={dtype.name} is not at least as wide as the {narrowest.name} the "
+            f"backward matmuls of a {compute.name} policy compute in: gradients would be rounded "
+            f"before they are summed. Use jnp.float32 (or None to sum in {narrowest.name})"
         )
     return dtype
 
@@ -500,8 +500,10 @@ class Policy:
         (all-reduce, reduce-scatter) moves float32; gradients still come back in the dtypes the
         operands arrived in (a float32 parameter's gradient is never rounded to 16 bits). None
         (the default) leaves them in the compute dtype. Must be a floating dtype at least as
-        wide as the compute dtype (bfloat16 under float8). Reverse mode only: ``jax.jvp`` and
-        ``jax.jacfwd`` of a function whose matmuls it applies to raise.
+        wide as the compute dtype (bfloat16 under float8). Applies to convolutions and to
+        matmuls without batch dimensions (a weight's gradient; attention's batched products keep
+        the compute dtype). Reverse mode only: ``jax.jvp`` and ``jax.jacfwd`` of a function
+        whose matmuls it applies to raise.
 
     Example::
 

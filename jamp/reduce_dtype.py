@@ -34,7 +34,7 @@ import numpy as np
 from . import _compat as compat
 
 # Products whose transposes are products again: their preferred_element_type is widened.
-PRODUCTS = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})
 
 
 def bind(

@@ -121,7 +121,7 @@ def test_sixteen_bit_params_get_sixteen_bit_grads():
 
 
 @pytest.mark.parametrize("bad, match", [
-    (jnp.float16, "narrower than the bfloat16"),
+    (jnp.float16, "not at least as wide as the bfloat16"),
     (jnp.int32, "floating dtype"),
     (jnp.float8_e5m2, "float8 is only a compute dtype"),
 ])
