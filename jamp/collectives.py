@@ -177,9 +177,7 @@ SINGLE_DEVICE = (
 )
 
 
-def report_collectives(
-    lowered: Any, arg_names: Sequence[str] = ()
-) -> tuple[Any, CollectiveReport]:
+def report_collectives(lowered: Any, arg_names: Sequence[str] = ()) -> tuple[Any, CollectiveReport]:
     """Compile ``lowered`` (a ``jax.stages.Lowered`` of a function of flat arguments ``*a``) and
     report its collectives; returns the compiled program too (the float8 check reads it).
     ``arg_names``: the user's pytree path of each flat argument, shown for ``a[i]``."""
@@ -204,9 +202,7 @@ def read_collectives(
     ]
     if final is not None:
         found = _backend_dtypes(found, final)
-    return CollectiveReport(
-        int(devices.group(1)) if devices else 1, tuple(found), hlo=partitioned
-    )
+    return CollectiveReport(int(devices.group(1)) if devices else 1, tuple(found), hlo=partitioned)
 
 
 def _collective(module: Module, instr: Instruction, arg_names: Sequence[str]) -> Collective:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+
 @dataclasses.dataclass(frozen=True)
 class Instruction:
     name: str
@@ -148,7 +149,10 @@ class Module:
     def source_line(self, instr: Instruction) -> str | None:
         """The user's ``file:line`` for ``instr``: its ``source_file``/``source_line`` metadata,
         or its ``stack_frame_id`` looked up in the dump's tables."""
-        file, line = instr.attribute(r'source_file="([^"]*)"'), instr.attribute(r"source_line=(\d+)")
+        file, line = (
+            instr.attribute(r'source_file="([^"]*)"'),
+            instr.attribute(r"source_line=(\d+)"),
+        )
         if file is not None and line is not None:
             return f"{file}:{line}"
         frame = instr.attribute(r"stack_frame_id=(\d+)")

@@ -293,7 +293,7 @@ def _arg_names(fn: Callable, args: tuple, kwargs: dict, flat: list[Any]) -> list
         params = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         params = []
-    paths = {}
+    paths: dict[int, str] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         where, key = path[0], path[1] if len(path) > 1 else None
         index = getattr(key, "idx", None)

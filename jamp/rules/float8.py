@@ -245,9 +245,7 @@ def _float8_dot(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
     if any(step.has_tag(i, "cotangent") for i in range(2)):  # a backward product: no custom_vjp
         out_dtype = reduce_dtype_for(step) or out_dtype
     grad_dtype = reduce_dtype_for(step)
-    return [
-        scaled_dot(a, b, dims, tuple(formats), np.dtype(out_dtype), operand_dtypes, grad_dtype)
-    ]
+    return [scaled_dot(a, b, dims, tuple(formats), np.dtype(out_dtype), operand_dtypes, grad_dtype)]
 
 
 def _float8_qdq(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
