@@ -785,3 +785,30 @@ def evaluate_dim(size: Any, env: dict[str, int]) -> int | None:
     if not set(size.get_vars()) <= env.keys():
         return None
     return int(size._evaluate(dict[str, Any](env)))
+
+
+# --- The program after XLA's SPMD partitioner (jamp.explain(compiled=True)'s collectives) -------
+# The collectives of a sharded program are decided by the SPMD partitioner; backends may change
+# them afterwards (the CPU backend widens bfloat16/float8 collectives to float32/float16, as it
+# emulates those types), so the final HLO (``Compiled.as_text()``) does not show what the program
+# asks to move. Neither JAX version exposes the partitioned module, so jamp asks XLA to dump it
+# for one compile: ``xla_dump_to`` and ``xla_dump_hlo_pass_re`` are XLA debug options, which
+# ``Lowered.compile(compiler_options=...)`` passes through for that compile only (the same on
+# jax 0.10 and 0.12; the pass is named ``spmd-partitioning`` in both; its dump file ends in
+# ``after_spmd-partitioning.before_<next pass>.txt``).
+SPMD_PASS = "spmd-partitioning"
+
+
+def compile_partitioned(lowered: Any) -> tuple[Any, str | None]:
+    """Compile ``lowered``; also return the HLO text right after SPMD partitioning, or None where
+    the pass did not run (a program compiled for one device)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="jamp_spmd_") as folder:
+        options = {"xla_dump_to": folder, "xla_dump_hlo_pass_re": SPMD_PASS}
+        compiled = lowered.compile(compiler_options=options)
+        names = sorted(n for n in os.listdir(folder) if f"after_{SPMD_PASS}" in n)
+        if not names:
+            return compiled, None
+        with open(os.path.join(folder, names[-1])) as file:
+            return compiled, file.read()

@@ -46,6 +46,7 @@ from typing import Any
 
 import jax
 
+from .hlo import Instruction, Module, array_type, parse
 from .policy import user_stacklevel
 
 
@@ -86,181 +87,6 @@ _UPSTREAM = frozenset(
         "get-tuple-element",
     }
 )
-
-
-# --- parsing HLO text ------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    name: str
-    type: str  # as printed, e.g. "f8e4m3fn[16,32]{1,0}" or "(f32[16,16]{1,0}, s8[8]{0})"
-    opcode: str
-    operands: tuple[str, ...]  # operand names (no %), or a parameter's number
-    attributes: str  # everything after the operand list
-    computation: str
-
-    @property
-    def dtype(self) -> str:
-        return _array_type(self.type)[0]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return _array_type(self.type)[1]
-
-    def attribute(self, pattern: str) -> str | None:
-        match = re.search(pattern, self.attributes)
-        return match.group(1) if match else None
-
-    @property
-    def op_name(self) -> str:
-        return self.attribute(r'op_name="([^"]*)"') or ""
-
-
-_TYPE = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
-
-
-def _array_type(text: str) -> tuple[str, tuple[int, ...]]:
-    """Element type and dimensions of an array type, or of a tuple's first element."""
-    match = _TYPE.search(text)
-    if match is None:
-        return "", ()
-    dims = [d.strip().lstrip("<=") for d in match.group(2).split(",") if d.strip()]
-    return match.group(1), tuple(int(d) for d in dims if d.isdigit())
-
-
-_START = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(?=\(|[a-z][a-z0-9]*\[)")
-_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s*(?:\(.*\))?\s*(?:->.*)?\{\s*$")
-
-
-def _closing(text: str, start: int) -> int:
-    """Index just past the bracket that closes the one at ``start``."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] in "([{":
-            depth += 1
-        elif text[i] in ")]}":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return len(text)
-
-
-def _depth(text: str) -> int:
-    """How many brackets ``text`` leaves open, outside string literals."""
-    depth, quoted, escaped = 0, False, False
-    for ch in text:
-        if quoted:
-            escaped, quoted = (not escaped and ch == "\\"), quoted and (escaped or ch != '"')
-        elif ch == '"':
-            quoted = True
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-    return depth
-
-
-def _split_top(text: str) -> list[str]:
-    parts: list[str] = []
-    current: list[str] = []
-    depth = 0
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    if "".join(current).strip():
-        parts.append("".join(current))
-    return parts
-
-
-def _instruction(line: str, computation: str) -> Instruction | None:
-    match = _START.match(line)
-    if match is None:
-        return None
-    rest = line[match.end() :]
-    typed = None if rest.startswith("(") else _TYPE.match(rest)
-    if typed is None and not rest.startswith("("):
-        return None
-    end = typed.end() if typed is not None else _closing(rest, 0)
-    if rest[end : end + 1] == "{":  # a layout
-        end = _closing(rest, end)
-    type_text, rest = rest[:end], rest[end:].lstrip()
-    opcode = re.match(r"[\w\-]+", rest)
-    if opcode is None or rest[opcode.end() : opcode.end() + 1] != "(":
-        return None
-    close = _closing(rest, opcode.end())
-    operand_text = re.sub(r"/\*.*?\*/", "", rest[opcode.end() + 1 : close - 1])
-    operands = tuple(
-        part.split()[-1].lstrip("%") for part in _split_top(operand_text) if part.split()
-    )
-    return Instruction(
-        match.group(1), type_text, opcode.group(), operands, rest[close:], computation
-    )
-
-
-@dataclasses.dataclass
-class Module:
-    """The instructions of an HLO module by computation, and which fusion calls which."""
-
-    computations: dict[str, dict[str, Instruction]]
-    roots: dict[str, str]
-    callers: dict[str, Instruction]  # called computation -> the fusion/call instruction
-
-    def producer(self, computation: str, name: str) -> Instruction | None:
-        return self.computations.get(computation, {}).get(name)
-
-
-def parse(text: str) -> Module:
-    """Parse HLO text: ``Compiled.as_text()`` (one instruction a line) or hand-written HLO whose
-    instructions continue over several lines."""
-    computations: dict[str, dict[str, Instruction]] = {}
-    roots: dict[str, str] = {}
-    current: str | None = None
-    pending: list[str] = []
-
-    def flush() -> None:
-        if current is not None and pending:
-            joined = " ".join(s.strip() for s in pending)
-            instr = _instruction(joined, current)
-            if instr is not None:
-                computations[current][instr.name] = instr
-                if joined.startswith("ROOT"):
-                    roots[current] = instr.name
-        pending.clear()
-
-    for line in text.splitlines():
-        stripped = line.strip()
-        if current is None:
-            header = _HEADER.match(line)
-            if header is not None and not stripped.startswith("HloModule"):
-                current = header.group(1)
-                computations[current] = {}
-            continue
-        if pending and _depth(" ".join(pending)) > 0:
-            pending.append(line)  # inside a bracket an instruction opened (a backend config)
-        elif stripped.startswith("}"):
-            flush()
-            current = None
-        elif _START.match(line):
-            flush()
-            pending.append(line)
-        elif pending:
-            pending.append(line)  # attributes continued on the next line
-    flush()
-    callers = {}
-    for instrs in computations.values():
-        for instr in instrs.values():
-            called = instr.attribute(r"\bcalls=%?([\w.\-]+)")
-            if called is not None:
-                callers[called] = instr
-    return Module(computations, roots, callers)
 
 
 # --- GEMMs in the optimized program ------------------------------------------------------------
@@ -305,7 +131,7 @@ class Gemm:
 
     @property
     def operand_sizes(self) -> tuple[int, ...]:
-        return tuple(math.prod(_array_type(t)[1]) for t in self.operands)
+        return tuple(math.prod(array_type(t)[1]) for t in self.operands)
 
     def describe(self) -> str:
         types = " x ".join(t.split("{")[0] for t in self.operands)
@@ -622,7 +448,7 @@ def _verdict(
             "unused) or merged it with an identical dot",
         )
     if platform == "cpu":
-        wide = sorted({_array_type(t)[0] for g in gemms for t in g.operands} - {""})
+        wide = sorted({array_type(t)[0] for g in gemms for t in g.operands} - {""})
         return DotVerdict(
             dot,
             "emulated",

@@ -27,6 +27,7 @@ import numpy as np
 from jax.extend.core import Primitive
 
 from . import _compat as compat
+from . import reduce_dtype
 from .policy import (
     Policy,
     RegionState,
@@ -269,6 +270,7 @@ class Env:
         self.expanded: set[Any] = set()
         self.input_view: set[Any] = set()
         self._cotangent: set[Any] | None = None
+        self.cotangent_inputs: set[Any] = set()  # sub-jaxpr inputs hinted as cotangents
         # Region mode only (``Rewriter.region``, see region_trace.py): values in a 16-bit dtype
         # because of the policy, and jnp's float32 promotions of them (-> the 16-bit value).
         self.lowered: set[Any] = set()
@@ -276,16 +278,19 @@ class Env:
 
     @property
     def cotangent(self) -> set[Any]:
-        """Values the backward pass computed (outputs of transposed equations, and sub-jaxpr
-        inputs that receive one): float8 scales them to the gradient format (jamp/fp8.py).
+        """Values the backward pass computed (outputs of transposed equations, sub-jaxpr inputs
+        that receive one, and what is computed from those: inside a loop body of the backward
+        pass the equations carry no transpose name of their own): float8 scales them to the
+        gradient format (jamp/fp8.py), ``Policy.reduce_dtype`` widens the products they enter.
         Found on the first question, so other policies never pay for the walk."""
         if self._cotangent is None:
-            self._cotangent = {
-                v
-                for eqn in (self.jaxpr.eqns if self.jaxpr is not None else ())
-                if "transpose" in compat.transform_names(eqn)
-                for v in eqn.outvars
-            }
+            found = set(self.cotangent_inputs)
+            for eqn in self.jaxpr.eqns if self.jaxpr is not None else ():
+                if "transpose" in compat.transform_names(eqn) or any(
+                    isinstance(v, compat.Var) and v in found for v in eqn.invars
+                ):
+                    found.update(eqn.outvars)
+            self._cotangent = found
         return self._cotangent
 
     def accumulated(self, var: Any) -> bool:
@@ -543,7 +548,7 @@ class Rewriter:
                 if hint.source is not None:
                     env.known[var] = hint.source
                 for tag in hint.tags:
-                    getattr(env, tag).add(var)
+                    (env.cotangent_inputs if tag == "cotangent" else getattr(env, tag)).add(var)
         self._active.append(env)
         try:
             for eqn in jaxpr.eqns:
@@ -708,7 +713,42 @@ def lower_rule(step: Step) -> Sequence[Any]:
         return outs
     dtype = step.state.value_dtype
     args = step.with_cast({i: dtype for i in floating})
-    return step.bind(args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+    return bind_lower(step, args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+
+
+def bind_lower(step: Step, args: Sequence[Any], **overrides: Any) -> list[Any]:
+    """Bind a lower-table op on its cast operands. Under ``Policy.reduce_dtype`` its backward
+    products accumulate in that dtype (reduce_dtype.py); a product that *is* a backward one (an
+    operand is a cotangent of an ``autocast_transform(jax.grad(f))`` program) outputs it."""
+    reduce = reduce_dtype_for(step)
+    if reduce is None:
+        return step.bind(args, **overrides)
+    if any(step.has_tag(i, "cotangent") for i in range(len(args))):
+        return step.bind(args, **{**overrides, "preferred_element_type": reduce})
+    step.bound_args = args
+    params = compat.bind_params(step.eqn)
+    params.update(overrides)
+    with compat.equation_context(step.eqn):
+        return [reduce_dtype.bind(step.eqn.primitive, params, step.args, args, reduce)]
+
+
+def reduce_dtype_for(step: Step) -> np.dtype | None:
+    """``Policy.reduce_dtype`` where it widens this op's backward products: a convolution or a
+    dot_general without batch dimensions (the products whose contracting dimension is the
+    batch: a weight's gradient), every operand floating (an integer operand has no cotangent)
+    and narrower than it. Batched products (attention's ``q @ k``, per example and head) keep
+    the compute dtype: their cotangents are not summed across a data-parallel mesh, and XLA's
+    CPU runtime cannot run some batched bfloat16 x bfloat16 = float32 dots ("Unsupported
+    element type for DotThunk")."""
+    reduce = step.policy.reduce_dtype
+    name = step.eqn.primitive.name
+    if reduce is None or name not in ("dot_general", "conv_general_dilated"):
+        return None
+    if name == "dot_general" and any(step.params["dimension_numbers"][1]):
+        return None
+    if len(step.floating()) != len(step.args) or step.state.value_dtype.itemsize >= reduce.itemsize:
+        return None
+    return reduce
 
 
 # Compute dtypes whose lower-table ops run on scaled operands (jamp/fp8.py registers float8):

@@ -206,6 +206,23 @@ def _dtype_or_none(value: Any, field: str) -> np.dtype | None:
     return dtype
 
 
+def _reduce_dtype(value: Any, compute: np.dtype) -> np.dtype | None:
+    """``Policy.reduce_dtype``: a floating dtype at least as wide as what the backward products
+    compute in (the compute dtype; bfloat16 under float8), or None."""
+    dtype = _dtype_or_none(value, "reduce_dtype")
+    narrowest = value_dtype(compute)
+    if dtype is not None and (
+        dtype.itemsize < narrowest.itemsize
+        or (dtype.itemsize == narrowest.itemsize and dtype != narrowest)
+    ):
+        raise ValueError(
+            f"Policy.reduce_dtype={dtype.name} is not at least as wide as the {narrowest.name} the "
+            f"backward matmuls of a {compute.name} policy compute in: gradients would be rounded "
+            f"before they are summed. Use jnp.float32 (or None to sum in {narrowest.name})"
+        )
+    return dtype
+
+
 def _flop_count(value: Any) -> int:
     """``Policy.min_float8_flops``: a whole, finite, non-negative number (``1e9`` reads as 10**9)."""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, float)):
@@ -476,6 +493,17 @@ class Policy:
         1024x2048x1024 matmul ran at 0.80x bfloat16's speed in float8, 4096x8192x16384 at
         1.39x). Tune it on your GPU; ``0`` puts every eligible matmul in float8.
         ``jamp.explain`` lists the matmuls it kept in bfloat16. Other compute dtypes ignore it.
+      reduce_dtype: the dtype gradients are summed across devices in (PyTorch FSDP's
+        ``MixedPrecision(reduce_dtype=...)``). With ``jnp.float32`` the backward products of a
+        16-bit or float8 matmul/convolution (its cotangents with respect to its operands)
+        accumulate and come out in float32, so a reduction XLA partitions after them
+        (all-reduce, reduce-scatter) moves float32; gradients still come back in the dtypes the
+        operands arrived in (a float32 parameter's gradient is never rounded to 16 bits). None
+        (the default) leaves them in the compute dtype. Must be a floating dtype at least as
+        wide as the compute dtype (bfloat16 under float8). Applies to convolutions and to
+        matmuls without batch dimensions (a weight's gradient; attention's batched products keep
+        the compute dtype). Reverse mode only: ``jax.jvp`` and ``jax.jacfwd`` of a function
+        whose matmuls it applies to raise.
 
     Example::
 
@@ -495,6 +523,7 @@ class Policy:
     promote: frozenset
     rules: tuple
     min_float8_flops: int
+    reduce_dtype: np.dtype | None
 
     def __init__(
         self,
@@ -508,6 +537,7 @@ class Policy:
         promote: Iterable[str] = _DefaultTable("PROMOTE"),
         rules: Iterable[Any] = (),
         min_float8_flops: int = MIN_FLOAT8_FLOPS,
+        reduce_dtype: Any = None,
     ):
         compute = _dtype_or_none(compute_dtype, "compute_dtype")
         if compute is None or compute not in _FLOATING_COMPUTE:
@@ -527,6 +557,7 @@ class Policy:
         set_("promote", _names(promote, "promote"))
         set_("rules", _rules(rules))
         set_("min_float8_flops", _flop_count(min_float8_flops))
+        set_("reduce_dtype", _reduce_dtype(reduce_dtype, compute))
         overlap = (
             (self.lower & self.fp32) | (self.lower & self.promote) | (self.fp32 & self.promote)
         )
@@ -632,6 +663,8 @@ class Policy:
             parts.append(f"rules=({rules}{',' if len(self.rules) == 1 else ''})")
         if self.min_float8_flops != MIN_FLOAT8_FLOPS:
             parts.append(f"min_float8_flops={self.min_float8_flops}")
+        if self.reduce_dtype is not None:
+            parts.append(f"reduce_dtype={_dtype_repr(self.reduce_dtype)}")
         return f"Policy({', '.join(parts)})"
 
 

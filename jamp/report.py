@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ from jax.typing import DTypeLike
 
 from . import _compat as compat
 from .call_args import CallSignature
+from .collectives import CollectiveReport, report_collectives
 from .float8_check import Float8Check, Float8Dot, check_compiled, tag_scope, warn_fallbacks
 from .interpreter import F64, Step, has_subprograms, is_float, matmul_flops
 from .policy import Policy, UnmatchedRule
@@ -54,6 +56,9 @@ class Report:
       float8_check: with ``compiled=True``, what the optimized program runs each float8 dot as
         (``jamp.float8_check.Float8Check``: a float8 GEMM, a fallback and why, or emulated on
         the CPU); None otherwise.
+      collectives: with ``compiled=True``, every collective of the program after XLA's SPMD
+        partitioning, with its dtype and bytes per device (``jamp.collectives.CollectiveReport``;
+        one device and none where no argument is sharded); None otherwise.
     """
 
     policy: Policy
@@ -66,6 +71,7 @@ class Report:
     unmatched_rules: tuple[UnmatchedRule, ...] = ()
     float8_kept: tuple[KeptDot, ...] = ()
     float8_check: Float8Check | None = None
+    collectives: CollectiveReport | None = None
 
     @property
     def low_precision_flop_share(self) -> float:
@@ -121,6 +127,13 @@ class Report:
                 lines.append(f"  ... and {len(self.float8_kept) - 20} more")
         if self.float8_check is not None:
             lines.append(str(self.float8_check))
+        if self.collectives is not None:
+            lines.append(str(self.collectives))
+        if self.policy.reduce_dtype is not None:
+            lines.append(
+                f"backward matmul/conv products (gradient sums) in {self.policy.reduce_dtype.name} "
+                "(Policy.reduce_dtype)"
+            )
         return "\n".join(lines)
 
 
@@ -255,7 +268,9 @@ class Recorder:
             )
         return "inputs arrived in float32"
 
-    def report(self, check: Float8Check | None = None) -> Report:
+    def report(
+        self, check: Float8Check | None = None, collectives: CollectiveReport | None = None
+    ) -> Report:
         return Report(
             self.policy,
             {k: dict(v) for k, v in self.ops.items()},
@@ -267,7 +282,27 @@ class Recorder:
             self.unmatched,
             tuple(self.kept),
             check,
+            collectives,
         )
+
+
+def _arg_names(fn: Callable, args: tuple, kwargs: dict, flat: list[Any]) -> list[str]:
+    """The user's pytree path of each traced leaf (``params['Dense_0']['kernel']``), named by
+    ``fn``'s parameters where its signature says them."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        params = []
+    paths: dict[int, str] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+        where, key = path[0], path[1] if len(path) > 1 else None
+        index = getattr(key, "idx", None)
+        if getattr(where, "idx", 0) == 0 and index is not None:
+            head = params[index] if index < len(params) else f"args[{index}]"
+        else:
+            head = str(getattr(key, "key", key))
+        paths.setdefault(id(leaf), head + jax.tree_util.keystr(tuple(path[2:])))
+    return [paths.get(id(x), f"argument {i}") for i, x in enumerate(flat)]
 
 
 def explain(
@@ -283,12 +318,17 @@ def explain(
     rewritten program is also lowered and compiled for the default backend, and
     ``Report.float8_check`` says what each float8 dot compiled to: a float8 GEMM, a fallback to
     a wider GEMM and the likely reason, or (on the CPU) emulation. On a GPU a fallback warns
-    once per program (:class:`jamp.Float8FallbackWarning`).
+    once per program (:class:`jamp.Float8FallbackWarning`). ``Report.collectives`` lists every
+    collective of the program as XLA's SPMD partitioner left it (kind, dtype, bytes per device,
+    the parameter or operation it moves), for the shardings the arguments carry: pass
+    ``jax.Array``s placed with ``NamedSharding`` (or ``jax.ShapeDtypeStruct(...,
+    sharding=...)``); unsharded arguments compile for one device, reported as such.
 
     Example::
 
         table = str(jamp.explain(model.apply, params, x))
         check = jamp.explain(loss, params, x, policy=fp8, compiled=True).float8_check
+        jamp.explain(jax.grad(loss), params, x, compiled=True).collectives.bytes_by_dtype
     """
     from .transform import resolve_policy, rewrite_and_eval, trace_call
 
@@ -319,6 +359,8 @@ def explain(
         )
         for x in flat
     ]
-    check = check_compiled(jax.jit(program).lower(*shapes).compile(), recorder.float8_dots)
+    lowered = jax.jit(program).lower(*shapes)
+    compiled_program, collectives = report_collectives(lowered, _arg_names(fn, args, kwargs, flat))
+    check = check_compiled(compiled_program, recorder.float8_dots)
     warn_fallbacks(check, traced.name)
-    return recorder.report(check)
+    return recorder.report(check, collectives)

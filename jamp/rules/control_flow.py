@@ -36,9 +36,13 @@ def scan_rule(step: Step) -> Sequence[Any]:
     n_consts, n_carry = compat.scan_counts(params, len(step.args))
     consts = step.args[:n_consts]
     # Consts keep all they are known to be; slices of xs stay parameters if xs were (scanned layers).
+    # A cotangent carried or scanned over stays one: the loop is part of the backward pass.
     all_hints = step.hints()
-    xs_hints = [Hint(tags=h.tags & {"input_view"}) for h in all_hints[n_consts + n_carry :]]
-    hints = [*all_hints[:n_consts], *([None] * n_carry), *xs_hints]
+    xs_hints = [
+        Hint(tags=h.tags & {"input_view", "cotangent"}) for h in all_hints[n_consts + n_carry :]
+    ]
+    carry_hints = [Hint(tags=h.tags & {"cotangent"}) for h in all_hints[n_consts:][:n_carry]]
+    hints = [*all_hints[:n_consts], *carry_hints, *xs_hints]
     init = _carry_in(step, n_consts, n_carry)
     xs = step.args[n_consts + n_carry :]
     carry_dtypes = [step.traced_aval(i).dtype for i in range(n_consts, n_consts + n_carry)]

@@ -37,7 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _compat as compat
-from ..interpreter import F32, F64, SCALED_FORMATS, Step, _output_type, matmul_flops
+from ..interpreter import (
+    F32,
+    F64,
+    SCALED_FORMATS,
+    Step,
+    _output_type,
+    bind_lower,
+    matmul_flops,
+    reduce_dtype_for,
+)
 from ..policy import FLOAT8_COMPUTE
 
 FORWARD_FORMAT = FLOAT8_COMPUTE  # activations and weights
@@ -152,28 +161,48 @@ def _scaled_dot_fwd_impl(
     return y * (sa * sb).astype(out_dtype), (qa, sa, qb, sb)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
 def scaled_dot(
-    a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype, operand_dtypes: tuple
+    a: Any,
+    b: Any,
+    dims: Any,
+    formats: tuple,
+    out_dtype: np.dtype,
+    operand_dtypes: tuple,
+    grad_dtype: np.dtype | None = None,
 ) -> Any:
-    """``dot_general(a, b)`` on per-tensor scaled float8 operands, output in ``out_dtype``."""
+    """``dot_general(a, b)`` on per-tensor scaled float8 operands, output in ``out_dtype``; the
+    backward products accumulate in ``grad_dtype`` (``Policy.reduce_dtype``; None: ``out_dtype``)."""
     return _scaled_dot_fwd_impl(a, b, dims, formats, out_dtype)[0]
 
 
 def _scaled_dot_fwd(
-    a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype, operand_dtypes: tuple
+    a: Any,
+    b: Any,
+    dims: Any,
+    formats: tuple,
+    out_dtype: np.dtype,
+    operand_dtypes: tuple,
+    grad_dtype: np.dtype | None = None,
 ) -> tuple[Any, tuple]:
     return _scaled_dot_fwd_impl(a, b, dims, formats, out_dtype)
 
 
 def _scaled_dot_bwd(
-    dims: Any, formats: tuple, out_dtype: np.dtype, operand_dtypes: tuple, res: tuple, g: Any
+    dims: Any,
+    formats: tuple,
+    out_dtype: np.dtype,
+    operand_dtypes: tuple,
+    grad_dtype: np.dtype | None,
+    res: tuple,
+    g: Any,
 ) -> tuple[Any, Any]:
     qa, sa, qb, sb = res
+    wide = grad_dtype or out_dtype
     sg = scale_for(g, GRADIENT_FORMAT)
     qg = quantize(g, GRADIENT_FORMAT, sg)
-    da = _transpose_lhs(qg, qa.ndim, qb, dims, out_dtype) * (sg * sb).astype(out_dtype)
-    db = _transpose_rhs(qg, qa, qb.ndim, dims, out_dtype) * (sg * sa).astype(out_dtype)
+    da = _transpose_lhs(qg, qa.ndim, qb, dims, wide) * (sg * sb).astype(wide)
+    db = _transpose_rhs(qg, qa, qb.ndim, dims, wide) * (sg * sa).astype(wide)
     return da.astype(operand_dtypes[0]), db.astype(operand_dtypes[1])
 
 
@@ -212,17 +241,17 @@ def _float8_dot(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
         tuple(tuple(int(d) for d in side) for side in pair)
         for pair in step.params["dimension_numbers"]
     )
-    return [
-        scaled_dot(
-            a, b, dims, tuple(formats), np.dtype(out_dtype), (np.dtype(a.dtype), np.dtype(b.dtype))
-        )
-    ]
+    operand_dtypes = (np.dtype(a.dtype), np.dtype(b.dtype))
+    if any(step.has_tag(i, "cotangent") for i in range(2)):  # a backward product: no custom_vjp
+        out_dtype = reduce_dtype_for(step) or out_dtype
+    grad_dtype = reduce_dtype_for(step)
+    return [scaled_dot(a, b, dims, tuple(formats), np.dtype(out_dtype), operand_dtypes, grad_dtype)]
 
 
 def _float8_qdq(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
     value = step.state.value_dtype
     operands = [quantize_dequantize(a, fmt, value) for a, fmt in zip(step.args, formats)]
-    outs = step.bind(operands, preferred_element_type=out_dtype)
+    outs = bind_lower(step, operands, preferred_element_type=out_dtype)
     return [gradient_qdq(y) for y in outs]
 
 
