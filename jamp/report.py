@@ -241,6 +241,8 @@ class Recorder:
             return "float64"
         if not step.state.enabled:
             return step.state.decided_by
+        if step.why is not None:
+            return step.why
         if category == "fp32":
             return "fp32 table"
         if category == "lower":
