@@ -19,7 +19,8 @@ import pytest
 import jamp
 import tracing
 
-RUNNABLE = [jamp.scaled_value_and_grad, jamp.DynamicLossScale, jamp.Policy.from_string]
+RUNNABLE = [jamp.scaled_value_and_grad, jamp.DynamicLossScale, jamp.Policy.from_string,
+            jamp.MicroBatchLossScale, jamp.accumulate_micro_batches]
 
 # The literal block after "Example::": its indented lines (and blank lines between them).
 EXAMPLE = re.compile(r"Example::\n\n((?:[ \t]+\S.*\n|\n)+)")
