@@ -310,7 +310,9 @@ def find_nonfinite(
         found = _Found(site, [], [], tuple(where))
     site = found.site
     f32 = _finite_in_float32(site, found.invals) if found.invals else None
-    candidates = _candidates(program, site, sites, f32)
+    outputs = [ValueRange.of(v) for v in found.outs]
+    overflow = any(r.inf for r in outputs)
+    candidates = _candidates(program, site, sites, f32, overflow)
     tried, remedy = [], None
     for candidate in candidates[:max_remedies]:
         ok = _verify(fn, candidate, program, leaves, grad, args, kwargs)
@@ -318,11 +320,14 @@ def find_nonfinite(
         if ok:
             remedy = candidate
             break
-    producer_site = _producer(program.policy, site, sites)
+    producer_site = _producer(program.policy, site, sites) if overflow else None
     producer, producer_remedy = None, None
     if producer_site is not None:
         producer = _describe_producer(producer_site, walk.ranges.get(id(producer_site.eqn)))
-        for candidate in _producer_candidates(program, producer_site, sites, site):
+        if producer.share_of_max is not None and producer.share_of_max < _LARGE:
+            producer = producer_site = None  # its outputs were small: not what overflowed
+    if producer_site is not None:
+        for candidate in _producer_candidates(program, producer_site, sites, site, overflow):
             ok = candidate == remedy or _verify(fn, candidate, program, leaves, grad, args, kwargs)
             tried.append((candidate, ok))
             if ok:
@@ -346,7 +351,7 @@ def find_nonfinite(
         iterations=tuple(zip(site.loops, found.iters)),
         backward_of=backward_of,
         operands=tuple(ValueRange.of(v) for v in found.invals),
-        output=tuple(ValueRange.of(v) for v in found.outs),
+        output=tuple(outputs),
         float32_finite=f32,
         remedy=remedy,
         tried=tuple(tried),
@@ -435,7 +440,9 @@ def _ancestors(site: Site, sites: dict[int, Site], limit: int = 24) -> list[Site
     return out
 
 
-def _table_candidate(policy: Policy, name: str, sites: dict[int, Site], site: Site) -> Remedy:
+def _table_candidate(
+    policy: Policy, name: str, sites: dict[int, Site], site: Site, overflow: bool
+) -> Remedy:
     changes = {"fp32": policy.fp32 | {name}}
     code = f'policy.replace(fp32=policy.fp32 | {{"{name}"}}'
     if name in policy.promote:
@@ -443,17 +450,25 @@ def _table_candidate(policy: Policy, name: str, sites: dict[int, Site], site: Si
         code += f', promote=policy.promote - {{"{name}"}}'
     changed = sum(1 for s in sites.values() if s.primitive == name and s.sixteen_bit)
     every = f"runs every `{name}` ({_count(changed)}) in float32"
+    promoted = (
+        f" (the promote table runs `{site.primitive}` in the widest dtype its operands arrive in)"
+        if policy.category(site.primitive) == "promote"
+        else ""
+    )
     why = (
         f"{every}: the one that overflowed {_dtype_name(site)} is finite in float32"
         if name == site.primitive
-        else f"{every}: one of them computes a value the overflowing `{site.primitive}` uses, "
-        f"which then arrives in float32 (and the promote table runs `{site.primitive}` in the "
-        "widest dtype its operands arrive in)"
+        else f"{every}: one of them computes a value the {_bad(overflow)} `{site.primitive}` "
+        f"uses, which then arrives in float32{promoted}"
     )
     return Remedy(
         "fp32-table entry", code + ")", policy.replace(**changes), equations_changed=changed,
         why=why,
     )
+
+
+def _bad(overflow: bool) -> str:
+    return "overflowing" if overflow else "non-finite"
 
 
 def _count(n: int) -> str:
@@ -465,7 +480,7 @@ def _dtype_name(site: Site) -> str:
 
 
 def _candidates(
-    program: Program, site: Site, sites: dict[int, Site], f32: bool | None
+    program: Program, site: Site, sites: dict[int, Site], f32: bool | None, overflow: bool
 ) -> list[Remedy]:
     """Changes that could make the call finite, fewest equations affected first."""
     policy = program.policy
@@ -495,7 +510,7 @@ def _candidates(
             and policy.category(name) in (None, "promote")
         ):
             tabled.add(name)
-            out.append(_table_candidate(policy, name, sites, site))
+            out.append(_table_candidate(policy, name, sites, site, overflow))
     path = site.state.path
     for depth in range(len(path), 0, -1):
         pattern = "/".join(_glob_escape(p) for p in path[:depth])
@@ -513,7 +528,9 @@ def _candidates(
     if site.primitive in policy.lower and site.sixteen_bit and f32:
         # a matmul/conv whose float16 output overflowed: float32 at its line (after the scope
         # rules, which win a tie: a module path reads better than a line number)
-        out.extend(r for r in _producer_candidates(program, site, sites, site) if r.kind != "rule")
+        out.extend(
+            r for r in _producer_candidates(program, site, sites, site, overflow) if r.kind != "rule"
+        )
     if policy.compute_dtype != F32:
         # Last resort, when nothing narrower works: no mixed precision at all.
         out.append(
@@ -530,6 +547,11 @@ def _candidates(
 
 
 # --- the producer of the out-of-range values -----------------------------------------------------
+
+# A producer is named when its outputs reached this share of their dtype's maximum: smaller
+# values are not what overflowed downstream (a product or a sum of values near 1% of float16's
+# maximum already overflows only when it multiplies them by ~100).
+_LARGE = 0.01
 
 
 def _producer(policy: Policy, site: Site, sites: dict[int, Site]) -> Site | None:
@@ -562,7 +584,7 @@ def _own_line(site: Site) -> tuple[str, int] | None:
 
 
 def _producer_candidates(
-    program: Program, producer: Site, sites: dict[int, Site], site: Site
+    program: Program, producer: Site, sites: dict[int, Site], site: Site, overflow: bool
 ) -> list[Remedy]:
     """Float32 at the producer: its scope (a rule on its module path), then its source line (a
     '@file:line' rule)."""
@@ -572,7 +594,8 @@ def _producer_candidates(
     what = (
         f"the `{producer.primitive}` that overflowed"
         if producer is site
-        else f"the `{producer.primitive}` whose outputs the overflowing `{site.primitive}` uses"
+        else f"the `{producer.primitive}` whose outputs the {_bad(overflow)} `{site.primitive}` "
+        "uses"
     )
     if producer.state.path:
         pattern = "/".join(_glob_escape(p) for p in producer.state.path)

@@ -88,3 +88,18 @@ def test_a_flax_producer_is_fixed_by_its_module_path():
     fix = found.producer_remedy
     assert fix.kind == "rule" and fix.policy.rules[-1][0].endswith("head")
     assert bool(jnp.all(jnp.isfinite(jamp.autocast_transform(model.apply, fix.policy)(params, X))))
+
+
+def test_no_producer_is_named_for_a_nan_from_small_values():
+    def batch_norm(w, x):
+        h = x @ w
+        var = jnp.mean(jnp.square(h), axis=0) - jnp.square(jnp.mean(h, axis=0))
+        return jnp.sum(jax.lax.rsqrt(var + 1e-5))
+
+    policy = jamp.Policy(jnp.bfloat16)
+    policy = policy.replace(fp32=policy.fp32 - {"square", "integer_pow"})
+    w, x = jnp.eye(4) * 3.1, 1.0 + 1e-4 * jnp.arange(32.0).reshape(8, 4)
+    found = jamp.find_nonfinite(batch_norm, w, x, policy=policy)
+    assert found.primitive == "rsqrt" and found.output[0].nan > 0
+    assert found.produced_by is None and found.producer_remedy is None
+    assert "overflow" not in found.remedy.why
