@@ -166,3 +166,19 @@ def test_skips_at_the_minimum_scale_are_counted_and_shown():
 def test_skips_at_min_is_validated():
     with pytest.raises(ValueError, match="skips_at_min must be >= 0"):
         jamp.DynamicLossScale(skips_at_min=-1)
+
+
+# --- gradient dtypes with 16-bit parameters (documented contrast, training guide) -------------
+
+def test_scaled_gradients_are_float32_while_plain_ones_follow_the_parameters():
+    params = {"w": jnp.full((3, 2), 0.1, jnp.bfloat16)}
+
+    def region_loss(params, x):
+        with jamp.autocast():
+            return jnp.mean((x @ params["w"]) ** 2)
+
+    _, plain = jax.value_and_grad(region_loss)(params, GOOD[0])
+    _, scaled, _, _ = jamp.scaled_value_and_grad(region_loss)(
+        jamp.DynamicLossScale(), params, GOOD[0])
+    assert plain["w"].dtype == jnp.bfloat16 and scaled["w"].dtype == jnp.float32
+    np.testing.assert_allclose(scaled["w"], plain["w"].astype(jnp.float32), rtol=2 ** -7)
