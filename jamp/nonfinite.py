@@ -186,9 +186,7 @@ class Producer:
         scope = f", scope {self.scope}" if self.scope else ""
         text = f"`{self.primitive}` -> {self.dtype} at {where}{scope}"
         if self.output is not None and self.share_of_max is not None:
-            text += (
-                f": outputs {self.output}, {self.share_of_max:.2f} of {self.dtype}'s maximum"
-            )
+            text += f": outputs {self.output}, {self.share_of_max:.2f} of {self.dtype}'s maximum"
         return text
 
 
@@ -462,7 +460,10 @@ def _table_candidate(
         f"uses, which then arrives in float32{promoted}"
     )
     return Remedy(
-        "fp32-table entry", code + ")", policy.replace(**changes), equations_changed=changed,
+        "fp32-table entry",
+        code + ")",
+        policy.replace(**changes),
+        equations_changed=changed,
         why=why,
     )
 
@@ -529,7 +530,9 @@ def _candidates(
         # a matmul/conv whose float16 output overflowed: float32 at its line (after the scope
         # rules, which win a tie: a module path reads better than a line number)
         out.extend(
-            r for r in _producer_candidates(program, site, sites, site, overflow) if r.kind != "rule"
+            r
+            for r in _producer_candidates(program, site, sites, site, overflow)
+            if r.kind != "rule"
         )
     if policy.compute_dtype != F32:
         # Last resort, when nothing narrower works: no mixed precision at all.
