@@ -96,3 +96,17 @@ def test_other_subtractions_keep_the_promote_table():
     report = jamp.explain(lambda x, y: jnp.exp(x - jnp.max(y, -1, keepdims=True)), x, y,
                           policy=POLICY)
     assert report.ops["sub"] == {"float16": 1}
+
+
+def test_softmax_as_a_custom_jvp_call_is_caught_too():
+    """Under jax.softmax_custom_jvp(True) softmax arrives as a custom_jvp_call: the rule works
+    inside its body, and its JVP, in both forms."""
+    x = LOGITS[:, :3]
+    with jax.softmax_custom_jvp(True):
+        assert "custom_jvp_call" in str(jax.make_jaxpr(jax.nn.softmax)(x))
+        report = jamp.explain(jax.nn.softmax, x, policy=POLICY)
+        assert report.float32_reasons[("sub", "softmax shift (x - max(x) before exp)")] == 1
+        for form in ("transform", "region"):
+            fn = FORMS[form](lambda x: jax.nn.softmax(x)[:, 0].sum())
+            value, grad = jax.value_and_grad(fn)(x)
+            assert np.isfinite(float(value)) and bool(jnp.all(jnp.isfinite(grad)))
