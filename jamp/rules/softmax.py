@@ -8,8 +8,10 @@ arrive in, and with float16 logits of +-40,000 ``x - max(x)`` overflows to -inf 
 comes out inf or NaN). So a ``sub`` whose second operand is the max of its first (``reduce_max``
 of the same value, seen through ``max`` with a constant, ``select_n`` with a constant,
 ``stop_gradient``, converts and broadcasts, as jnp and ``jax.nn`` write it) takes both operands in
-float32; the ``exp``, the sum and the ``log`` that follow are fp32-table ops already, and the
-composite returns float32 (torch's ``softmax`` under autocast does too).
+float32, whether or not an ``exp`` follows (a region cannot look ahead, and the two forms must
+agree; with float16 the shift overflows whatever comes next); the ``exp``, the sum and the
+``log`` that follow are fp32-table ops already, and the composite returns float32 (torch's
+``softmax`` under autocast does too).
 
 The max itself runs in the dtype its operand arrives in: a max rounds nothing, so it is the
 same number in float32. Why a pattern on the operations and not on the callee's name: the
