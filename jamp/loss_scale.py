@@ -313,9 +313,8 @@ class MicroBatchLossScale(_LossScale):
     micro-batch. Skipping goes with it: the sum (or mean) of the step's gradients holds the
     overflowing micro-batch's inf or NaN, so the optimizer step is skipped as a whole by
     ``jamp.all_finite(accumulated)`` in a hand-written loop, or by
-    ``optax.MultiSteps(optax.apply_if_finite(tx, ...), every_k)``, whose inner optimizer sees the
-    accumulated gradients once per step. ``every_k`` must be the accumulation's (MultiSteps')
-    ``every_k_schedule``.
+    :func:`jamp.accumulate_micro_batches` (not ``optax.MultiSteps``, which keeps an inf in its
+    accumulator for good). ``every_k`` must be the accumulation's.
 
     Fields (all pytree leaves, so it passes through ``jax.jit``): ``inner`` the wrapped scale
     (``DynamicLossScale``, ``StaticLossScale`` or ``NoOpLossScale``), ``every_k`` micro-batches per
