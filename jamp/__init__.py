@@ -1,9 +1,11 @@
 """jamp: torch.autocast-style automatic mixed precision for JAX, as a program transformation."""
 
+from .accumulate import MicroBatchesState, accumulate_micro_batches
 from .float8_check import Float8FallbackWarning
 from .interpreter import RewriteError, UnsupportedPrimitiveWarning
 from .loss_scale import (
     DynamicLossScale,
+    MicroBatchLossScale,
     NoOpLossScale,
     StaticLossScale,
     all_finite,
@@ -31,9 +33,12 @@ __all__ = [
     "NoOpLossScale",
     "StaticLossScale",
     "DynamicLossScale",
+    "MicroBatchLossScale",
     "all_finite",
     "select_tree",
     "scaled_value_and_grad",
+    "accumulate_micro_batches",
+    "MicroBatchesState",
     "explain",
     "Report",
     "UnmatchedRuleWarning",

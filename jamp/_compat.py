@@ -773,8 +773,18 @@ def generic_size(size: Any) -> int:
     every symbol's generic value, so comparisons of sizes cannot be inconclusive."""
     if not jax.export.is_symbolic_dim(size):
         return int(size)
-    env: dict[str, Any] = {name: _GENERIC_DIM for name in size.get_vars()}
-    return int(size._evaluate(env))
+    # int64 values: the expression's constants are int32 numpy scalars, and NumPy 2 keeps a
+    # Python int times one of them in int32, which overflows from 2**31 (``b*s`` at 2**16 each
+    # did: RuntimeWarning or OverflowError). A size past int64 is "huge" for any comparison.
+    env: dict[str, Any] = {name: np.int64(_GENERIC_DIM) for name in size.get_vars()}
+    with np.errstate(over="raise"):
+        try:
+            return int(size._evaluate(env))
+        except (FloatingPointError, OverflowError):
+            return _HUGE_SIZE
+
+
+_HUGE_SIZE = 2**63 - 1
 
 
 def evaluate_dim(size: Any, env: dict[str, int]) -> int | None:

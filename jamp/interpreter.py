@@ -275,6 +275,9 @@ class Env:
         # because of the policy, and jnp's float32 promotions of them (-> the 16-bit value).
         self.lowered: set[Any] = set()
         self.upcast_of: dict[Any, Any] = {}
+        # What a registered tracker (``register_tracker``) learned about values, by tracker name:
+        # rules/softmax.py records which values are the max of which operand.
+        self.facts: dict[str, dict[Any, Any]] = {}
 
     @property
     def cotangent(self) -> set[Any]:
@@ -337,6 +340,8 @@ class Step:
         # Why a scaled-format rule let a lower-table op run in the value dtype instead (shown
         # by jamp.explain), e.g. "min_float8_flops".
         self.scaled_skip: str | None = None
+        # Why a rule ran the op in float32 where its table would not have (jamp.explain).
+        self.why: str | None = None
 
     @property
     def policy(self) -> Policy:
@@ -608,9 +613,23 @@ def _raised_in_jamp(err: BaseException) -> bool:
     )
 
 
+Tracker = Callable[["Step", Sequence[Any]], None]
+# Called with every equation and its outputs, in both front ends (the rewriter and the region):
+# a rule that must know where its operands came from records it here (rules/softmax.py).
+TRACKERS: list[Tracker] = []
+
+
+def register_tracker(tracker: Tracker) -> Tracker:
+    """Register ``tracker(step, outs)``, run after every equation (see ``Env.facts``)."""
+    TRACKERS.append(tracker)
+    return tracker
+
+
 def track_derived(step: Step, outs: Sequence[Any]) -> None:
     """Remember what later promotions need to know about this equation's outputs."""
     name, env = step.eqn.primitive.name, step.env
+    for tracker in TRACKERS:
+        tracker(step, outs)
     if step.rewriter.region:
         _track_lowered(step, outs)
     if step.policy.category(name) == "lower" and step.state.enabled:

@@ -220,6 +220,15 @@ class DynamicLossScale(_LossScale):
     ``max_loss_scale`` finite and >= ``loss_scale``. Values under ``jax.jit`` (tracers) are not
     checked.
 
+    ``skips_at_min`` counts the consecutive steps that overflowed while the scale already sat
+    at ``min_loss_scale``: there it cannot back off any further, so the overflow is not the
+    loss scale's doing (a parameter or an activation out of the compute dtype's range,
+    ``jamp.find_nonfinite`` names it) and every step is skipped until it is fixed. It shows in
+    the repr and resets on a finite step; a loop checks it where it logs::
+
+        if int(scale.skips_at_min) > 0:   # the last step(s) skipped at the minimum scale
+            raise FloatingPointError(f"overflow at the minimum loss scale: {scale}")
+
     Example::
 
         scale = jamp.DynamicLossScale(loss_scale=2.0 ** 15, period=2000, factor=2)
@@ -233,6 +242,7 @@ class DynamicLossScale(_LossScale):
     factor: Any = 2
     min_loss_scale: Any = 1.0
     max_loss_scale: Any = F32_MAX
+    skips_at_min: Any = 0
 
     def __post_init__(self) -> None:
         name = "DynamicLossScale"
@@ -241,6 +251,7 @@ class DynamicLossScale(_LossScale):
         scale = _check_scale(name, "loss_scale", self.loss_scale)
         period = _check_count(name, "period", self.period, 1)
         counter = _check_count(name, "counter", self.counter, 0)
+        _check_count(name, "skips_at_min", self.skips_at_min, 0)
         if counter is not None and period is not None and counter >= period:
             raise ValueError(
                 f"{name}.counter must be < period ({period}), got {counter}: the "
@@ -266,6 +277,7 @@ class DynamicLossScale(_LossScale):
             ("factor", F32),
             ("min_loss_scale", F32),
             ("max_loss_scale", F32),
+            ("skips_at_min", jnp.int32),
         ):
             object.__setattr__(self, field, _coerce(getattr(self, field), dtype))
 
@@ -277,14 +289,89 @@ class DynamicLossScale(_LossScale):
         )
         backed_off = jnp.maximum(self.min_loss_scale, self.loss_scale / self.factor)
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        at_min = self.loss_scale <= self.min_loss_scale
         values.update(
             loss_scale=jnp.where(grads_finite, grown, backed_off),
             counter=jnp.where(grads_finite, jnp.where(grow, 0, self.counter + 1), 0),
+            skips_at_min=jnp.where(
+                grads_finite, 0, jnp.where(at_min, self.skips_at_min + 1, 0)
+            ).astype(jnp.int32),
         )
         return _unchecked(DynamicLossScale, **values)
 
 
-LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale
+@_register
+@dataclasses.dataclass(frozen=True)
+class MicroBatchLossScale(_LossScale):
+    """A loss scale for gradient accumulation: one skip decision and one scale update per
+    optimizer step, over ``every_k`` micro-batches, as torch's ``GradScaler`` makes them.
+
+    Every micro-batch of a step is scaled with the same scale; ``adjust(finite)``, called once per
+    micro-batch (as ``jamp.scaled_value_and_grad`` does), remembers whether all of the step's
+    micro-batches were finite and adjusts the wrapped scale once, at the ``every_k``-th call,
+    with that verdict: one overflowing micro-batch backs a dynamic scale off once, not once per
+    micro-batch. Skipping goes with it: the sum (or mean) of the step's gradients holds the
+    overflowing micro-batch's inf or NaN, so the optimizer step is skipped as a whole by
+    ``jamp.all_finite(accumulated)`` in a hand-written loop, or by
+    :func:`jamp.accumulate_micro_batches` (not ``optax.MultiSteps``, which keeps an inf in its
+    accumulator for good). ``every_k`` must be the accumulation's.
+
+    Fields (all pytree leaves, so it passes through ``jax.jit``): ``inner`` the wrapped scale
+    (``DynamicLossScale``, ``StaticLossScale`` or ``NoOpLossScale``), ``every_k`` micro-batches per
+    step (int >= 1), ``mini_step`` the micro-batches of the current step seen so far (in
+    ``[0, every_k)``), ``finite`` whether all of them were finite.
+
+    Example::
+
+        scale = jamp.MicroBatchLossScale(jamp.DynamicLossScale(2.0 ** 15), every_k=4)
+        for finite in [True, False, True, True]:       # one step; micro-batch 2 overflows
+            scale = scale.adjust(jnp.asarray(finite))
+        float(scale.loss_scale)                        # 2.0 ** 14: backed off once
+    """
+
+    inner: Any
+    every_k: Any = 1
+    mini_step: Any = 0
+    finite: Any = True
+
+    def __post_init__(self) -> None:
+        name = "MicroBatchLossScale"
+        if not isinstance(self.inner, _LossScale) or isinstance(self.inner, MicroBatchLossScale):
+            raise TypeError(
+                f"{name}.inner must be a jamp.DynamicLossScale, StaticLossScale or "
+                f"NoOpLossScale, got {_describe(self.inner)}"
+            )
+        every_k = _check_count(name, "every_k", self.every_k, 1)
+        mini_step = _check_count(name, "mini_step", self.mini_step, 0)
+        if every_k is not None and mini_step is not None and mini_step >= every_k:
+            raise ValueError(f"{name}.mini_step must be < every_k ({every_k}), got {mini_step}")
+        if not compat.is_tracer(self.finite) and not isinstance(self.finite, jax.ShapeDtypeStruct):
+            if np.asarray(self.finite).dtype != np.bool_ or np.shape(self.finite) != ():
+                raise TypeError(f"{name}.finite must be a scalar bool, got {self.finite!r}")
+        for field, dtype in (("every_k", jnp.int32), ("mini_step", jnp.int32), ("finite", bool)):
+            object.__setattr__(self, field, _coerce(getattr(self, field), dtype))
+
+    @property
+    def loss_scale(self) -> jax.Array:  # type: ignore[override]
+        return self.inner.loss_scale
+
+    def adjust(self, grads_finite: jax.Array) -> MicroBatchLossScale:
+        """Record one micro-batch; at the ``every_k``-th, adjust the wrapped scale once."""
+        grads_finite = _check_grads_finite(grads_finite)
+        finite = jnp.logical_and(self.finite, grads_finite)
+        mini_step = self.mini_step + 1
+        last = mini_step >= self.every_k
+        inner = select_tree(last, self.inner.adjust(finite), self.inner)
+        return _unchecked(
+            MicroBatchLossScale,
+            inner=inner,
+            every_k=self.every_k,
+            mini_step=jnp.where(last, 0, mini_step).astype(jnp.int32),
+            finite=jnp.logical_or(last, finite),
+        )
+
+
+LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale | MicroBatchLossScale
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -453,7 +540,9 @@ def scaled_value_and_grad(
     return step
 
 
-_LOSS_SCALES = "a jamp loss scale (NoOpLossScale, StaticLossScale or DynamicLossScale)"
+_LOSS_SCALES = (
+    "a jamp loss scale (NoOpLossScale, StaticLossScale, DynamicLossScale or MicroBatchLossScale)"
+)
 
 
 def _is_arraylike(x: Any) -> bool:

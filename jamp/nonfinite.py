@@ -16,6 +16,7 @@ for the operand values. Remedies are verified with the same compiled pass.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from .probe import (
     Observer,
     Program,
     Site,
+    _is_library,
     bind,
     decision,
     floating_outputs,
@@ -92,11 +94,18 @@ class _Found(Exception):
 
 
 class _StopAtNonFinite(Observer):
-    """Eager walk: stops at the first site whose concrete outputs are not all finite."""
+    """Eager walk: stops at the first site whose concrete outputs are not all finite; keeps the
+    output range of each 16-bit lower-table site on the way (the producers of large values)."""
 
     kind = "eager"
 
+    def __init__(self, lower: frozenset[str] = frozenset()) -> None:
+        self.lower = lower
+        self.ranges: dict[int, ValueRange] = {}  # id(eqn) -> its last output's range
+
     def measure(self, site, invals, outs, iters):
+        if site.primitive in self.lower and site.sixteen_bit and outs:
+            self.ranges[id(site.eqn)] = ValueRange.of(outs[0])
         if not all(
             bool(np.isfinite(np.asarray(o, np.float32)).all()) for o in floating_outputs(outs)
         ):
@@ -149,9 +158,36 @@ class Remedy:
     policy: Policy = dataclasses.field(repr=False)
     loss_scale: float | None = None
     equations_changed: int = 0
+    why: str = ""  # what the change does and why it helps here, in words
 
     def __str__(self) -> str:
-        return f"{self.kind}: {self.code}"
+        return f"{self.kind}: {self.code}" + (f"\n      ({self.why})" if self.why else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Producer:
+    """The matmul or convolution (lower-table op) whose outputs the first non-finite equation's
+    operands came from, following them back through the program.
+
+    ``share_of_max``: the largest magnitude among its outputs as a share of its dtype's maximum
+    (0.64 for outputs reaching 42,000 in float16), None where it was not measured.
+    """
+
+    primitive: str
+    dtype: str
+    source: str
+    caller: str | None
+    scope: str
+    output: ValueRange | None
+    share_of_max: float | None
+
+    def __str__(self) -> str:
+        where = self.source + (f", called from {self.caller}" if self.caller else "")
+        scope = f", scope {self.scope}" if self.scope else ""
+        text = f"`{self.primitive}` -> {self.dtype} at {where}{scope}"
+        if self.output is not None and self.share_of_max is not None:
+            text += f": outputs {self.output}, {self.share_of_max:.2f} of {self.dtype}'s maximum"
+        return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +209,11 @@ class NonFinite:
         finite (None if it cannot run in float32).
       remedy: the narrowest verified change that makes the call finite, or None.
       tried: every change tried, with whether it made the call finite.
+      produced_by: the matmul or convolution (lower-table op) the out-of-range operands came
+        from (a :class:`Producer`), followed back through the program; None if none feeds it.
+      producer_remedy: a verified change at that producer (its source line or scope in
+        float32), when one makes the call finite; the fix at the cause rather than where the
+        inf appeared.
     """
 
     primitive: str
@@ -189,6 +230,8 @@ class NonFinite:
     remedy: Remedy | None
     tried: tuple
     index: int
+    produced_by: Producer | None = None
+    producer_remedy: Remedy | None = None
 
     @property
     def equation(self) -> str:
@@ -216,11 +259,15 @@ class NonFinite:
             self.float32_finite
         ]
         lines.append(f"  the same equation in float32 on these operands: {f32}")
+        if self.produced_by is not None:
+            lines.append(f"  its operands came from {self.produced_by}")
         if self.remedy is not None:
             lines.append(f"  remedy (verified, the call is then finite): {self.remedy}")
-        else:
-            tried = "; ".join(str(r) for r, _ in self.tried)
-            lines.append("  no remedy found" + (f": tried {tried}" if tried else ""))
+        if self.producer_remedy is not None and self.producer_remedy != self.remedy:
+            lines.append(f"  remedy at that producer (verified): {self.producer_remedy}")
+        if self.remedy is None and self.producer_remedy is None:
+            lines.append("  no remedy found" + (", tried:" if self.tried else ""))
+            lines += [f"    {r}" for r, _ in self.tried]
         return "\n".join(lines)
 
 
@@ -255,12 +302,15 @@ def find_nonfinite(
         return None
     sites = program.sites(_FirstNonFinite.kind)
     site = sites[first]
-    found = _drill_down(program, leaves)
+    walk = _StopAtNonFinite(frozenset(program.policy.lower))
+    found = _drill_down(program, leaves, walk)
     if found is None:  # finite op by op: only the compiled program (XLA fusion) overflowed
         found = _Found(site, [], [], tuple(where))
     site = found.site
     f32 = _finite_in_float32(site, found.invals) if found.invals else None
-    candidates = _candidates(program, site, sites, f32)
+    outputs = [ValueRange.of(v) for v in found.outs]
+    overflow = any(r.inf for r in outputs)
+    candidates = _candidates(program, site, sites, f32, overflow)
     tried, remedy = [], None
     for candidate in candidates[:max_remedies]:
         ok = _verify(fn, candidate, program, leaves, grad, args, kwargs)
@@ -268,6 +318,19 @@ def find_nonfinite(
         if ok:
             remedy = candidate
             break
+    producer_site = _producer(program.policy, site, sites) if overflow else None
+    producer, producer_remedy = None, None
+    if producer_site is not None:
+        producer = _describe_producer(producer_site, walk.ranges.get(id(producer_site.eqn)))
+        if producer.share_of_max is not None and producer.share_of_max < _LARGE:
+            producer = producer_site = None  # its outputs were small: not what overflowed
+    if producer_site is not None:
+        for candidate in _producer_candidates(program, producer_site, sites, site, overflow):
+            ok = candidate == remedy or _verify(fn, candidate, program, leaves, grad, args, kwargs)
+            tried.append((candidate, ok))
+            if ok:
+                producer_remedy = candidate
+                break
     backward_of = None
     if site.backward:
         forward = forward_site(site, sites)
@@ -286,11 +349,13 @@ def find_nonfinite(
         iterations=tuple(zip(site.loops, found.iters)),
         backward_of=backward_of,
         operands=tuple(ValueRange.of(v) for v in found.invals),
-        output=tuple(ValueRange.of(v) for v in found.outs),
+        output=tuple(outputs),
         float32_finite=f32,
         remedy=remedy,
         tried=tuple(tried),
         index=site.index,
+        produced_by=producer,
+        producer_remedy=producer_remedy,
     )
 
 
@@ -299,9 +364,11 @@ def _first(program: Program, leaves: Sequence[Any], scale: float = 1.0) -> tuple
     return int(first), [int(i) for i in np.asarray(where)]
 
 
-def _drill_down(program: Program, leaves: Sequence[Any]) -> _Found | None:
+def _drill_down(
+    program: Program, leaves: Sequence[Any], observer: _StopAtNonFinite
+) -> _Found | None:
     try:
-        program.walk_eagerly(_StopAtNonFinite(), leaves)
+        program.walk_eagerly(observer, leaves)
     except _Found as found:
         return found
     return None
@@ -371,20 +438,50 @@ def _ancestors(site: Site, sites: dict[int, Site], limit: int = 24) -> list[Site
     return out
 
 
-def _table_candidate(policy: Policy, name: str, sites: dict[int, Site]) -> Remedy:
+def _table_candidate(
+    policy: Policy, name: str, sites: dict[int, Site], site: Site, overflow: bool
+) -> Remedy:
     changes = {"fp32": policy.fp32 | {name}}
     code = f'policy.replace(fp32=policy.fp32 | {{"{name}"}}'
     if name in policy.promote:
         changes["promote"] = policy.promote - {name}
         code += f', promote=policy.promote - {{"{name}"}}'
     changed = sum(1 for s in sites.values() if s.primitive == name and s.sixteen_bit)
+    every = f"runs every `{name}` ({_count(changed)}) in float32"
+    promoted = (
+        f" (the promote table runs `{site.primitive}` in the widest dtype its operands arrive in)"
+        if policy.category(site.primitive) == "promote"
+        else ""
+    )
+    why = (
+        f"{every}: the one that overflowed {_dtype_name(site)} is finite in float32"
+        if name == site.primitive
+        else f"{every}: one of them computes a value the {_bad(overflow)} `{site.primitive}` "
+        f"uses, which then arrives in float32{promoted}"
+    )
     return Remedy(
-        "fp32-table entry", code + ")", policy.replace(**changes), equations_changed=changed
+        "fp32-table entry",
+        code + ")",
+        policy.replace(**changes),
+        equations_changed=changed,
+        why=why,
     )
 
 
+def _bad(overflow: bool) -> str:
+    return "overflowing" if overflow else "non-finite"
+
+
+def _count(n: int) -> str:
+    return f"{n} equation{'s' if n != 1 else ''}"
+
+
+def _dtype_name(site: Site) -> str:
+    return getattr(site.out_dtype, "name", str(site.out_dtype))
+
+
 def _candidates(
-    program: Program, site: Site, sites: dict[int, Site], f32: bool | None
+    program: Program, site: Site, sites: dict[int, Site], f32: bool | None, overflow: bool
 ) -> list[Remedy]:
     """Changes that could make the call finite, fewest equations affected first."""
     policy = program.policy
@@ -398,6 +495,10 @@ def _candidates(
                     f"jamp.StaticLossScale(2.0 ** -{exponent})",
                     policy,
                     loss_scale=2.0**-exponent,
+                    why=f"multiplies the loss by 2**-{exponent} before differentiating: the "
+                    "forward pass is finite and the inf appeared in the backward pass, whose "
+                    f"{_dtype_name(site)} cotangents are then {2**exponent} times smaller "
+                    "(unscale the gradients by the same factor: jamp.scaled_value_and_grad does)",
                 )
             )
     tabled = set()
@@ -410,7 +511,7 @@ def _candidates(
             and policy.category(name) in (None, "promote")
         ):
             tabled.add(name)
-            out.append(_table_candidate(policy, name, sites))
+            out.append(_table_candidate(policy, name, sites, site, overflow))
     path = site.state.path
     for depth in range(len(path), 0, -1):
         pattern = "/".join(_glob_escape(p) for p in path[:depth])
@@ -421,7 +522,17 @@ def _candidates(
                 f'policy.replace(rules=policy.rules + (("{pattern}", jnp.float32),))',
                 policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
                 equations_changed=changed,
+                why=f"runs everything under scope {pattern} ({_count(changed)}) in float32, "
+                f"the `{site.primitive}` that overflowed included",
             )
+        )
+    if site.primitive in policy.lower and site.sixteen_bit and f32:
+        # a matmul/conv whose float16 output overflowed: float32 at its line (after the scope
+        # rules, which win a tie: a module path reads better than a line number)
+        out.extend(
+            r
+            for r in _producer_candidates(program, site, sites, site, overflow)
+            if r.kind != "rule"
         )
     if policy.compute_dtype != F32:
         # Last resort, when nothing narrower works: no mixed precision at all.
@@ -431,9 +542,96 @@ def _candidates(
                 "policy.replace(compute_dtype=jnp.float32)",
                 policy.replace(compute_dtype=jnp.float32),
                 equations_changed=sum(s.sixteen_bit for s in sites.values()),
+                why="turns mixed precision off: every operation runs in float32 (the last "
+                "resort, tried when no narrower change is)",
             )
         )
     return sorted(out, key=lambda r: r.equations_changed)  # stable: milder loss scales first
+
+
+# --- the producer of the out-of-range values -----------------------------------------------------
+
+# A producer is named when its outputs reached this share of their dtype's maximum: smaller
+# values are not what overflowed downstream (a product or a sum of values near 1% of float16's
+# maximum already overflows only when it multiplies them by ~100).
+_LARGE = 0.01
+
+
+def _producer(policy: Policy, site: Site, sites: dict[int, Site]) -> Site | None:
+    """The nearest 16-bit lower-table equation (matmul, conv) that ``site``'s operands were
+    computed from, in its jaxpr (the operands followed back, breadth first)."""
+    if site.primitive in policy.lower:
+        return None  # the matmul itself overflowed: it is its own producer
+    for ancestor in _ancestors(site, sites, limit=400):
+        if ancestor.primitive in policy.lower and ancestor.sixteen_bit:
+            return ancestor
+    return None
+
+
+def _describe_producer(site: Site, output: ValueRange | None) -> Producer:
+    share = None
+    if output is not None and output.min == output.min:  # some finite values
+        largest = max(abs(output.min), abs(output.max))
+        share = largest / float(jnp.finfo(site.out_dtype).max)
+    return Producer(
+        site.primitive, _dtype_name(site), site.source, site.caller, site.scope, output, share
+    )
+
+
+def _own_line(site: Site) -> tuple[str, int] | None:
+    """The innermost frame of the user's own code the equation was traced from."""
+    for file, line, _ in compat.user_frames(site.eqn):
+        if not _is_library(file):
+            return file, line
+    return None
+
+
+def _producer_candidates(
+    program: Program, producer: Site, sites: dict[int, Site], site: Site, overflow: bool
+) -> list[Remedy]:
+    """Float32 at the producer: its scope (a rule on its module path), then its source line (a
+    '@file:line' rule)."""
+    policy = program.policy
+    out = []
+    own = _own_line(producer)
+    what = (
+        f"the `{producer.primitive}` that overflowed"
+        if producer is site
+        else f"the `{producer.primitive}` whose outputs the {_bad(overflow)} `{site.primitive}` "
+        "uses"
+    )
+    if producer.state.path:
+        pattern = "/".join(_glob_escape(p) for p in producer.state.path)
+        depth = len(producer.state.path)
+        changed = sum(1 for s in sites.values() if s.state.path[:depth] == producer.state.path)
+        out.append(
+            Remedy(
+                "rule",
+                f'policy.replace(rules=policy.rules + (("{pattern}", jnp.float32),))',
+                policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
+                equations_changed=changed,
+                why=f"runs everything under scope {pattern} ({_count(changed)}) in float32, "
+                f"{what} included: its outputs are then float32",
+            )
+        )
+    if own is not None:
+        file, line = own
+        glob = f"@{_glob_escape(os.path.basename(file))}:{line}"
+        changed = sum(
+            1 for s in sites.values() if (file, line) in [f[:2] for f in compat.user_frames(s.eqn)]
+        )
+        out.append(
+            Remedy(
+                "line rule",
+                f'policy.replace(rules=policy.rules + (("{glob}", jnp.float32),))',
+                policy.replace(rules=policy.rules + ((glob, jnp.float32),)),
+                equations_changed=changed,
+                why=f"runs the operations traced from {os.path.basename(file)}:{line} "
+                f"({_count(changed)}) in float32, {what} among them: its outputs, and what is "
+                "computed from them, are then float32",
+            )
+        )
+    return out
 
 
 def _verify(

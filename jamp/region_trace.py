@@ -180,6 +180,8 @@ class RegionEnv(Env):
         self.lowered.discard(var)
         self.known.pop(var, None)
         self.upcast_of.pop(var, None)
+        for facts in self.facts.values():
+            facts.pop(var, None)
         self.casts.forget(var)
 
 

@@ -46,8 +46,9 @@ class Report:
       float8_flop_share: share of those FLOPs on float8 operands (``Policy(jnp.float8_e4m3fn)``).
       float32_reasons: (primitive, reason) -> equations that produced float32/float64, where the
         reason is ``"fp32 table"``, ``"region"``, ``"rule '<glob>'"``, ``"float64"``,
-        ``"accumulate_dtype"``, ``"explicit preferred_element_type"``, ``"compute dtype"`` or
-        ``"inputs arrived in float32"``.
+        ``"accumulate_dtype"``, ``"explicit preferred_element_type"``, ``"compute dtype"``,
+        ``"inputs arrived in float32"`` or a rule's own reason (``"softmax shift (x - max(x)
+        before exp)"``, rules/softmax.py).
       calls: higher-order primitives (jit, scan, cond, ...) whose bodies were rewritten.
       unmatched_rules: the ``Policy.rules`` whose glob matched no scope of the function, each
         with the closest scope paths seen (``jamp.policy.UnmatchedRule``; ``.message()`` says why).
@@ -254,6 +255,8 @@ class Recorder:
             return "float64"
         if not step.state.enabled:
             return step.state.decided_by
+        if step.why is not None:
+            return step.why
         if category == "fp32":
             return "fp32 table"
         if category == "lower":

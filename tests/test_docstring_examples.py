@@ -19,7 +19,8 @@ import pytest
 import jamp
 import tracing
 
-RUNNABLE = [jamp.scaled_value_and_grad, jamp.DynamicLossScale, jamp.Policy.from_string]
+RUNNABLE = [jamp.scaled_value_and_grad, jamp.DynamicLossScale, jamp.Policy.from_string,
+            jamp.MicroBatchLossScale, jamp.accumulate_micro_batches]
 
 # The literal block after "Example::": its indented lines (and blank lines between them).
 EXAMPLE = re.compile(r"Example::\n\n((?:[ \t]+\S.*\n|\n)+)")
@@ -52,3 +53,29 @@ def test_dynamic_loss_scale_example_backs_off():
     exec(example(jamp.DynamicLossScale), namespace)
     assert float(namespace["scale"].loss_scale) == 2.0**14
     assert int(namespace["scale"].counter) == 0
+
+
+def _public_objects():
+    for module in (jamp, tracing):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            yield f"{module.__name__}.{name}", obj
+            for attr, member in vars(obj).items() if inspect.isclass(obj) else ():
+                if callable(member) and not attr.startswith("_"):
+                    yield f"{module.__name__}.{name}.{attr}", member
+
+
+def test_no_example_uses_a_name_after_deleting_it():
+    """A docstring example that deletes a name (``del variables``) must not use it again
+    (tracing.freeze's did: issue 32)."""
+    for where, obj in _public_objects():
+        match = EXAMPLE.search((inspect.getdoc(obj) or "") + "\n")
+        if not match:
+            continue
+        deleted = set()
+        for line in textwrap.dedent(match.group(1)).splitlines():
+            code = line.split("#", 1)[0]
+            used = set(re.findall(r"\b[A-Za-z_]\w*\b", code))
+            assert not (used & deleted), f"{where}: uses {used & deleted} after del: {line!r}"
+            if code.strip().startswith("del "):
+                deleted |= {n.strip() for n in code.strip()[4:].split(",")}

@@ -207,7 +207,7 @@ def test_scales_made_of_tracers_and_placeholders_are_not_validated():
     assert float(made.loss_scale) == 16.0
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(scale)[0]]
     assert paths == [".loss_scale", ".counter", ".period", ".factor", ".min_loss_scale",
-                     ".max_loss_scale"]
+                     ".max_loss_scale", ".skips_at_min"]
 
 
 # --- scale/unscale accept Python and numpy scalars -----------------------------------------------

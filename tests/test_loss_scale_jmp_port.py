@@ -64,7 +64,7 @@ def test_dynamic_loss_scale_tree():
     loss_scale = jamp.DynamicLossScale(scale, counter, period, factor)
     # jmp: the leaves are [scale, counter]. jamp: every field, so all of them survive jit.
     assert jax.tree_util.tree_leaves(loss_scale) == [
-        scale, counter, period, factor, 1.0, np.finfo(np.float32).max]
+        scale, counter, period, factor, 1.0, np.finfo(np.float32).max, 0]
     assert jax.tree_util.tree_map(lambda x: x, loss_scale) == loss_scale
 
 

@@ -400,3 +400,26 @@ def test_values_made_from_the_batch_size_stay_in_the_frozen_program():
     for batch in (2, 5):
         x = jax.random.normal(jax.random.key(batch), (batch, 3))
         chex.assert_trees_all_close(served(x), fn(variables, x), atol=1e-6)
+
+
+def test_export_with_two_symbolic_dims_under_a_policy_warns_nothing():
+    """Sizes like b*s*64 were evaluated at b = s = 2**16 in int32 (RuntimeWarning: overflow
+    encountered in scalar multiply, or an OverflowError): issue 32."""
+    import warnings
+
+    from jamp import _compat
+
+    def layer(x, w, b):
+        return jax.nn.relu(x @ w + b).sum(-1)
+
+    x = jax.ShapeDtypeStruct(jax.export.symbolic_shape("b, s, 16"), jnp.float32)
+    w, b = jax.ShapeDtypeStruct((16, 16), jnp.float32), jax.ShapeDtypeStruct((16,), jnp.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exported = jax.export.export(jax.jit(jamp.autocast_transform(layer)))(x, w, b)
+    out = exported.call(jnp.ones((2, 3, 16)), jnp.ones((16, 16)), jnp.ones(16))
+    assert out.shape == (2, 3)
+    a, bb, s, m = jax.export.symbolic_shape("a, b, s, max(b, 2)")
+    assert _compat.generic_size(64 * bb * s) == 64 * 2**32
+    assert _compat.generic_size(s * m) == 2**32
+    assert _compat.generic_size(a * a * bb * bb * s) == 2**63 - 1   # past int64: "huge"

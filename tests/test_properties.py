@@ -260,9 +260,10 @@ def expected_dtype(program: tuple, d: Optional[np.dtype] = F32) -> Optional[np.d
         elif kind == "where":
             d = d if op[1] == "leaky" else _promote(d, F32)
         elif kind == "reduce":
-            # reduce_max is in no table; a float32 sum/mean combined with h is computed, not a
-            # parameter, so it is no bias epilogue: the add/sub promotes (README "Bias adds").
-            d = d if op[1] == "max" else F32
+            # h - max(h) is a softmax's shift, float32 (rules/softmax.py); a float32 sum/mean
+            # combined with h is computed, not a parameter, so it is no bias epilogue: the
+            # add/sub promotes (README "Bias adds").
+            d = F32
         elif kind == "concat":
             d = d if op[1] == "halves" else _promote(d, F32)
         elif kind in ("jit", "remat"):

@@ -1,4 +1,4 @@
 """Rules for higher-order and context-dependent primitives; importing this package registers
 them into ``RULES``."""
 
-from . import calls, control_flow, custom_ad, float8, indexing, parallel, powers  # noqa: F401
+from . import calls, control_flow, custom_ad, float8, indexing, parallel, powers, softmax  # noqa: F401

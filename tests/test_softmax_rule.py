@@ -1,0 +1,112 @@
+"""Softmax-family composites take float32 inputs under both forms (issue 32, item 2)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp
+
+F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
+POLICY = jamp.Policy(jnp.float16)
+# float16 logits of +-40,000: x - max(x) is -80,000, past float16's 65,504.
+LOGITS = jnp.array([[40000.0, -40000.0, 1.0, 2.0], [-40000.0, 40000.0, 2.0, 3.0]], jnp.float16)
+LABELS = jnp.array([1, 0])
+
+
+def int_labels(logits):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, LABELS)
+
+
+def one_hot(logits):
+    return optax.softmax_cross_entropy(logits, jax.nn.one_hot(LABELS, 4))
+
+
+def by_hand(logits):
+    return -jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(LABELS, 4), axis=-1)
+
+
+LOSSES = {"int_labels": int_labels, "one_hot": one_hot, "log_softmax": by_hand}
+FORMS = {
+    "transform": lambda fn: jamp.autocast_transform(fn, POLICY),
+    "region": lambda fn: jamp.autocast(jnp.float16)(fn),
+    "region_jit": lambda fn: jax.jit(jamp.autocast(jnp.float16)(fn)),
+}
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("loss", sorted(LOSSES))
+def test_float16_logits_of_40000_give_a_finite_loss(loss, form):
+    out = FORMS[form](LOSSES[loss])(LOGITS)
+    # torch's cross_entropy on these logits: 80,000 per example (the label's logit is 80,000
+    # below the max), in float32.
+    np.testing.assert_allclose(np.asarray(out, np.float32), [80000.0, 80000.0], rtol=1e-6)
+    assert out.dtype == F32
+
+
+@pytest.mark.parametrize("form", ["transform", "region"])
+def test_loss_and_grads_finite_when_a_float16_matmul_makes_the_logits(form):
+    w = jnp.array([[40000.0, -40000.0, 1.0, 2.0]])
+    x = jnp.array([[1.0], [-1.0]])
+
+    def loss(w, x):
+        return jnp.mean(by_hand(x @ w))
+
+    fn = FORMS[form](loss)
+    value, grads = jax.value_and_grad(fn)(w, x)
+    assert float(value) == 80000.0
+    np.testing.assert_allclose(grads, [[1.0, -1.0, 0.0, 0.0]], atol=1e-6)
+    # without the rule the shift runs in float16 and overflows
+    plain = jamp.autocast_transform(loss, POLICY.replace(fp32=POLICY.fp32 - {"exp"}))
+    assert not np.isfinite(float(plain(w, x)))
+
+
+@pytest.mark.parametrize("composite", [jax.nn.softmax, jax.nn.log_softmax,
+                                       lambda x: jax.nn.logsumexp(x, axis=-1)],
+                         ids=["softmax", "log_softmax", "logsumexp"])
+def test_the_shift_and_exp_run_in_float32_and_explain_says_why(composite):
+    x = jnp.linspace(-3.0, 3.0, 8, dtype=jnp.float32).reshape(2, 4)
+    fn = lambda x: composite(x.astype(jnp.float16))
+    report = jamp.explain(fn, x, policy=POLICY)
+    assert report.float32_reasons[("sub", "softmax shift (x - max(x) before exp)")] == 1
+    assert report.ops["exp"] == {"float32": 1}
+    with jamp.autocast(jnp.float16):
+        out = fn(x)
+    assert out.dtype == F32
+    np.testing.assert_allclose(out, composite(x.astype(jnp.float16).astype(jnp.float32)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_a_rank_one_log_softmax_is_caught_too():
+    """A rank-0 max broadcasts as a scalar would, which the promote table lets adapt (it would
+    run in float16): the rule still takes both operands in float32."""
+    x = jnp.array([40000.0, -40000.0], jnp.float16)
+    for fn in (jamp.autocast_transform(jax.nn.log_softmax, POLICY),
+               jamp.autocast(jnp.float16)(jax.nn.log_softmax)):
+        np.testing.assert_allclose(np.asarray(fn(x), np.float32), [0.0, -80000.0])
+
+
+def test_other_subtractions_keep_the_promote_table():
+    x = jnp.ones((2, 4), jnp.float16)
+    y = jnp.ones((2, 1), jnp.float16)
+    assert jamp.autocast_transform(lambda x, y: jnp.exp(x - y), POLICY)(x, y).dtype == F32
+    report = jamp.explain(lambda x, y: jnp.exp(x - y), x, y, policy=POLICY)
+    assert report.ops["sub"] == {"float16": 1}
+    # the max of another value is not this value's shift
+    report = jamp.explain(lambda x, y: jnp.exp(x - jnp.max(y, -1, keepdims=True)), x, y,
+                          policy=POLICY)
+    assert report.ops["sub"] == {"float16": 1}
+
+
+def test_softmax_as_a_custom_jvp_call_is_caught_too():
+    """Under jax.softmax_custom_jvp(True) softmax arrives as a custom_jvp_call: the rule works
+    inside its body, and its JVP, in both forms."""
+    x = LOGITS[:, :3]
+    with jax.softmax_custom_jvp(True):
+        assert "custom_jvp_call" in str(jax.make_jaxpr(jax.nn.softmax)(x))
+        report = jamp.explain(jax.nn.softmax, x, policy=POLICY)
+        assert report.float32_reasons[("sub", "softmax shift (x - max(x) before exp)")] == 1
+        for form in ("transform", "region"):
+            fn = FORMS[form](lambda x: jax.nn.softmax(x)[:, 0].sum())
+            value, grad = jax.value_and_grad(fn)(x)
+            assert np.isfinite(float(value)) and bool(jnp.all(jnp.isfinite(grad)))
