@@ -38,6 +38,7 @@ import dataclasses
 import fnmatch
 import math
 import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _compat as compat
-from jamp.policy import LINE_RULE, UnmatchedRuleWarning, is_line_rule, line_names, user_stacklevel
+from jamp.policy import LINE_RULE, UnmatchedRuleWarning, is_line_rule, line_names
 
 from .fold_constants import bind
 
@@ -460,5 +461,19 @@ def _warn_unmatched(rules: Rules, used: set[int], scopes: list[str], where: str)
             f"scopes are {shown}{' ...' if len(scopes) > 12 else ''}. Rules are globs over the "
             "whole '/'-joined scope path (or '@file.py:12' for code outside scopes)",
             UnmatchedRuleWarning,
-            stacklevel=user_stacklevel(),
+            stacklevel=_caller_level(),
         )
+
+
+_LIBRARIES = tuple(
+    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
+    for m in (jax, sys.modules["jamp"], sys.modules["tracing"])
+)
+
+
+def _caller_level() -> int:
+    """The stacklevel of the first frame outside tracing, jamp and JAX (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
