@@ -434,7 +434,7 @@ def quantize_weights(
 
         for eqn in jaxpr.eqns:
             for var in eqn.invars:
-                if var in plans and var not in dequantized:
+                if not isinstance(var, compat.Literal) and var in plans and var not in dequantized:
                     fmt, stored, scale = plans[var]
                     layout = layouts[var]
                     with compat.equation_context(eqn):  # the product's scope and source line
