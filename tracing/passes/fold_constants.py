@@ -174,7 +174,7 @@ def fold_or_bind(folder: Folder, eqn: Any, values: list) -> list[Any]:
     return bind(eqn, [folder.stage(v) for v in values])
 
 
-@register("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")
+@register("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
 def inline_call(folder: Folder, eqn: Any, values: list) -> list[Any]:
     """Calls carry no meaning for a frozen program: fold through their bodies, inlined."""
     body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
