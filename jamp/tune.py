@@ -1145,9 +1145,13 @@ def tune_weights(
         )
     if isinstance(candidates, (str, type, np.dtype)) or not isinstance(candidates, Iterable):
         candidates = (candidates,)
-    dtypes = tuple(dict.fromkeys(weight_dtype(c, "tune_weights: candidates") for c in candidates))
-    if not dtypes or None in dtypes:
-        raise ValueError("tune_weights: candidates must be one or more of int8, int4, float8")
+    checked = [weight_dtype(c, "tune_weights: candidates") for c in candidates]
+    dtypes = tuple(dict.fromkeys(d for d in checked if d is not None))
+    if not dtypes or len(dtypes) != len(set(checked)):
+        raise ValueError(
+            "tune_weights: candidates must be one or more of jnp.int8, jnp.int4, "
+            f"jnp.float8_e4m3fn (keeping a scope as frozen is always an option), got {candidates!r}"
+        )
     tolerance = _check_tolerance(tolerance)
     held_out = _check_inputs_tuple(check_inputs, calibration_inputs)
     found = kernels(closed)

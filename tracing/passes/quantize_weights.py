@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import math
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -118,9 +120,7 @@ def _int4_dequantize(packed: Any, scale: Any, rows: int, dtype: np.dtype) -> Any
 
 INT4 = np.dtype(jnp.int4)
 FORMATS: dict[np.dtype, Format] = {
-    np.dtype(np.int8): Format(
-        "int8", "per output channel", _int8_quantize, _plain_dequantize
-    ),
+    np.dtype(np.int8): Format("int8", "per output channel", _int8_quantize, _plain_dequantize),
     INT4: Format(
         "int4",
         f"per output channel and group of {GROUP} along the contraction",
@@ -233,7 +233,7 @@ class Layout:
         permuted = matrix.reshape([self.shape[d] for d in self.perm])
         if self.perm == tuple(range(len(self.perm))):
             return permuted
-        return jnp.transpose(permuted, np.argsort(self.perm))
+        return jnp.transpose(permuted, tuple(int(d) for d in np.argsort(self.perm)))
 
 
 def _layout(shape: tuple[int, ...], contracted: Sequence[int]) -> Layout:
@@ -387,7 +387,8 @@ def quantize_weights(
             f"{where}: weights= found no kernel to quantize: no matmul or convolution reads a "
             "floating constant of 16 or 32 bits (the variables folded in) at the top level of "
             "the frozen program; drop weights=, or check that the model has Dense/Conv layers "
-            "(kernels inside a scan or cond body are not quantized)"
+            "(kernels inside a scan or cond body are not quantized; a float8 policy stores its "
+            "kernels in float8 already)"
         )
     plans: dict[Any, tuple[Format, np.ndarray, np.ndarray]] = {}
     used: set[int] = set()
@@ -399,24 +400,20 @@ def quantize_weights(
         used |= matched
         aval = c.var.aval
         frozen_nbytes = int(aval.size * aval.dtype.itemsize)
+        record = functools.partial(Kernel, scope, aval.shape, aval.dtype.name, path=path)
         if dtype is None:
-            kept = Kernel(
-                scope, aval.shape, aval.dtype.name, aval.dtype.name, frozen_nbytes,
-                frozen_nbytes, "-", path, frames,
-            )  # fmt: skip
-            log is not None and log.append(kept)
+            if log is not None:
+                log.append(
+                    record(aval.dtype.name, frozen_nbytes, frozen_nbytes, "-", frames=frames)
+                )
             continue
         fmt = FORMATS[dtype]
         matrix = c.layout.matrix(np.asarray(c.value, np.float32))
         stored, scale = fmt.quantize(matrix, aval.dtype)
         plans[c.var] = (fmt, stored, scale)
         if log is not None:
-            log.append(
-                Kernel(
-                    scope, aval.shape, aval.dtype.name, fmt.name, stored.nbytes + scale.nbytes,
-                    frozen_nbytes, fmt.granularity, path, frames,
-                )  # fmt: skip
-            )
+            nbytes = stored.nbytes + scale.nbytes
+            log.append(record(fmt.name, nbytes, frozen_nbytes, fmt.granularity, frames=frames))
     _warn_unmatched(rules, used, scopes, where)
     if not plans:
         return closed
@@ -473,7 +470,8 @@ _LIBRARIES = tuple(
 
 def _caller_level() -> int:
     """The stacklevel of the first frame outside tracing, jamp and JAX (the user's call)."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
         frame, level = frame.f_back, level + 1
     return level
