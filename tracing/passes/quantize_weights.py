@@ -435,9 +435,12 @@ def quantize_weights(
                     fmt, stored, scale = plans[var]
                     layout = layouts[var]
                     with compat.equation_context(eqn):  # the product's scope and source line
-                        matrix = fmt.dequantize(
-                            jnp.asarray(stored), jnp.asarray(scale), layout.rows, var.aval.dtype
-                        )
+                        # XLA's constant folding would widen the kernel again at compile
+                        # time (the executable would hold it in float): a barrier keeps the
+                        # narrow constant, dequantized at run time (fused into the product's
+                        # fusion where the backend can).
+                        narrow = jax.lax.optimization_barrier((stored, scale))
+                        matrix = fmt.dequantize(*narrow, layout.rows, var.aval.dtype)
                         dequantized[var] = layout.kernel(matrix)
             for var, out in zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars])):
                 if not isinstance(var, compat.DropVar):
