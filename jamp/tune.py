@@ -51,6 +51,12 @@ The tuned policy computes in float32 wherever no rule lowers a scope, and keeps 
 field of the base policy; ``estimated_speedup`` compares its matmul/convolution time with the
 base policy's (``Policy()``, bfloat16 everywhere, by default), ``speedup_over_float32`` with
 float32's.
+
+``tune_weights`` makes the same choice for the weights of a frozen program
+(``tracing.freeze(..., weights=result)``): the options are int8, int4 or float8 storage or the
+kernel as frozen, the cost is stored bytes (scales included), a scope's sensitivity is the
+frozen program's output error with only that scope's kernels quantized, and the same greedy
+search, verification and back-off pick the fewest bytes within the tolerance.
 """
 
 from __future__ import annotations
@@ -1164,7 +1170,7 @@ def tune_weights(
     units: dict[str, _Unit] = {}
     for k in found:
         rule = "/".join(map(_escape, k.path)) if k.path else _escape(k.scope)
-        units.setdefault(k.scope, _Unit(k.scope, rule, k.path or None, None, [])).ops.append(0)
+        units.setdefault(k.scope, _Unit(k.scope, rule, k.path or None, None, []))
     order = list(units.values())
     as_rules = lambda choice: tuple(
         (u.rule, None if choice.get(u.name, F32) == F32 else choice[u.name]) for u in order

@@ -316,8 +316,8 @@ def freeze(
 
     ``weights=`` stores the matmul and convolution kernels quantized, dequantized right before
     each product in the dtype it reads them in (the policy's compute dtype): ``jnp.int8``
-    (a scale per output channel), ``jnp.int4`` (a scale per output channel and group of 128
-    along the contraction; packed two a byte), ``jnp.float8_e4m3fn`` (a scale per output
+    (a scale per output channel), ``jnp.int4`` (a scale per output channel and group of at most
+    128 along the contraction; packed two a byte), ``jnp.float8_e4m3fn`` (a scale per output
     channel); ``(glob, dtype or None)`` rules over scope paths as ``Policy.rules`` (``None``
     keeps a scope as frozen), or a ``jamp.tune_weights`` result. Biases, norms, embeddings read
     by a gather and every other constant stay as they were; ``frozen.kernels`` lists each

@@ -9,10 +9,11 @@ unchanged. Formats (``FORMATS``, a registry keyed by dtype):
 
 - ``int8``: symmetric, one scale per output channel (per index of the kernel's non-contracted
   dims): ``q = round(w / s)`` in ``[-127, 127]``, ``s = amax / 127``.
-- ``int4``: symmetric, one scale per group of 128 consecutive entries along the contracted dims
-  (flattened; one group when there are at most 128) and per output channel, values in
-  ``[-7, 7]``. ``jax.export`` stores a ``jnp.int4`` constant one byte a value, so the values are
-  packed two a byte into an int8 array and unpacked in the program by shifts.
+- ``int4``: symmetric, one scale per output channel and group of at most 128 consecutive
+  entries along the contracted dims (flattened, split into equal groups of an even size: 300
+  entries are 3 groups of 100), values in ``[-7, 7]``. ``jax.export`` stores a ``jnp.int4``
+  constant one byte a value, so the values are packed two a byte into an int8 array and
+  unpacked in the program by shifts.
 - ``float8_e4m3fn``: one scale per output channel, ``s = amax / 448`` (the format's max).
 
 Scales are stored in the dtype of the dequantized kernel. What stays as it was: kernels that
@@ -94,7 +95,11 @@ def _plain_dequantize(stored: Any, scale: Any, rows: int, dtype: np.dtype) -> An
 
 
 def _int4_group(rows: int) -> int:
-    return GROUP if rows > GROUP else rows + rows % 2  # one group, padded to pairs
+    """Equal groups of at most ``GROUP`` rows, an even number each (pairs share a byte): a
+    3x3x16 convolution's 144 rows are two groups of 72, not 128 and 16 padded to 256."""
+    groups = -(-rows // GROUP)
+    group = -(-rows // groups)
+    return group + group % 2
 
 
 def _int4_quantize(m: np.ndarray, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -123,7 +128,7 @@ FORMATS: dict[np.dtype, Format] = {
     np.dtype(np.int8): Format("int8", "per output channel", _int8_quantize, _plain_dequantize),
     INT4: Format(
         "int4",
-        f"per output channel and group of {GROUP} along the contraction",
+        f"per output channel and group of up to {GROUP} along the contraction",
         _int4_quantize,
         _int4_dequantize,
     ),
