@@ -439,14 +439,14 @@ def quantize_weights(
                 if not isinstance(var, compat.Literal) and var in plans and var not in dequantized:
                     fmt, stored, scale = plans[var]
                     layout = layouts[var]
-                    with compat.equation_context(eqn):  # the product's scope and source line
-                        # XLA's constant folding would widen the kernel again at compile
-                        # time (the executable would hold it in float): a barrier keeps the
-                        # narrow constant, dequantized at run time (fused into the product's
-                        # fusion where the backend can).
-                        narrow = jax.lax.optimization_barrier((stored, scale))
-                        matrix = fmt.dequantize(*narrow, layout.rows, var.aval.dtype)
-                        dequantized[var] = layout.kernel(matrix)
+                    # Emitted without the product's source info: jax.export stores an op's
+                    # location with each op, ~600 bytes a kernel (2-4% of a small CNN's blob).
+                    # XLA's constant folding would widen the kernel again at compile time (the
+                    # executable would hold it in float): a barrier keeps the narrow constant,
+                    # dequantized at run time (in the product's fusion where the backend can).
+                    narrow = jax.lax.optimization_barrier((stored, scale))
+                    matrix = fmt.dequantize(*narrow, layout.rows, var.aval.dtype)
+                    dequantized[var] = layout.kernel(matrix)
             for var, out in zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars])):
                 if not isinstance(var, compat.DropVar):
                     env[var] = out
