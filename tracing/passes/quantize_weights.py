@@ -444,8 +444,8 @@ def quantize_weights(
                     # XLA's constant folding would widen the kernel again at compile time (the
                     # executable would hold it in float): a barrier keeps the narrow constant,
                     # dequantized at run time (in the product's fusion where the backend can).
-                    narrow = jax.lax.optimization_barrier((stored, scale))
-                    matrix = fmt.dequantize(*narrow, layout.rows, var.aval.dtype)
+                    q, s = jax.lax.optimization_barrier((stored, scale))
+                    matrix = fmt.dequantize(q, s, layout.rows, var.aval.dtype)
                     dequantized[var] = layout.kernel(matrix)
             for var, out in zip(eqn.outvars, bind(eqn, [read(v) for v in eqn.invars])):
                 if not isinstance(var, compat.DropVar):
