@@ -84,7 +84,7 @@ def test_export_bytes_and_error_per_format(mlp):
     # 300 rows: 3 groups of 100, 150 packed rows, 3 float32 scales a column.
     assert kernels["MLP/body"].nbytes == 150 * 256 + 3 * 256 * 4
     assert kernels["MLP/body"].frozen_nbytes == 300 * 256 * 4
-    assert {k.stored for k in frozen["float32"].kernels} == set()
+    assert {k.stored for k in frozen["float32"].kernels} == {"float32"}  # as frozen
 
 
 def test_dequantizes_in_the_policys_compute_dtype(mlp):
@@ -342,3 +342,20 @@ def test_weight_rules_match_as_policy_rules():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert qw.weight_rules(jnp.int4) == (("*", np.dtype(jnp.int4)),)
+
+
+def test_report_lists_kernels_and_totals(mlp):
+    model, variables, x = mlp
+    report = tracing.freeze(model, variables, x, weights=(("*head*", None),
+                                                          ("*", jnp.int8))).report()
+    lines = report.splitlines()
+    assert lines[1].split()[:2] == ["MLP/body", "(300,"] and "int8" in lines[1]
+    assert "per output channel" in lines[1] and "float32" in lines[3]
+    size = 300 * 256 + 256 * 256 + 256 * 10
+    stored = 300 * 256 + 256 * 4 + 256 * 256 + 256 * 4 + 256 * 10 * 4
+    assert lines[-1] == (f"3 kernels: {stored:,} bytes stored, {stored / (4 * size):.3f}x of "
+                         f"float32 ({4 * size:,}), {stored / (2 * size):.3f}x of bfloat16 "
+                         f"({2 * size:,})")
+    plain = tracing.freeze(model, variables, x)
+    assert [k.stored for k in plain.kernels] == ["float32"] * 3 and "1.000x of float32" in \
+        plain.report()

@@ -34,7 +34,7 @@ from jamp.policy import Policy
 
 from . import passes
 from .passes.fold_constants import with_aval
-from .passes.quantize_weights import Kernel, Rules, weight_rules
+from .passes.quantize_weights import Kernel, Rules, kernel_report, kernels, weight_rules
 from .program import CannotRetrace, Program, callable_name
 from .signature import Signature, leaf_aval
 
@@ -58,8 +58,18 @@ class FrozenFunction(Program):
         "any size for the symbolic dimensions"
     )
     remade_by = "freezing it again"
-    # With ``weights=``: each matmul/convolution kernel's stored dtype and bytes (passes.Kernel).
+    # Each matmul/convolution kernel's scope, stored dtype and bytes (passes.Kernel).
     kernels: tuple[Kernel, ...] = ()
+
+    def report(self) -> str:
+        """Per kernel: scope, shape, stored dtype, bytes (scales included), scale granularity;
+        and the totals against the same kernels in float32 and in bfloat16.
+
+        Example::
+
+            print(tracing.freeze(model, variables, x, weights=jnp.int8).report())
+        """
+        return kernel_report(self.__name__, self.kernels)
 
     def __init__(
         self,
@@ -321,7 +331,7 @@ def freeze(
     channel); ``(glob, dtype or None)`` rules over scope paths as ``Policy.rules`` (``None``
     keeps a scope as frozen), or a ``jamp.tune_weights`` result. Biases, norms, embeddings read
     by a gather and every other constant stay as they were; ``frozen.kernels`` lists each
-    kernel's stored dtype and bytes. See ``passes/quantize_weights.py``.
+    kernel's stored dtype and bytes, ``frozen.report()`` as a table (``passes/quantize_weights``).
 
     Example::
 
@@ -407,6 +417,8 @@ class _Freezer:
         self.kernels = []
         if self.weights is not None:  # last: nothing may fold the dequantization back
             closed = passes.quantize_weights(closed, self.weights, "freeze", self.kernels)
+        else:
+            self.kernels = kernels(closed)
         return _owned(closed, leaves), jax.tree.structure(out_shape)
 
 

@@ -483,3 +483,25 @@ def _caller_level() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def kernel_report(name: str, found: Sequence[Kernel]) -> str:
+    """The text of ``FrozenFunction.report()``: a row per kernel, then the totals."""
+    if not found:
+        return f"{name}: no matmul or convolution kernel at the top level of the program"
+    width = max(len(k.scope) for k in found)
+    lines = [
+        f"{'scope':<{width}}  {'shape':<16}  {'stored':<14}  {'bytes':>11}  scales",
+        *(
+            f"{k.scope:<{width}}  {str(k.shape):<16}  {k.stored:<14}  {k.nbytes:>11,}  "
+            f"{k.granularity}"
+            for k in found
+        ),
+    ]
+    total = sum(k.nbytes for k in found)
+    size = sum(math.prod(k.shape) for k in found)
+    lines.append(
+        f"{len(found)} kernels: {total:,} bytes stored, {total / (4 * size):.3f}x of float32 "
+        f"({4 * size:,}), {total / (2 * size):.3f}x of bfloat16 ({2 * size:,})"
+    )
+    return "\n".join(lines)
