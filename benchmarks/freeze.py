@@ -11,7 +11,16 @@ median of per-round latency ratios over interleaved rounds, freeze time and the 
 agreement with the unfrozen one. Goals: frozen work equations <= no_bn; frozen latency <= 1.05x
 no_bn and < unfrozen.
 
+``--weights`` (issue 34) measures ``freeze(weights=...)`` instead: the exported blob's bytes
+(``len(frozen.export())``, scales included) and the relative L2 error of the outputs against the
+unfrozen float32 model on held-out inputs, per storage mode, for the tiny GPT of
+``examples/tiny_gpt.py`` (random init; d=64 as there, and d=256), and this CNN (BatchNorm
+statistics made non-trivial, folded before quantizing); plus a ``jamp.tune_weights`` choice
+(tolerance 2e-2, candidates int8 and int4, calibrated on other inputs). Goals: int8 <= 0.27x
+and int4 <= 0.15x of float32's bytes; int8 error <= 2e-2. Bytes and errors are deterministic.
+
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/freeze.py [--quick] [--rounds N]
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/freeze.py --weights
 """
 from __future__ import annotations
 
@@ -170,6 +179,63 @@ def run(batch: int, blocks: int, rounds: int, min_sample_s: float, freeze_reps: 
         f"frozen program: {frozen_primitives}", "", *goals])
 
 
+def weights_models() -> list[tuple[str, Any, Any, jax.Array, jax.Array, jax.Array]]:
+    """(name, model, variables, freeze input, calibration input, held-out input) per model."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "examples"))
+    import tiny_gpt
+
+    out = []
+    for d in (64, 256):
+        gpt = tiny_gpt.TinyGPT(d=d)
+        tokens = [jax.random.randint(jax.random.key(k), (8, 16), 0, tiny_gpt.VOCAB + 1)
+                  for k in (10, 11, 12)]
+        out.append((f"tiny GPT d={d}", gpt, gpt.init(jax.random.key(0), tokens[0]), *tokens))
+    cnn = ResNet(2)
+    images = [jax.random.normal(jax.random.key(k), (8, 32, 32, 3)) for k in (10, 11, 12)]
+    variables = trained_like(cnn.init(jax.random.key(1), images[0]), jax.random.key(2))
+    out.append(("ResNet-style CNN", cnn, variables, *images))
+    return out
+
+
+def weights_table() -> str:
+    import jamp
+
+    modes: dict[str, dict[str, Any]] = {
+        "float32": {},
+        "bfloat16 policy": dict(policy=jamp.Policy()),
+        "float8 policy": dict(policy=jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=0)),
+        "weights=int8": dict(weights=jnp.int8),
+        "weights=float8_e4m3fn": dict(weights=jnp.float8_e4m3fn),
+        "weights=int4": dict(weights=jnp.int4),
+        "bf16 policy + int8": dict(policy=jamp.Policy(), weights=jnp.int8),
+    }
+    sections = []
+    for name, model, variables, x, calib, held in weights_models():
+        ref = model.apply(variables, held)
+        error = lambda f: float(jnp.linalg.norm((f(held) - ref).astype(jnp.float32))
+                                / jnp.linalg.norm(ref))
+        rows, base = [], None
+        for mode, kwargs in modes.items():
+            frozen = tracing.freeze(model, variables, x, **kwargs)
+            size = len(frozen.export())
+            base = base or size
+            rows.append([mode, f"{size:,}", f"{size / base:.3f}", f"{error(frozen):.2e}"])
+        plain = tracing.freeze(model, variables, x)
+        chosen = jamp.tune_weights(plain, calib, candidates=(jnp.int8, jnp.int4),
+                                   tolerance=2e-2)
+        tuned = tracing.freeze(model, variables, x, weights=chosen)
+        size = len(tuned.export())
+        counts = collections.Counter(s.chosen for s in chosen.scopes)
+        label = "tuned (" + ", ".join(f"{n} {c}" for c, n in sorted(counts.items())) + ")"
+        rows.append([label, f"{size:,}", f"{size / base:.3f}", f"{error(tuned):.2e}"])
+        kernels = sum(k.frozen_nbytes for k in tuned.kernels)
+        sections.append("\n".join([
+            f"{name}: {len(tuned.kernels)} kernels, {kernels:,} bytes of {base:,} exported",
+            "", markdown_table(["mode", "export bytes", "/ float32", "rel. L2 error"], rows)]))
+    return "\n\n".join(sections)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
@@ -178,7 +244,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--min-sample-ms", type=float, default=200.0)
     parser.add_argument("--freeze-reps", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="5 rounds, short samples")
+    parser.add_argument("--weights", action="store_true",
+                        help="export bytes and error per weights= mode (no timing)")
     args = parser.parse_args(argv)
+    if args.weights:
+        print(environment())
+        print()
+        print(weights_table())
+        return
     if args.quick:
         args.rounds, args.min_sample_ms, args.freeze_reps = 5, 50.0, 2
     print(environment())

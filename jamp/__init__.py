@@ -18,7 +18,7 @@ from .ranges import Ranges, value_ranges
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
 from .report import Report, explain
 from .transform import autocast_jaxpr, autocast_transform
-from .tune import DeviceSpeeds, TuneResult, tune
+from .tune import DeviceSpeeds, TuneResult, WeightsTuneResult, tune, tune_weights
 
 __all__ = [
     "Policy",
@@ -50,5 +50,7 @@ __all__ = [
     "tune",
     "TuneResult",
     "DeviceSpeeds",
+    "tune_weights",
+    "WeightsTuneResult",
 ]
 __version__ = "0.1.0"

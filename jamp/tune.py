@@ -51,6 +51,12 @@ The tuned policy computes in float32 wherever no rule lowers a scope, and keeps 
 field of the base policy; ``estimated_speedup`` compares its matmul/convolution time with the
 base policy's (``Policy()``, bfloat16 everywhere, by default), ``speedup_over_float32`` with
 float32's.
+
+``tune_weights`` makes the same choice for the weights of a frozen program
+(``tracing.freeze(..., weights=result)``): the options are int8, int4 or float8 storage or the
+kernel as frozen, the cost is stored bytes (scales included), a scope's sensitivity is the
+frozen program's output error with only that scope's kernels quantized, and the same greedy
+search, verification and back-off pick the fewest bytes within the tolerance.
 """
 
 from __future__ import annotations
@@ -1019,4 +1025,228 @@ def tune(
         device_note=device_note,
         runs=measure.runs,
         verifications=verifications,
+    )
+
+
+# --- weights: which kernels a frozen program stores in 8 or 4 bits -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsScope:
+    """One row of :class:`WeightsTuneResult`: a scope's kernels, their bytes and the choice.
+
+    ``nbytes`` maps ``"frozen"`` and each candidate's name to the scope's kernel bytes stored
+    so (scales included); ``sensitivity`` each candidate to the relative output error with only
+    this scope's kernels quantized; ``chosen`` is a candidate's name or ``"frozen"`` (kept)."""
+
+    scope: str
+    rule: str
+    nbytes: dict[str, int]
+    sensitivity: dict[str, float]
+    chosen: str
+    why: str
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsTuneResult:
+    """What :func:`jamp.tune_weights` chose; pass it as ``tracing.freeze(..., weights=result)``.
+
+    Attributes:
+      weights_rules: the ``(glob, dtype or None)`` rules of the choice, one per scope (what
+        ``weights=`` takes; editable).
+      error: the relative output error of the choice on the calibration inputs, against the
+        frozen program; ``check_error`` the same on ``check_inputs``, or None.
+      nbytes: the kernels' bytes stored as chosen (scales included); ``frozen_nbytes`` as frozen.
+      scopes: one :class:`WeightsScope` per scope with kernels, in program order.
+      tolerance, candidates, runs: what was asked; compiled runs of the frozen program.
+    """
+
+    weights_rules: tuple[tuple[str, np.dtype | None], ...]
+    error: float
+    check_error: float | None
+    nbytes: int
+    frozen_nbytes: int
+    scopes: tuple[WeightsScope, ...]
+    tolerance: float
+    candidates: tuple[str, ...]
+    runs: int
+
+    def __str__(self) -> str:
+        width = max([len(s.scope) for s in self.scopes] + [5])
+        lines = [
+            f"jamp.tune_weights: tolerance {self.tolerance:g}, candidates "
+            f"{', '.join(self.candidates)}",
+            f"error {self.error:.3g}"
+            + (f", on check_inputs {self.check_error:.3g}" if self.check_error is not None else "")
+            + f"; kernels {self.nbytes:,} bytes, {self.nbytes / max(self.frozen_nbytes, 1):.2f}x "
+            f"of {self.frozen_nbytes:,} as frozen",
+            f"{'scope':<{width}}  {'bytes':>10}  "
+            + "  ".join(f"{'sens ' + c:>16}" for c in self.candidates)
+            + "  chosen         why",
+        ]
+        for s in self.scopes:
+            cells = "  ".join(f"{_format_error(s.sensitivity.get(c)):>16}" for c in self.candidates)
+            lines.append(
+                f"{s.scope:<{width}}  {s.nbytes['frozen']:>10,}  {cells}  {s.chosen:<13}  {s.why}"
+            )
+        lines.append(f"{self.runs} compiled runs of the frozen program")
+        return "\n".join(lines)
+
+
+def _check_inputs_tuple(check_inputs: Any, inputs: tuple) -> tuple | None:
+    if check_inputs is None:
+        return None
+    if not isinstance(check_inputs, (tuple, list)) or len(check_inputs) != len(inputs):
+        raise TypeError(
+            f"tune_weights: check_inputs must be a tuple of {len(inputs)} held-out input(s), as "
+            f"the calibration inputs, got {type(check_inputs).__name__}"
+        )
+    return tuple(check_inputs)
+
+
+def tune_weights(
+    frozen: Any,
+    *calibration_inputs: Any,
+    candidates: Any = (jnp.int8, jnp.int4),
+    tolerance: float = 1e-2,
+    check_inputs: tuple | None = None,
+) -> WeightsTuneResult:
+    """Choose each scope's weight format for ``tracing.freeze(..., weights=...)``.
+
+    ``frozen`` is a ``tracing.freeze`` result without ``weights=``. Each scope with kernels (the
+    Flax module path of a Dense/Conv; a source line outside scopes) is measured with only its
+    kernels quantized to each candidate: the relative error ``||y - y0|| / ||y0||`` of the
+    outputs on ``calibration_inputs`` against the frozen program's own ``y0``. The cheapest
+    assignment (fewest stored bytes) whose summed errors fit ``tolerance`` is taken by
+    ``jamp.tune``'s greedy search, then verified as a whole (and on ``check_inputs``) and backed
+    off until the measured error is within ``tolerance``. Cost: one compiled run per scope and
+    candidate, a reference and usually one verification.
+
+    Args:
+      frozen: the frozen program (``tracing.freeze(model, variables, x, policy=...)``).
+      calibration_inputs: its inputs, as you call it.
+      candidates: weight formats: ``jnp.int8``, ``jnp.int4``, ``jnp.float8_e4m3fn``.
+      tolerance: the largest relative output error; ``0`` keeps every kernel as frozen.
+      check_inputs: held-out inputs (a tuple, as ``calibration_inputs``) the choice must also
+        meet ``tolerance`` on.
+
+    Example::
+
+        frozen = tracing.freeze(model, variables, x)
+        chosen = jamp.tune_weights(frozen, x, candidates=(jnp.int8, jnp.int4), tolerance=2e-2)
+        served = tracing.freeze(model, variables, x, weights=chosen)
+    """
+    from tracing.passes.quantize_weights import kernels, quantize_weights, weight_dtype
+
+    closed, signature = getattr(frozen, "jaxpr", None), getattr(frozen, "signature", None)
+    if closed is None or signature is None or not hasattr(frozen, "kernels"):
+        raise TypeError(
+            "tune_weights: frozen must be a tracing.freeze(...) result (frozen without weights=), "
+            f"got {type(frozen).__name__}"
+        )
+    if any(k.stored != k.dtype for k in frozen.kernels):
+        raise ValueError(
+            "tune_weights: frozen was frozen with weights= already; freeze without weights= and "
+            "tune that, then freeze again with weights=result"
+        )
+    if isinstance(candidates, (str, type, np.dtype)) or not isinstance(candidates, Iterable):
+        candidates = (candidates,)
+    checked = [weight_dtype(c, "tune_weights: candidates") for c in candidates]
+    dtypes = tuple(dict.fromkeys(d for d in checked if d is not None))
+    if not dtypes or len(dtypes) != len(set(checked)):
+        raise ValueError(
+            "tune_weights: candidates must be one or more of jnp.int8, jnp.int4, "
+            f"jnp.float8_e4m3fn (keeping a scope as frozen is always an option), got {candidates!r}"
+        )
+    tolerance = _check_tolerance(tolerance)
+    held_out = _check_inputs_tuple(check_inputs, calibration_inputs)
+    found = kernels(closed)
+    if not found:
+        raise ValueError(
+            f"tune_weights: {frozen.__name__} has no kernel to quantize (no matmul or "
+            "convolution reads a 16- or 32-bit floating constant at the top level)"
+        )
+
+    units: dict[str, _Unit] = {}
+    for k in found:
+        rule = "/".join(map(_escape, k.path)) if k.path else _escape(k.scope)
+        units.setdefault(k.scope, _Unit(k.scope, rule, k.path or None, None, []))
+    order = list(units.values())
+    as_rules = lambda choice: tuple(
+        (u.rule, None if choice.get(u.name, F32) == F32 else choice[u.name]) for u in order
+    )
+
+    def quantized(choice: Mapping[str, np.dtype], log: list | None = None) -> Any:
+        return quantize_weights(closed, as_rules(choice), "tune_weights", log)
+
+    for unit in order:
+        unit.costs[F32] = float(sum(k.nbytes for k in found if k.scope == unit.name))
+    for dtype in dtypes:
+        log: list = []
+        quantized({u.name: dtype for u in order}, log)
+        for unit in order:
+            unit.costs[dtype] = float(sum(k.nbytes for k in log if k.scope == unit.name))
+
+    name = frozen.__name__
+    leaf_sets = [signature.flatten(calibration_inputs, f"tune_weights({name})", "")]
+    if held_out is not None:
+        leaf_sets.append(signature.flatten(held_out, f"tune_weights({name}, check_inputs)", ""))
+    runs = 0
+
+    def outputs(program: Any, leaves: list) -> list[Any]:
+        nonlocal runs
+        runs += 1
+        jaxpr, consts = compat.open_and_consts(program)
+        outs = jax.jit(lambda *xs: compat.eval_jaxpr(jaxpr, consts, xs))(*leaves)
+        return [o for o in outs if is_float(o.dtype)]
+
+    refs = [outputs(closed, leaves) for leaves in leaf_sets]
+
+    def errors(choice: Mapping[str, np.dtype], sets: Iterable[int] = (0,)) -> list[float]:
+        program = quantized(choice)
+        measured = [float(_relative_error(outputs(program, leaf_sets[i]), refs[i])) for i in sets]
+        return [e if math.isfinite(e) else math.inf for e in measured]
+
+    for unit in order:
+        for dtype in dtypes:
+            unit.errors[dtype] = errors({unit.name: dtype})[0]
+
+    choice = _choose(order, tolerance)
+    while True:
+        measured = errors(choice, range(len(leaf_sets)))
+        if max(measured) <= tolerance or not _back_off(order, choice, max(measured), tolerance):
+            break
+    final_log: list = []
+    quantized(choice, final_log)
+    frozen_bytes = int(sum(k.frozen_nbytes for k in final_log))
+
+    def why(unit: _Unit) -> str:
+        dtype = choice.get(unit.name, F32)
+        if unit.backed_off:
+            return unit.backed_off
+        if dtype != F32:
+            return "cheapest within the budget"
+        return "every candidate over the remaining budget"
+
+    rows = tuple(
+        WeightsScope(
+            scope=u.name,
+            rule=u.rule,
+            nbytes={"frozen": int(u.costs[F32]), **{d.name: int(u.costs[d]) for d in dtypes}},
+            sensitivity={d.name: u.errors[d] for d in dtypes},
+            chosen="frozen" if choice.get(u.name, F32) == F32 else choice[u.name].name,
+            why=why(u),
+        )
+        for u in order
+    )
+    return WeightsTuneResult(
+        weights_rules=as_rules(choice),
+        error=measured[0],
+        check_error=measured[1] if held_out is not None else None,
+        nbytes=int(sum(k.nbytes for k in final_log)),
+        frozen_nbytes=frozen_bytes,
+        scopes=rows,
+        tolerance=tolerance,
+        candidates=tuple(d.name for d in dtypes),
+        runs=runs,
     )

@@ -3,7 +3,8 @@
 The call is traced with the variables and the inputs as abstract inputs; then, in order:
 the autocast rewrite (``policy=``, so weights are stored already cast), constant folding with the
 variables known (``passes.fold_constants``), dead-code removal, BatchNorm folding into the conv or
-dense before it (``passes.fold_batchnorm``) and dead-code removal again. The frozen program owns
+dense before it (``passes.fold_batchnorm``), dead-code removal again and, with ``weights=``,
+weight quantization (``passes.quantize_weights``). The frozen program owns
 its constants: none of them is one of the caller's arrays, so the variables can be freed.
 ``export(polymorphic_shapes=...)`` runs the same pipeline again at symbolic input shapes, from
 the caller's variables if they are still alive (they are held weakly, not kept).
@@ -33,6 +34,7 @@ from jamp.policy import Policy
 
 from . import passes
 from .passes.fold_constants import with_aval
+from .passes.quantize_weights import Kernel, Rules, kernel_report, kernels, weight_rules
 from .program import CannotRetrace, Program, callable_name
 from .signature import Signature, leaf_aval
 
@@ -56,6 +58,18 @@ class FrozenFunction(Program):
         "any size for the symbolic dimensions"
     )
     remade_by = "freezing it again"
+    # Each matmul/convolution kernel's scope, stored dtype and bytes (passes.Kernel).
+    kernels: tuple[Kernel, ...] = ()
+
+    def report(self) -> str:
+        """Per kernel: scope, shape, stored dtype, bytes (scales included), scale granularity;
+        and the totals against the same kernels in float32 and in bfloat16.
+
+        Example::
+
+            print(tracing.freeze(model, variables, x, weights=jnp.int8).report())
+        """
+        return kernel_report(self.__name__, self.kernels)
 
     def __init__(
         self,
@@ -297,6 +311,7 @@ def freeze(
     policy: Policy | None = None,
     fold_batchnorm: bool = True,
     method: Any = None,
+    weights: Any = None,
     **apply_kwargs: Any,
 ) -> FrozenFunction:
     """Freeze a Flax module or function for inference: the variables become constants.
@@ -308,6 +323,15 @@ def freeze(
     conv/dense before them (``fold_batchnorm=False`` keeps them); with ``policy=`` the autocast
     rewrite runs first, so weights are stored already cast. ``rngs=`` stays an input of the
     frozen function. Raises ``ValueError`` when the call updates variables (training mode).
+
+    ``weights=`` stores the matmul and convolution kernels quantized, dequantized right before
+    each product in the dtype it reads them in (the policy's compute dtype): ``jnp.int8``
+    (a scale per output channel), ``jnp.int4`` (a scale per output channel and group of at most
+    128 along the contraction; packed two a byte), ``jnp.float8_e4m3fn`` (a scale per output
+    channel); ``(glob, dtype or None)`` rules over scope paths as ``Policy.rules`` (``None``
+    keeps a scope as frozen), or a ``jamp.tune_weights`` result. Biases, norms, embeddings read
+    by a gather and every other constant stay as they were; ``frozen.kernels`` lists each
+    kernel's stored dtype and bytes, ``frozen.report()`` as a table (``passes/quantize_weights``).
 
     Example::
 
@@ -342,6 +366,7 @@ def freeze(
         has_rngs,
         policy,
         fold_batchnorm,
+        None if weights is None else weight_rules(weights, "freeze"),
     )
     closed, out_tree = freezer.freeze(leaves, signature)
     held = _HeldVariables(paths, leaves)  # weakly: the frozen program owns copies of what it needs
@@ -349,9 +374,11 @@ def freeze(
     def retrace(inputs: tuple) -> tuple[Any, Any]:  # for export(polymorphic_shapes=...)
         return freezer.freeze(held.get(name), Signature.of(inputs))
 
-    return FrozenFunction(
+    frozen = FrozenFunction(
         closed, signature, out_tree, name, rngs if has_rngs else _NO_RNGS, retrace
     )
+    frozen.kernels = tuple(freezer.kernels)
+    return frozen
 
 
 @dataclasses.dataclass
@@ -364,6 +391,8 @@ class _Freezer:
     has_rngs: bool
     policy: Policy | None
     fold_batchnorm: bool
+    weights: Rules | None
+    kernels: list[Kernel] = dataclasses.field(default_factory=list)  # of the last freeze
 
     def freeze(self, leaves: list[Any], signature: Signature) -> tuple[Any, Any]:
         """(closed jaxpr over the inputs, output tree) with ``leaves`` as the variables."""
@@ -385,6 +414,11 @@ class _Freezer:
         closed = passes.dce(passes.fold_constants(closed, leaves))
         if self.fold_batchnorm:
             closed = passes.dce(passes.fold_batchnorm(closed))
+        self.kernels = []
+        if self.weights is not None:  # last: nothing may fold the dequantization back
+            closed = passes.quantize_weights(closed, self.weights, "freeze", self.kernels)
+        else:
+            self.kernels = kernels(closed)
         return _owned(closed, leaves), jax.tree.structure(out_shape)
 
 

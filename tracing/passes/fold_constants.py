@@ -10,11 +10,15 @@ into them. Never folded: random primitives and everything downstream of them
 (a frozen sampler must still draw), equations with effects (callbacks, prints), and higher-order
 equations whose bodies hold either.
 
-Two details keep the folded program faithful and lean:
+A custom-derivative call (``custom_jvp``/``custom_vjp``) that reads a known value runs its
+primal body inline, so the known part folds (the frozen program's derivative through it is then
+JAX's own, not the custom rule). Three details keep the folded program faithful and lean:
 - a folded value gets exactly the dtype and weak type the original program gave that value;
 - values built from scalars alone (``broadcast_in_dim`` of a literal, ``iota``) are known for
   folding but re-emitted as the cheap equation when the program reads them, not stored as a
-  large constant (XLA builds them inside fusions for free).
+  large constant (XLA builds them inside fusions for free);
+- a known 8-bit value (int8, float8: quantized weights) widened to a float stays narrow: the
+  convert runs in the program instead of storing the widened copy.
 
 A program traced at symbolic shapes (``export(polymorphic_shapes=...)``) folds the same way;
 an equation with a symbolic size in its outputs or parameters stays in the program.
@@ -27,6 +31,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jamp import _compat as compat
@@ -169,7 +174,7 @@ def fold_or_bind(folder: Folder, eqn: Any, values: list) -> list[Any]:
     return bind(eqn, [folder.stage(v) for v in values])
 
 
-@register("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat")
+@register("jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2")
 def inline_call(folder: Folder, eqn: Any, values: list) -> list[Any]:
     """Calls carry no meaning for a frozen program: fold through their bodies, inlined."""
     body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
@@ -187,6 +192,31 @@ def known_branch(folder: Folder, eqn: Any, values: list) -> list[Any]:
     chosen = branches[min(max(int(index), 0), len(branches) - 1)]  # clamped, as lax.switch does
     jaxpr, consts = compat.open_and_consts(chosen)
     return folder.run(jaxpr, consts, operands)
+
+
+@register("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+def custom_derivative_call(folder: Folder, eqn: Any, values: list) -> list[Any]:
+    """A custom-derivative call reading a known value (a float8 policy's ``scaled_dot`` of an
+    activation and a weight) runs its primal body inline, so the weight's part folds: the
+    weight is stored already scaled and cast. Calls on unknown values alone stay as they are."""
+    body = eqn.params.get("call_jaxpr", eqn.params.get("fun_jaxpr"))
+    if body is None or not any(is_known(v) for v in values) or not folder.foldable(eqn):
+        return fold_or_bind(folder, eqn, values)
+    jaxpr, consts = compat.open_and_consts(body)
+    return folder.run(jaxpr, consts, values)
+
+
+@register("convert_element_type")
+def keep_narrow(folder: Folder, eqn: Any, values: list) -> list[Any]:
+    """A known value stored in 8 bits or fewer (int8, uint8, float8; bool excepted) widened to a
+    float is widened at run time: folding would store it in the wide dtype (a hand-written
+    dequantization ``q.astype(bf16) * scale`` would come back as a bfloat16 weight)."""
+    (value,) = values
+    src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    narrow = src != np.bool_ and np.dtype(src).itemsize == 1 and _size(value) > 1
+    if is_known(value) and narrow and jnp.issubdtype(dst, jnp.floating):
+        return bind(eqn, [folder.stage(value)])
+    return fold_or_bind(folder, eqn, values)
 
 
 def fold_constants(closed: Any, known: Sequence[Any]) -> Any:
