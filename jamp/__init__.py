@@ -1,5 +1,6 @@
 """jamp: torch.autocast-style automatic mixed precision for JAX, as a program transformation."""
 
+from . import optim
 from .float8_check import Float8FallbackWarning
 from .interpreter import RewriteError, UnsupportedPrimitiveWarning
 from .loss_scale import (
@@ -15,6 +16,7 @@ from .policy import Policy, UnmatchedRuleWarning
 from .ranges import Ranges, value_ranges
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
 from .report import Report, explain
+from .rounding import stochastic_round
 from .transform import autocast_jaxpr, autocast_transform
 from .tune import DeviceSpeeds, TuneResult, tune
 
@@ -45,5 +47,7 @@ __all__ = [
     "tune",
     "TuneResult",
     "DeviceSpeeds",
+    "stochastic_round",
+    "optim",
 ]
 __version__ = "0.1.0"
