@@ -15,12 +15,12 @@ The parameter wrappers hand ``tx`` float32 gradients and float32 parameters (the
 or the 16-bit ones widened), so ``tx``'s own state is float32 unless ``state_dtype`` stores it
 narrower. The updates they return are in the gradients' dtype (as optax's wrappers expect) and
 are chosen so that ``optax.apply_updates(params, updates)`` lands exactly on the new 16-bit
-value: ``new - param`` when that difference fits the gradients' dtype (it does between nearby
-values), else its neighbour that lands. One case cannot be reached by any ``param + update``:
-a jump across more binades than the update dtype has mantissa bits (a bfloat16 parameter going
-from 1.0 to 0.001 in one step, which can happen by a sign change near 0); the parameter then
-lands on the nearest value the update can reach (as plain optax would), and the next step aims
-from where it landed (``master_weights`` keeps the exact value in its copy).
+value: the update is ``new - param``, exact in float32 and in a 16-bit dtype whenever the
+parameter at most doubles or halves in the step (the difference of two bfloat16 values within a
+factor 2 of each other is a bfloat16 value). A bigger jump with 16-bit gradients (82 to 26.6 in
+one step, or a sign change near 0) may have no 16-bit update that reaches it: the parameter then
+lands on the closest value an update can reach, as plain optax would, and the next step aims
+from where it landed (``master_weights`` keeps the exact value in its copy, so it catches up).
 
 Random bits need no key: a ``seed`` and a step counter in the state give every step and every
 leaf its own bits, so a restored checkpoint draws the same bits as an uninterrupted run. The
@@ -172,22 +172,16 @@ def _path_text(path: Sequence[Any]) -> str:
 
 
 def _land(param: jax.Array, target: jax.Array, update_dtype: Any) -> jax.Array:
-    """An update in ``update_dtype`` with ``optax.apply_updates``'s
-    ``(param + update).astype(param.dtype) == target`` wherever any such update exists."""
-    difference = target.astype(F32) - param.astype(F32)  # exact between nearby 16-bit values
-    first = difference.astype(update_dtype)
-    if np.dtype(update_dtype).itemsize == 1:  # jnp.nextafter has no float8 rule: no fallback
-        return first
+    """The update in ``update_dtype`` that takes ``param`` to ``target`` under
+    ``optax.apply_updates`` (``(param + update).astype(param.dtype)``).
 
-    def lands(update: jax.Array) -> jax.Array:
-        return jnp.asarray(param + update).astype(param.dtype) == target  # optax's expression
-
-    # The difference rounded to update_dtype can miss by one step of update_dtype; one of its
-    # two neighbours then lands.
-    up = jnp.nextafter(first, jnp.asarray(jnp.inf, first.dtype))
-    down = jnp.nextafter(first, jnp.asarray(-jnp.inf, first.dtype))
-    fallback = jnp.where(lands(up), up, jnp.where(lands(down), down, first))
-    return jnp.where(lands(first), first, fallback)
+    ``target - param`` is exact in float32 for 16-bit values less than 2**16 apart in ratio;
+    when it also fits ``update_dtype`` the sum is exactly ``target`` however the backend adds
+    (float32 always; a 16-bit dtype when the value at most doubles or halves). Otherwise no
+    update of that dtype may reach ``target``: rounding the difference to nearest gives the
+    closest landing there is (a neighbouring update is never closer: it is at least as far from
+    the difference), so none is searched for."""
+    return (target.astype(F32) - param.astype(F32)).astype(update_dtype)
 
 
 def _update_dtype(grad: Any, param: Any) -> Any:
