@@ -142,21 +142,17 @@ def digits_workload(epochs: int) -> dict:
                 lr=d.LEARNING_RATE, stateful=True)
 
 
-def run(work: dict, recipe: tuple, seed: int) -> tuple[float, float]:
-    """(final loss: mean of the last 10% of steps, held-out accuracy %)."""
+def make_run(work: dict, recipe: tuple) -> Callable[[int], tuple[float, float]]:
+    """``run(seed) -> (final loss: mean of the last 10% of steps, held-out accuracy %)``; the
+    whole training is one jitted ``lax.scan``, compiled once for all seeds."""
     bf16_params, bf16_compute, tx = recipe
-    train, test = work["data"](seed)
     loss = work["loss"]
     if bf16_compute:
         loss = jamp.autocast_transform(loss)
     if work["stateful"]:
-        params, extra = work["init"](seed, train)
         grad_fn = jax.value_and_grad(loss, has_aux=True)
     else:
-        params, extra = work["init"](seed, train), None
         grad_fn = jax.value_and_grad(lambda p, _, b: loss(p, b))
-    if bf16_params:
-        params = to_bf16(params)
 
     def step(carry, batch):
         p, s, e = carry
@@ -171,11 +167,23 @@ def run(work: dict, recipe: tuple, seed: int) -> tuple[float, float]:
     def train_all(p, s, e, batches):
         return jax.lax.scan(step, (p, s, e), batches)
 
-    (params, _, extra), losses = train_all(params, tx.init(params), extra, train)
-    losses = np.asarray(losses)
-    final = float(np.mean(losses[-max(1, len(losses) // 10):]))
-    args = (params, extra, test) if work["stateful"] else (params, test)
-    return final, float(work["evaluate"](*args))
+    evaluate = jax.jit(work["evaluate"])
+
+    def run(seed: int) -> tuple[float, float]:
+        train, test = work["data"](seed)
+        if work["stateful"]:
+            params, extra = work["init"](seed, train)
+        else:
+            params, extra = work["init"](seed, train), None
+        if bf16_params:
+            params = to_bf16(params)
+        (params, _, extra), losses = train_all(params, tx.init(params), extra, train)
+        losses = np.asarray(losses)
+        final = float(np.mean(losses[-max(1, len(losses) // 10):]))
+        args = (params, extra, test) if work["stateful"] else (params, test)
+        return final, float(evaluate(*args))
+
+    return run
 
 
 def memory_rows(work: dict, names: list[str]) -> list[list[Any]]:
@@ -268,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     seeds = [int(s) for s in args.seeds.split(",")]
-    print(environment())
+    print(environment(), flush=True)
     works = [gpt_workload(args.gpt_steps), digits_workload(args.digits_epochs)]
     names = list(recipes(1e-3))
 
@@ -276,13 +284,17 @@ def main(argv: list[str] | None = None) -> None:
         for work in works:
             print(f"\n### Bytes of training state per parameter: {work['name']} (AdamW)\n")
             print(markdown_table(["recipe", "parameters", "pytrees", "memory_analysis()"],
-                                 memory_rows(work, names)))
+                                 memory_rows(work, names)), flush=True)
 
     if "accuracy" not in skip:
         for work in works:
             start = time.perf_counter()
-            results = {name: [run(work, recipe, seed) for seed in seeds]
-                       for name, recipe in recipes(work["lr"]).items()}
+            results = {}
+            for name, recipe in recipes(work["lr"]).items():
+                run = make_run(work, recipe)
+                results[name] = [run(seed) for seed in seeds]
+                print(f"  {name}: {results[name]} ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
             base = np.mean([r[0] for r in results["float32"]])
             base_acc = np.mean([r[1] for r in results["float32"]])
             rows = []

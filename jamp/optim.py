@@ -42,7 +42,7 @@ from __future__ import annotations
 import fnmatch
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -70,25 +70,27 @@ class UnmatchedKeepWarning(UnmatchedRuleWarning):
 
 
 class StateDtypeState(NamedTuple):
-    """:func:`state_dtype`'s state: the rounding counter and ``tx``'s state, stored narrow."""
+    """:func:`state_dtype`'s state: the rounding counter (``step``) and ``tx``'s state, stored
+    narrow."""
 
-    count: jax.Array
+    step: jax.Array
     inner_state: Any
 
 
 class MasterWeightsState(NamedTuple):
-    """:func:`master_weights`'s state: the rounding counter, the float32 master copy of each
+    """:func:`master_weights`'s state: the rounding counter (``step``), the float32 master copy of each
     16-bit parameter (``optax.MaskedNode()`` for the others) and ``tx``'s state."""
 
-    count: jax.Array
+    step: jax.Array
     master: Any
     inner_state: Any
 
 
 class StochasticRoundingState(NamedTuple):
-    """:func:`stochastic_rounding`'s state: the rounding counter and ``tx``'s state."""
+    """:func:`stochastic_rounding`'s state: the rounding counter (``step``) and ``tx``'s
+    state."""
 
-    count: jax.Array
+    step: jax.Array
     inner_state: Any
 
 
@@ -148,9 +150,9 @@ def _check_seed(seed: Any, where: str) -> int:
     return int(seed)
 
 
-def _leaf_key(seed: int, salt: int, count: jax.Array, index: int) -> Any:
+def _leaf_key(seed: int, salt: int, step: jax.Array, index: int) -> Any:
     key = jax.random.fold_in(jax.random.key(seed), salt)
-    return jax.random.fold_in(jax.random.fold_in(key, count), index)
+    return jax.random.fold_in(jax.random.fold_in(key, step), index)
 
 
 def _floating(x: Any) -> bool:
@@ -269,7 +271,7 @@ def state_dtype(
         stored = jax.tree_util.tree_map_with_path(
             lambda p, x: x.astype(target) if narrowed(p, x) else x, state
         )
-        return StateDtypeState(count=jnp.zeros([], jnp.int32), inner_state=stored)
+        return StateDtypeState(step=jnp.zeros([], jnp.int32), inner_state=stored)
 
     def update(
         updates: Any, state: StateDtypeState, params: Any = None, **extra: Any
@@ -280,11 +282,12 @@ def state_dtype(
         )
         new_updates, new_state = inner.update(updates, wide, params, **extra)
         old_flat, treedef = jax.tree_util.tree_flatten_with_path(stored)
+        treedef = cast(Any, treedef)  # typed PyTreeDef? in jax's stubs, without its methods
         new_leaves = treedef.flatten_up_to(new_state)
         kept_leaves = []
         for index, ((path, old), new) in enumerate(zip(old_flat, new_leaves)):
             if narrowed(path, old):
-                key = _leaf_key(seed, _SALTS["state_dtype"], state.count, index)
+                key = _leaf_key(seed, _SALTS["state_dtype"], state.step, index)
                 new = round_fn(jnp.asarray(new).astype(F32), target, key)
             elif hasattr(old, "dtype") and hasattr(new, "dtype") and new.dtype != old.dtype:
                 new = new.astype(old.dtype)  # kept leaves keep their type from step to step
@@ -295,13 +298,13 @@ def state_dtype(
             updates,
         )
         return new_updates, StateDtypeState(
-            count=state.count + 1, inner_state=treedef.unflatten(kept_leaves)
+            step=state.step + 1, inner_state=treedef.unflatten(kept_leaves)
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
 
 
-def _split(params: Any, where: str) -> tuple[list[Any], Any, list[bool]]:
+def _split(params: Any) -> tuple[list[Any], Any, list[bool]]:
     leaves, treedef = jax.tree.flatten(params)
     narrow = [_floating(x) and is_narrow(x.dtype) for x in leaves]
     return leaves, treedef, narrow
@@ -343,13 +346,13 @@ def master_weights(
     seed = _check_seed(seed, where)
 
     def init(params: Any) -> MasterWeightsState:
-        leaves, treedef, narrow = _split(params, where)
+        leaves, treedef, narrow = _split(params)
         if not any(narrow):
             raise _no_narrow_error(f"{where}(tx).init(params)", params)
         master = [x.astype(F32) if n else optax.MaskedNode() for x, n in zip(leaves, narrow)]
         view = [m if n else x for m, x, n in zip(master, leaves, narrow)]
         return MasterWeightsState(
-            count=jnp.zeros([], jnp.int32),
+            step=jnp.zeros([], jnp.int32),
             master=treedef.unflatten(master),
             inner_state=inner.init(treedef.unflatten(view)),
         )
@@ -358,7 +361,7 @@ def master_weights(
         grads: Any, state: MasterWeightsState, params: Any = None, **extra: Any
     ) -> tuple[Any, MasterWeightsState]:
         _need_params(params, f"{where}(tx)")
-        leaves, treedef, narrow = _split(params, where)
+        leaves, treedef, narrow = _split(params)
         master = treedef.flatten_up_to(state.master)
         view = [m if n else x for m, x, n in zip(master, leaves, narrow)]
         flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
@@ -374,11 +377,11 @@ def master_weights(
                 new_master.append(m)
                 continue
             m = m + jnp.asarray(u).astype(F32)
-            key = _leaf_key(seed, _SALTS["master_weights"], state.count, index)
+            key = _leaf_key(seed, _SALTS["master_weights"], state.step, index)
             out.append(_land(p, round_fn(m, p.dtype, key), _update_dtype(g, p)))
             new_master.append(m)
         return treedef.unflatten(out), MasterWeightsState(
-            count=state.count + 1, master=treedef.unflatten(new_master), inner_state=inner_state
+            step=state.step + 1, master=treedef.unflatten(new_master), inner_state=inner_state
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -409,18 +412,18 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
         return treedef.unflatten([x.astype(F32) if n else x for x, n in zip(leaves, narrow)])
 
     def init(params: Any) -> StochasticRoundingState:
-        leaves, treedef, narrow = _split(params, where)
+        leaves, treedef, narrow = _split(params)
         if not any(narrow):
             raise _no_narrow_error(f"{where}(tx).init(params)", params)
         return StochasticRoundingState(
-            count=jnp.zeros([], jnp.int32), inner_state=inner.init(widened(leaves, treedef, narrow))
+            step=jnp.zeros([], jnp.int32), inner_state=inner.init(widened(leaves, treedef, narrow))
         )
 
     def update(
         grads: Any, state: StochasticRoundingState, params: Any = None, **extra: Any
     ) -> tuple[Any, StochasticRoundingState]:
         _need_params(params, f"{where}(tx)")
-        leaves, treedef, narrow = _split(params, where)
+        leaves, treedef, narrow = _split(params)
         flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
         inner_updates, inner_state = inner.update(
             wide_grads, state.inner_state, widened(leaves, treedef, narrow), **extra
@@ -432,11 +435,11 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
             if not n:
                 out.append(u)
                 continue
-            key = _leaf_key(seed, _SALTS["stochastic_rounding"], state.count, index)
+            key = _leaf_key(seed, _SALTS["stochastic_rounding"], state.step, index)
             target = stochastic_round(p.astype(F32) + jnp.asarray(u).astype(F32), p.dtype, key)
             out.append(_land(p, target, _update_dtype(g, p)))
         return treedef.unflatten(out), StochasticRoundingState(
-            count=state.count + 1, inner_state=inner_state
+            step=state.step + 1, inner_state=inner_state
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
@@ -464,10 +467,12 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
     inner = _check_tx(tx, where)
 
     def init(params: Any) -> CompensatedState:
-        leaves, treedef, narrow = _split(params, where)
+        leaves, treedef, narrow = _split(params)
         if not any(narrow):
             raise _no_narrow_error(f"{where}(tx).init(params)", params)
-        compensation = [jnp.zeros_like(x) if n else optax.MaskedNode() for x, n in zip(leaves, narrow)]
+        compensation = [
+            jnp.zeros_like(x) if n else optax.MaskedNode() for x, n in zip(leaves, narrow)
+        ]
         view = [x.astype(F32) if n else x for x, n in zip(leaves, narrow)]
         return CompensatedState(
             compensation=treedef.unflatten(compensation),
@@ -478,9 +483,11 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
         grads: Any, state: CompensatedState, params: Any = None, **extra: Any
     ) -> tuple[Any, CompensatedState]:
         _need_params(params, f"{where}(tx)")
-        leaves, treedef, narrow = _split(params, where)
+        leaves, treedef, narrow = _split(params)
         carried = treedef.flatten_up_to(state.compensation)
-        view = [x.astype(F32) + c.astype(F32) if n else x for x, c, n in zip(leaves, carried, narrow)]
+        view = [
+            x.astype(F32) + c.astype(F32) if n else x for x, c, n in zip(leaves, carried, narrow)
+        ]
         flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
         inner_updates, inner_state = inner.update(
             wide_grads, state.inner_state, treedef.unflatten(view), **extra

@@ -209,7 +209,7 @@ def test_skipped_steps_change_nothing_apply_if_finite_and_loss_scaling():
     assert not bool(finite)
     chex_equal((new_params, new_state), (params, state))
     new_params, new_state, _, finite = step(params, state, jamp.StaticLossScale(1.0))
-    assert bool(finite) and int(new_state.count) == 1
+    assert bool(finite) and int(new_state.step) == 1
 
 
 def chex_equal(a, b):
@@ -265,7 +265,7 @@ def test_resume_from_saved_arrays_equals_uninterrupted_run_bit_for_bit():
     saved = jax.tree.map(np.asarray, run(params, state, 3))
     resumed = run(*jax.tree.map(jnp.asarray, saved), 3)
     chex_equal(resumed, uninterrupted)
-    assert int(resumed[1].count) == 6
+    assert int(resumed[1].step) == 6
     # the seed matters: another seed draws other bits
     other = optim.stochastic_rounding(optim.state_dtype(optax.adamw(3e-3)), seed=6)
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, F32), params)
