@@ -1,5 +1,6 @@
 """jamp: torch.autocast-style automatic mixed precision for JAX, as a program transformation."""
 
+from . import optim
 from .accumulate import MicroBatchesState, accumulate_micro_batches
 from .float8_check import Float8FallbackWarning
 from .interpreter import RewriteError, UnsupportedPrimitiveWarning
@@ -17,6 +18,7 @@ from .policy import Policy, UnmatchedRuleWarning
 from .ranges import Ranges, value_ranges
 from .regions import AutocastWarning, autocast, get_autocast_dtype, is_autocast_enabled
 from .report import Report, explain
+from .rounding import stochastic_round
 from .transform import autocast_jaxpr, autocast_transform
 from .tune import DeviceSpeeds, TuneResult, WeightsTuneResult, tune, tune_weights
 
@@ -52,5 +54,7 @@ __all__ = [
     "DeviceSpeeds",
     "tune_weights",
     "WeightsTuneResult",
+    "stochastic_round",
+    "optim",
 ]
 __version__ = "0.1.0"

@@ -105,7 +105,7 @@ def test_pages_are_collected():
     assert ROOT / "README.md" in PAGES
     for page in ["guides/choosing-a-policy", "guides/training-with-flax",
                  "guides/debugging-precision", "guides/checking-traces", "guides/freezing",
-                 "guides/tuning", "guides/many-devices", "guides/float8", "performance",
+                 "guides/tuning", "guides/many-devices", "guides/training-in-half-the-memory", "guides/float8", "performance",
                  "migration/from-torch", "migration/from-jmp", "migration/from-flax",
                  "reference/transforming", "reference/dtypes"]:
         assert DOCS / f"{page}.md" in PAGES

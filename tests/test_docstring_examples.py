@@ -20,7 +20,9 @@ import jamp
 import tracing
 
 RUNNABLE = [jamp.scaled_value_and_grad, jamp.DynamicLossScale, jamp.Policy.from_string,
-            jamp.MicroBatchLossScale, jamp.accumulate_micro_batches]
+            jamp.MicroBatchLossScale, jamp.accumulate_micro_batches,
+            jamp.stochastic_round, jamp.optim.state_dtype, jamp.optim.master_weights,
+            jamp.optim.stochastic_rounding, jamp.optim.compensated]
 
 # The literal block after "Example::": its indented lines (and blank lines between them).
 EXAMPLE = re.compile(r"Example::\n\n((?:[ \t]+\S.*\n|\n)+)")

@@ -1,0 +1,512 @@
+"""Training state in fewer bytes: optax wrappers for 16-bit parameters and optimizer state.
+
+Each function wraps any optax ``GradientTransformation`` and returns one (composing with
+``optax.chain``, ``optax.MultiSteps``, ``optax.apply_if_finite`` and jamp's loss scaling):
+
+- :func:`state_dtype` stores the wrapped optimizer's floating state in bfloat16 (or another
+  narrow dtype), computes it in float32 inside ``update`` and rounds it back.
+- :func:`master_weights` keeps a float32 copy of 16-bit parameters in the state.
+- :func:`stochastic_rounding` keeps no copy: parameters land on the stochastically rounded
+  ``param + update``, so updates smaller than half a 16-bit step still count on average.
+- :func:`compensated` keeps a 16-bit Kahan compensation buffer: what rounding the parameter
+  dropped is carried to the next step.
+
+The parameter wrappers hand ``tx`` float32 gradients and float32 parameters (the master copy,
+or the 16-bit ones widened), so ``tx``'s own state is float32 unless ``state_dtype`` stores it
+narrower. The updates they return are in the gradients' dtype (as optax's wrappers expect) and
+are chosen so that ``optax.apply_updates(params, updates)`` lands exactly on the new 16-bit
+value: the update is ``new - param``, exact in float32 and in a 16-bit dtype whenever the
+parameter at most doubles or halves in the step (the difference of two bfloat16 values within a
+factor 2 of each other is a bfloat16 value). A bigger jump with 16-bit gradients (82 to 26.6 in
+one step, or a sign change near 0) may have no 16-bit update that reaches it: the parameter then
+lands on the closest value an update can reach, as plain optax would, and the next step aims
+from where it landed (``master_weights`` keeps the exact value in its copy, so it catches up).
+
+Random bits need no key: a ``seed`` and a step counter in the state give every step and every
+leaf its own bits, so a restored checkpoint draws the same bits as an uninterrupted run. The
+counter is part of the state: a step that ``optax.apply_if_finite`` (wrapped around these) or
+``jamp.select_tree`` skips leaves it unchanged with the rest.
+
+Example::
+
+    tx = jamp.optim.stochastic_rounding(jamp.optim.state_dtype(optax.adamw(1e-3)))
+    params = {"w": jnp.zeros((4, 4), jnp.bfloat16)}
+    opt_state = tx.init(params)      # Adam's moments in bfloat16
+    grads = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)   # still bfloat16
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .policy import UnmatchedRuleWarning, user_stacklevel
+from .rounding import F32, check_target, is_narrow, stochastic_round
+
+__all__ = [
+    "state_dtype",
+    "master_weights",
+    "stochastic_rounding",
+    "compensated",
+    "StateDtypeState",
+    "MasterWeightsState",
+    "StochasticRoundingState",
+    "CompensatedState",
+    "UnmatchedKeepWarning",
+]
+
+
+class UnmatchedKeepWarning(UnmatchedRuleWarning):
+    """A ``state_dtype(keep=...)`` glob matched no leaf of the optimizer state."""
+
+
+class StateDtypeState(NamedTuple):
+    """:func:`state_dtype`'s state: the rounding counter (``step``) and ``tx``'s state, stored
+    narrow."""
+
+    step: jax.Array
+    inner_state: Any
+
+
+class MasterWeightsState(NamedTuple):
+    """:func:`master_weights`'s state: the rounding counter (``step``), the float32 master copy of each
+    16-bit parameter (``optax.MaskedNode()`` for the others) and ``tx``'s state."""
+
+    step: jax.Array
+    master: Any
+    inner_state: Any
+
+
+class StochasticRoundingState(NamedTuple):
+    """:func:`stochastic_rounding`'s state: the rounding counter (``step``) and ``tx``'s
+    state."""
+
+    step: jax.Array
+    inner_state: Any
+
+
+class CompensatedState(NamedTuple):
+    """:func:`compensated`'s state: each 16-bit parameter's rounding error, in its own dtype
+    (``optax.MaskedNode()`` for the others), and ``tx``'s state."""
+
+    compensation: Any
+    inner_state: Any
+
+
+# Each wrapper folds its own constant into the key, so two wrappers with the same seed (the
+# parameters' rounding and the moments' rounding) never draw the same bits for leaf i.
+_SALTS = {"state_dtype": 0x5D7E, "master_weights": 0x3A57, "stochastic_rounding": 0x5120}
+
+
+def _round_nearest(x: jax.Array, dtype: np.dtype, key: Any) -> jax.Array:
+    del key
+    return x.astype(dtype)
+
+
+_ROUNDINGS: dict[str, Callable[[jax.Array, np.dtype, Any], jax.Array]] = {
+    "nearest": _round_nearest,
+    "stochastic": stochastic_round,
+}
+
+
+def _check_rounding(rounding: Any, where: str) -> Callable[[jax.Array, np.dtype, Any], jax.Array]:
+    if not isinstance(rounding, str) or rounding not in _ROUNDINGS:
+        raise ValueError(
+            f"{where}(rounding=...) must be one of {sorted(_ROUNDINGS)}, got {rounding!r}"
+        )
+    return _ROUNDINGS[rounding]
+
+
+def _check_tx(tx: Any, where: str) -> optax.GradientTransformationExtraArgs:
+    """``tx`` as a GradientTransformation that takes extra arguments (``optax.MultiSteps``, a
+    class with ``init``/``update`` of its own, is accepted through its transformation)."""
+    if isinstance(tx, optax.MultiSteps):
+        tx = tx.gradient_transformation()
+    if isinstance(tx, optax.GradientTransformation):
+        return optax.with_extra_args_support(tx)
+    hint = (
+        f"; {getattr(tx, '__name__', 'it')} is a function: call it, e.g. optax.adamw(1e-3)"
+        if callable(tx)
+        else ""
+    )
+    raise TypeError(
+        f"{where}(tx): tx must be an optax GradientTransformation such as optax.adamw(1e-3), "
+        f"got {type(tx).__name__}{hint}"
+    )
+
+
+def _check_seed(seed: Any, where: str) -> int:
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+        raise TypeError(f"{where}(seed=...) must be an int, got {seed!r}")
+    return int(seed)
+
+
+def _leaf_key(seed: int, salt: int, step: jax.Array, index: int) -> Any:
+    key = jax.random.fold_in(jax.random.key(seed), salt)
+    return jax.random.fold_in(jax.random.fold_in(key, step), index)
+
+
+def _floating(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _path_text(path: Sequence[Any]) -> str:
+    """A pytree path as '/'-joined names, as Policy.rules globs read scope paths:
+    ``0/mu/dense/kernel`` for ``state[0].mu['dense']['kernel']``."""
+    parts = []
+    for entry in path:
+        for attr in ("key", "name", "idx"):  # DictKey, GetAttrKey, SequenceKey
+            if hasattr(entry, attr):
+                parts.append(str(getattr(entry, attr)))
+                break
+        else:
+            parts.append(str(entry))
+    return "/".join(parts)
+
+
+def _land(param: jax.Array, target: jax.Array, update_dtype: Any) -> jax.Array:
+    """The update in ``update_dtype`` that takes ``param`` to ``target`` under
+    ``optax.apply_updates`` (``(param + update).astype(param.dtype)``).
+
+    ``target - param`` is exact in float32 for 16-bit values less than 2**16 apart in ratio;
+    when it also fits ``update_dtype`` the sum is exactly ``target`` however the backend adds
+    (float32 always; a 16-bit dtype when the value at most doubles or halves). Otherwise no
+    update of that dtype may reach ``target``: rounding the difference to nearest gives the
+    closest landing there is (a neighbouring update is never closer: it is at least as far from
+    the difference), so none is searched for."""
+    return (target.astype(F32) - param.astype(F32)).astype(update_dtype)
+
+
+def _update_dtype(grad: Any, param: Any) -> Any:
+    return grad.dtype if _floating(grad) else param.dtype
+
+
+def _no_narrow_error(where: str, params: Any) -> ValueError:
+    found = sorted({str(x.dtype) for x in jax.tree.leaves(params) if _floating(x)})
+    return ValueError(
+        f"{where}: no parameter is in a 16-bit (or narrower) floating dtype (found "
+        f"{', '.join(found) or 'no floating parameters'}), so there is nothing to do: "
+        "float32 parameters need neither master weights nor stochastic rounding. Cast the "
+        "parameters first, e.g. jax.tree.map(lambda p: p.astype(jnp.bfloat16), params), or use "
+        "the optimizer without this wrapper"
+    )
+
+
+def _need_params(params: Any, where: str) -> None:
+    if params is None:
+        raise ValueError(
+            f"{where}: update needs the current parameters: call "
+            "tx.update(grads, opt_state, params)"
+        )
+
+
+def state_dtype(
+    tx: Any,
+    dtype: Any = jnp.bfloat16,
+    *,
+    keep: Sequence[str] = (),
+    rounding: str = "stochastic",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Store ``tx``'s floating state in ``dtype``; compute it in float32 inside ``update``.
+
+    Every floating leaf of ``tx``'s state (Adam's moments, momentum, accumulators) is stored in
+    ``dtype`` (bfloat16, float16 or a float8 type), except leaves whose pytree path matches a
+    glob in ``keep``, which stay as ``tx`` made them. Paths are '/'-joined names such as
+    ``0/nu/dense/kernel`` for ``optax.adamw``'s second moment (``keep=("*nu*",)`` keeps it;
+    a glob that matches nothing warns with :class:`UnmatchedKeepWarning`). Integer leaves (step
+    counts) and float64 leaves are left alone. ``update`` widens the stored leaves to float32,
+    runs ``tx``, and stores the new state back with ``rounding``: ``"stochastic"`` (unbiased,
+    so a moving average such as Adam's ``b2 = 0.999`` keeps moving; the bits come from ``seed``
+    and a counter in the state) or ``"nearest"``. Updates come back in the gradients' dtype.
+
+    ``dtype`` must be narrower than float32: an integer or float64 dtype raises ``ValueError``.
+
+    Example::
+
+        tx = jamp.optim.state_dtype(optax.adamw(1e-3), jnp.bfloat16)
+        opt_state = tx.init({"w": jnp.zeros((256, 256))})  # mu and nu: 2 bytes a parameter each
+    """
+    where = "jamp.optim.state_dtype"
+    inner = _check_tx(tx, where)
+    target = check_target(dtype, f"{where}(dtype=...)")
+    if isinstance(keep, str):
+        keep = (keep,)
+    if not all(isinstance(g, str) and g for g in keep):
+        raise TypeError(f"{where}(keep=...) must be a sequence of glob strings, got {keep!r}")
+    globs = tuple(keep)
+    round_fn = _check_rounding(rounding, where)
+    seed = _check_seed(seed, where)
+
+    def narrowed(path: Any, leaf: Any) -> bool:
+        """Stored in ``target``: floating, not float64, not kept."""
+        if not _floating(leaf) or leaf.dtype == np.float64:
+            return False
+        text = _path_text(path)
+        return not any(fnmatch.fnmatchcase(text, g) for g in globs)
+
+    def init(params: Any) -> StateDtypeState:
+        state = inner.init(params)
+        flat = jax.tree_util.tree_flatten_with_path(state)[0]
+        paths = [_path_text(p) for p, _ in flat]
+        for glob in globs:
+            if not any(fnmatch.fnmatchcase(p, glob) for p in paths):
+                shown = ", ".join(paths[:8]) + (", ..." if len(paths) > 8 else "")
+                warnings.warn(
+                    f"{where}(keep=({glob!r}, ...)): the glob matched no leaf of the optimizer "
+                    f"state, so every floating leaf is stored in {target.name}. Paths are "
+                    f"'/'-joined, e.g. {shown or '(the state has no leaves)'}",
+                    UnmatchedKeepWarning,
+                    stacklevel=user_stacklevel(),
+                )
+        stored = jax.tree_util.tree_map_with_path(
+            lambda p, x: x.astype(target) if narrowed(p, x) else x, state
+        )
+        return StateDtypeState(step=jnp.zeros([], jnp.int32), inner_state=stored)
+
+    def update(
+        updates: Any, state: StateDtypeState, params: Any = None, **extra: Any
+    ) -> tuple[Any, StateDtypeState]:
+        stored = state.inner_state
+        wide = jax.tree_util.tree_map_with_path(
+            lambda p, x: x.astype(F32) if narrowed(p, x) else x, stored
+        )
+        new_updates, new_state = inner.update(updates, wide, params, **extra)
+        old_flat, treedef = jax.tree_util.tree_flatten_with_path(stored)
+        treedef = cast(Any, treedef)  # typed PyTreeDef? in jax's stubs, without its methods
+        new_leaves = treedef.flatten_up_to(new_state)
+        kept_leaves = []
+        for index, ((path, old), new) in enumerate(zip(old_flat, new_leaves)):
+            if narrowed(path, old):
+                key = _leaf_key(seed, _SALTS["state_dtype"], state.step, index)
+                new = round_fn(jnp.asarray(new).astype(F32), target, key)
+            elif hasattr(old, "dtype") and hasattr(new, "dtype") and new.dtype != old.dtype:
+                new = new.astype(old.dtype)  # kept leaves keep their type from step to step
+            kept_leaves.append(new)
+        new_updates = jax.tree.map(
+            lambda u, g: u.astype(g.dtype) if _floating(u) and _floating(g) else u,
+            new_updates,
+            updates,
+        )
+        return new_updates, StateDtypeState(
+            step=state.step + 1, inner_state=treedef.unflatten(kept_leaves)
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _split(params: Any) -> tuple[list[Any], Any, list[bool]]:
+    leaves, treedef = jax.tree.flatten(params)
+    narrow = [_floating(x) and is_narrow(x.dtype) for x in leaves]
+    return leaves, treedef, narrow
+
+
+def _widened_grads(grads: Any, treedef: Any, narrow: list[bool]) -> tuple[list[Any], Any]:
+    flat = treedef.flatten_up_to(grads)
+    return flat, treedef.unflatten(
+        [g.astype(F32) if n and _floating(g) else g for g, n in zip(flat, narrow)]
+    )
+
+
+def master_weights(
+    tx: Any, *, rounding: str = "nearest", seed: int = 0
+) -> optax.GradientTransformationExtraArgs:
+    """Keep a float32 master copy of 16-bit parameters; the parameters follow it, rounded.
+
+    For every parameter in a 16-bit (or float8) dtype (the copy the forward pass reads and
+    FSDP gathers), the state holds a float32 master copy. ``update`` hands ``tx`` float32
+    gradients and the master copy, adds ``tx``'s update to the master in float32 and returns
+    updates such that ``optax.apply_updates(params, updates)`` is exactly the new master
+    rounded to the parameter's dtype (``rounding``: ``"nearest"`` or ``"stochastic"``). float32
+    and float64 parameters are passed through to ``tx`` as they are. Bytes: the parameter (2) +
+    master (4) + ``tx``'s state (wrap ``tx`` in :func:`state_dtype` to store it in bfloat16).
+
+    Put ``optax.MultiSteps`` inside (``master_weights(optax.MultiSteps(tx, k))``): it then
+    accumulates float32 gradients. Parameters with no 16-bit leaf raise ``ValueError``
+    (nothing to do); ``update`` needs ``params``.
+
+    Example::
+
+        tx = jamp.optim.master_weights(optax.adamw(1e-3))
+        params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+        opt_state = tx.init(params)     # opt_state.master["w"] is float32
+    """
+    where = "jamp.optim.master_weights"
+    inner = _check_tx(tx, where)
+    round_fn = _check_rounding(rounding, where)
+    seed = _check_seed(seed, where)
+
+    def init(params: Any) -> MasterWeightsState:
+        leaves, treedef, narrow = _split(params)
+        if not any(narrow):
+            raise _no_narrow_error(f"{where}(tx).init(params)", params)
+        master = [x.astype(F32) if n else optax.MaskedNode() for x, n in zip(leaves, narrow)]
+        view = [m if n else x for m, x, n in zip(master, leaves, narrow)]
+        return MasterWeightsState(
+            step=jnp.zeros([], jnp.int32),
+            master=treedef.unflatten(master),
+            inner_state=inner.init(treedef.unflatten(view)),
+        )
+
+    def update(
+        grads: Any, state: MasterWeightsState, params: Any = None, **extra: Any
+    ) -> tuple[Any, MasterWeightsState]:
+        _need_params(params, f"{where}(tx)")
+        leaves, treedef, narrow = _split(params)
+        master = treedef.flatten_up_to(state.master)
+        view = [m if n else x for m, x, n in zip(master, leaves, narrow)]
+        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
+        inner_updates, inner_state = inner.update(
+            wide_grads, state.inner_state, treedef.unflatten(view), **extra
+        )
+        out, new_master = [], []
+        for index, (p, g, m, u, n) in enumerate(
+            zip(leaves, flat_grads, master, treedef.flatten_up_to(inner_updates), narrow)
+        ):
+            if not n:
+                out.append(u)
+                new_master.append(m)
+                continue
+            m = m + jnp.asarray(u).astype(F32)
+            key = _leaf_key(seed, _SALTS["master_weights"], state.step, index)
+            out.append(_land(p, round_fn(m, p.dtype, key), _update_dtype(g, p)))
+            new_master.append(m)
+        return treedef.unflatten(out), MasterWeightsState(
+            step=state.step + 1, master=treedef.unflatten(new_master), inner_state=inner_state
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformationExtraArgs:
+    """16-bit parameters land on the stochastically rounded ``param + update``; no master copy.
+
+    ``update`` hands ``tx`` float32 gradients and the parameters widened to float32, then
+    returns updates such that ``optax.apply_updates(params, updates)`` is
+    ``jamp.stochastic_round(param + tx_update, param.dtype, key)``: an update smaller than half
+    a bfloat16 step moves the parameter one step with the matching probability, so on average
+    it is not lost. Bytes: the parameter (2) + ``tx``'s state (2 a moment under
+    ``state_dtype``). float32/float64 parameters are passed through; parameters with no 16-bit
+    leaf raise ``ValueError``. Put ``optax.MultiSteps`` inside, as for :func:`master_weights`.
+
+    Example::
+
+        tx = jamp.optim.stochastic_rounding(jamp.optim.state_dtype(optax.adamw(1e-3)))
+        params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+        opt_state = tx.init(params)
+    """
+    where = "jamp.optim.stochastic_rounding"
+    inner = _check_tx(tx, where)
+    seed = _check_seed(seed, where)
+
+    def widened(leaves: list[Any], treedef: Any, narrow: list[bool]) -> Any:
+        return treedef.unflatten([x.astype(F32) if n else x for x, n in zip(leaves, narrow)])
+
+    def init(params: Any) -> StochasticRoundingState:
+        leaves, treedef, narrow = _split(params)
+        if not any(narrow):
+            raise _no_narrow_error(f"{where}(tx).init(params)", params)
+        return StochasticRoundingState(
+            step=jnp.zeros([], jnp.int32), inner_state=inner.init(widened(leaves, treedef, narrow))
+        )
+
+    def update(
+        grads: Any, state: StochasticRoundingState, params: Any = None, **extra: Any
+    ) -> tuple[Any, StochasticRoundingState]:
+        _need_params(params, f"{where}(tx)")
+        leaves, treedef, narrow = _split(params)
+        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
+        inner_updates, inner_state = inner.update(
+            wide_grads, state.inner_state, widened(leaves, treedef, narrow), **extra
+        )
+        out = []
+        for index, (p, g, u, n) in enumerate(
+            zip(leaves, flat_grads, treedef.flatten_up_to(inner_updates), narrow)
+        ):
+            if not n:
+                out.append(u)
+                continue
+            key = _leaf_key(seed, _SALTS["stochastic_rounding"], state.step, index)
+            target = stochastic_round(p.astype(F32) + jnp.asarray(u).astype(F32), p.dtype, key)
+            out.append(_land(p, target, _update_dtype(g, p)))
+        return treedef.unflatten(out), StochasticRoundingState(
+            step=state.step + 1, inner_state=inner_state
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
+    """Kahan-compensated updates of 16-bit parameters: a 16-bit buffer carries what rounding
+    to nearest dropped into the next step.
+
+    The state holds, for each 16-bit parameter, the part of the updates its rounding lost, in
+    the parameter's dtype (2 bytes a parameter in bfloat16: the parameter and its compensation
+    together carry about 16 significant bits). ``update`` hands ``tx`` float32 gradients and the
+    compensated parameters (parameter + compensation, in float32), adds the compensation to
+    ``tx``'s update, rounds to nearest, and keeps the new rounding error. Deterministic: no
+    random bits. float32/float64 parameters are passed through; parameters with no 16-bit leaf
+    raise ``ValueError``.
+
+    Example::
+
+        tx = jamp.optim.compensated(jamp.optim.state_dtype(optax.adamw(1e-3)))
+        params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+        opt_state = tx.init(params)     # opt_state.compensation["w"] is bfloat16 zeros
+    """
+    where = "jamp.optim.compensated"
+    inner = _check_tx(tx, where)
+
+    def init(params: Any) -> CompensatedState:
+        leaves, treedef, narrow = _split(params)
+        if not any(narrow):
+            raise _no_narrow_error(f"{where}(tx).init(params)", params)
+        compensation = [
+            jnp.zeros_like(x) if n else optax.MaskedNode() for x, n in zip(leaves, narrow)
+        ]
+        view = [x.astype(F32) if n else x for x, n in zip(leaves, narrow)]
+        return CompensatedState(
+            compensation=treedef.unflatten(compensation),
+            inner_state=inner.init(treedef.unflatten(view)),
+        )
+
+    def update(
+        grads: Any, state: CompensatedState, params: Any = None, **extra: Any
+    ) -> tuple[Any, CompensatedState]:
+        _need_params(params, f"{where}(tx)")
+        leaves, treedef, narrow = _split(params)
+        carried = treedef.flatten_up_to(state.compensation)
+        view = [
+            x.astype(F32) + c.astype(F32) if n else x for x, c, n in zip(leaves, carried, narrow)
+        ]
+        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
+        inner_updates, inner_state = inner.update(
+            wide_grads, state.inner_state, treedef.unflatten(view), **extra
+        )
+        out, new_carried = [], []
+        for p, g, c, u, n in zip(
+            leaves, flat_grads, carried, treedef.flatten_up_to(inner_updates), narrow
+        ):
+            if not n:
+                out.append(u)
+                new_carried.append(c)
+                continue
+            wide = p.astype(F32)
+            step = jnp.asarray(u).astype(F32) + c.astype(F32)
+            target = (wide + step).astype(p.dtype)
+            new_carried.append((step - (target.astype(F32) - wide)).astype(c.dtype))
+            out.append(_land(p, target, _update_dtype(g, p)))
+        return treedef.unflatten(out), CompensatedState(
+            compensation=treedef.unflatten(new_carried), inner_state=inner_state
+        )
+
+    return optax.GradientTransformationExtraArgs(init, update)

@@ -1,0 +1,235 @@
+"""Stochastic rounding to bfloat16, float16 and float8, done on the bits.
+
+``stochastic_round(x, dtype, key)`` rounds each element of ``x`` to one of its two neighbours in
+``dtype``, up with probability ``(x - down) / (up - down)``, so ``E[result] = x``. It works on the
+float32 bit pattern: random bits of the width the target drops are added to the magnitude and the
+dropped bits are cleared (a carry moves the value to the next representable one). For bfloat16,
+which shares float32's exponent range, the dropped width is always 16 bits. For float16 and the
+float8 types, whose exponents stop earlier, the width grows by one bit per binade below the
+target's smallest normal (the target's subnormals are evenly spaced), so the same add-and-truncate
+lands on the target's grid there too. Below the target's smallest subnormal ``s`` a value rounds
+to ``0`` or ``±s`` with probability ``|x| / s``, drawn from the same 32 random bits: exact for
+``|x| >= s * 2**-9``, within ``2**-32`` below that.
+
+Why on the bits: adding float noise and rounding to nearest is biased by the rounding of the
+noisy sum; adding integer bits below the kept ones is exact (each of the ``2**k`` outcomes has
+the same probability and the carry happens for exactly the right fraction of them).
+
+Edge values follow ``astype``: NaN stays NaN, ±inf stays ±inf, and a finite value rounds up past
+the largest finite value of ``dtype`` (with probability proportional to the distance, as if the
+next value existed) to what ``astype`` makes of an overflow: inf for bfloat16, float16 and
+float8_e5m2, NaN for the float8 types without inf (``float8_e4m3fn``). Values already
+representable in ``dtype`` come back unchanged whatever the bits. float64 inputs are rounded to
+float32 (to nearest) first.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+F32 = np.dtype(np.float32)
+
+# Target formats stochastic_round supports: (mantissa bits, exponent of the smallest normal).
+# float8_e8m0fnu is left out: it has no sign, no zero and no mantissa to round.
+_FORMAT_NAMES = (
+    "bfloat16",
+    "float16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e4m3",
+    "float8_e3m4",
+)
+FORMATS: dict[np.dtype, tuple[int, int]] = {
+    np.dtype(getattr(jnp, name)): (
+        int(ml_dtypes.finfo(getattr(jnp, name)).nmant),
+        int(ml_dtypes.finfo(getattr(jnp, name)).minexp),
+    )
+    for name in _FORMAT_NAMES
+    if hasattr(jnp, name)
+}
+
+
+def is_narrow(dtype: Any) -> bool:
+    """A floating dtype narrower than float32 that stochastic rounding can target."""
+    try:
+        return np.dtype(dtype) in FORMATS
+    except TypeError:
+        return False
+
+
+def check_target(dtype: Any, where: str) -> np.dtype:
+    """``dtype`` as a numpy dtype if it is float32 or a format in ``FORMATS``; otherwise an error
+    naming ``where`` (the argument in the caller's terms)."""
+    try:
+        target = np.dtype(dtype)
+    except TypeError as err:
+        raise TypeError(f"{where} must be a dtype such as jnp.bfloat16, got {dtype!r}") from err
+    if target in FORMATS or target == F32:
+        return target
+    names = ", ".join(d.name for d in FORMATS)
+    if target == np.float64:
+        why = "float64 is wider than float32, not a narrower storage dtype"
+    elif not jnp.issubdtype(target, jnp.floating):
+        why = f"{target.name} is not a floating dtype"
+    else:
+        why = f"{target.name} is not supported"
+    raise ValueError(f"{where} must be a narrow floating dtype ({names}) or float32; {why}")
+
+
+def _key_error(key: Any) -> TypeError:
+    shape = getattr(key, "shape", None)
+    dtype = getattr(key, "dtype", None)
+    got = f"{dtype}{list(shape)}" if shape is not None else type(key).__name__
+    return TypeError(
+        "stochastic_round(key=...) must be one PRNG key such as jax.random.key(0) or "
+        f"jax.random.PRNGKey(0), got {got}; under jax.vmap pass a batch of keys "
+        "(jax.random.split(key, n)) to give every example its own bits"
+    )
+
+
+def _check_key(key: Any) -> Any:
+    if not hasattr(key, "dtype") or not hasattr(key, "shape"):
+        raise _key_error(key)
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        if key.shape != ():
+            raise _key_error(key)
+        return key
+    if key.dtype != jnp.uint32 or key.shape != (2,):  # a raw jax.random.PRNGKey
+        raise _key_error(key)
+    return key
+
+
+def stochastic_round(x: Any, dtype: Any, key: Any) -> jax.Array:
+    """Round floating ``x`` to ``dtype``, up or down at random, so that ``E[result] = x``.
+
+    Each element goes to one of its two neighbours in ``dtype`` (bfloat16, float16 or a float8
+    type), up with probability proportional to its distance from the lower one. Values already
+    representable come back unchanged; NaN, ±inf and overflow follow ``astype`` (overflow: inf,
+    or NaN for float8 types without inf); see the module docstring for how the bits are used.
+    ``dtype=jnp.float32`` is the plain cast (nothing to round for inputs of 32 bits or fewer).
+
+    The bits are a hash of each element's index keyed by ``key`` (two words of
+    ``jax.random.bits``; a hash is 12x cheaper than threefry for every element on the CPU): the
+    same key gives the same result, under ``jit`` and on sharded arrays alike (each device
+    hashes the indices of its own shard, and the result does not depend on the number of
+    devices). Under ``jax.vmap``, batch the key too (``jax.random.split``): one key shared by
+    the batch gives every example the same bits. The derivative is 1 (straight-through): the
+    tangent is cast to ``dtype``.
+
+    Example::
+
+        x = jnp.full((10000,), 1.0 + 2.0**-10)         # between two bfloat16 values
+        y = jamp.stochastic_round(x, jnp.bfloat16, jax.random.key(0))
+        # y is 1.0 or 1.0078125 (a bfloat16 step up), and its mean is close to 1.0009765625
+    """
+    target = check_target(dtype, "stochastic_round(dtype=...)")
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"stochastic_round(x=...) must be a floating array, got {x.dtype}{list(x.shape)}"
+        )
+    key = _check_key(key)
+    if target == F32:
+        if x.dtype == np.float64:
+            raise ValueError(
+                "stochastic_round: rounding float64 to float32 is not supported; pick a "
+                "16- or 8-bit dtype, or cast with x.astype(jnp.float32)"
+            )
+        return x.astype(F32)
+    return _rounded(x, random_bits(key, x.shape), target)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """lowbias32 (Chris Wellons' integer hash): a bijection of uint32 with good avalanche."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x7FEB352D)
+    h = h ^ (h >> np.uint32(15))
+    h = h * np.uint32(0x846CA68B)
+    return h ^ (h >> np.uint32(16))
+
+
+def random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
+    """One uint32 of random bits an element of ``shape``: a hash of the element's index in the
+    whole array, keyed by two words drawn from ``key`` with ``jax.random.bits``.
+
+    Why not ``jax.random.bits(key, shape)`` for every element: its threefry costs about 12x a
+    simple elementwise op on the CPU, which made a stochastically rounded optimizer update 9-18x
+    the cost of the same update rounded to nearest (``benchmarks/optim_state.py``). Rounding
+    needs uniform bits that differ from element to element and from key to key, not a
+    cryptographic stream; llm.c rounds with a similar hash. Built from the global index
+    (``broadcasted_iota``), the bits of a sharded array are computed shard by shard with no
+    communication and do not depend on the number of devices. (Indices wrap at 2**32 elements.)
+    """
+    words = jax.random.bits(key, (2,), jnp.uint32)
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
+            stride % (1 << 32)
+        )
+        stride *= shape[axis]
+    return _mix(_mix(index * np.uint32(0x9E3779B9) + words[0]) ^ words[1])
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _rounded(x: jax.Array, bits: jax.Array, target: np.dtype) -> jax.Array:
+    return round_with_bits(x, bits, target)
+
+
+@_rounded.defjvp
+def _rounded_jvp(target: np.dtype, primals: Any, tangents: Any) -> Any:
+    x, bits = primals
+    x_dot, _ = tangents
+    return _rounded(x, bits, target), x_dot.astype(target)  # straight-through
+
+
+def round_with_bits(x: jax.Array, bits: jax.Array, target: np.dtype) -> jax.Array:
+    """Stochastically round ``x`` to ``target`` with the given uint32 random ``bits`` (one word
+    an element). ``target`` must be in ``FORMATS``."""
+    nmant, minexp = FORMATS[np.dtype(target)]
+    x32 = x.astype(F32)  # exact for 16-bit inputs; float64 rounds to nearest first (documented)
+    word = jax.lax.bitcast_convert_type(x32, jnp.uint32)
+    sign = word & np.uint32(0x80000000)
+    magnitude = word & np.uint32(0x7FFFFFFF)
+    kept_drop = 23 - nmant  # float32 mantissa bits the target has no room for
+    if minexp <= -126:
+        # bfloat16: float32's exponent range, so the dropped width is the same everywhere.
+        mask = np.uint32((1 << kept_drop) - 1)
+        out = (magnitude + (bits & mask)) & ~mask
+    else:
+        biased = (magnitude >> np.uint32(23)).astype(jnp.int32)
+        exponent = jnp.maximum(biased, 1) - 127  # float32 subnormals share the lowest binade's step
+        # One more dropped bit per binade below the target's smallest normal (its subnormals
+        # are evenly spaced, 2**(minexp - nmant) apart).
+        drop = kept_drop + jnp.clip(minexp - exponent, 0, 40)
+        small = drop <= 23
+        shift = jnp.where(small, drop, 0).astype(jnp.uint32)
+        mask = (np.uint32(1) << shift) - np.uint32(1)
+        on_grid = (magnitude + (bits & mask)) & ~mask
+        # Below the smallest subnormal s: up to s with probability |x| / s = M / 2**drop, M the
+        # 24-bit significand; compared on the top `drop` random bits (all 32, scaled, past 32).
+        significand = (magnitude & np.uint32(0x7FFFFF)) | jnp.where(
+            biased > 0, np.uint32(1 << 23), np.uint32(0)
+        )
+        fits = drop <= 32
+        top_bits = bits >> jnp.where(fits, 32 - drop, 0).astype(jnp.uint32)
+        threshold = jnp.where(
+            fits,
+            significand,
+            significand >> jnp.clip(drop - 32, 0, 31).astype(jnp.uint32),
+        )
+        up = jnp.where(fits, top_bits, bits) < threshold
+        smallest = np.uint32((minexp - nmant + 127) << 23)  # s as float32 bits (a normal)
+        out = jnp.where(small, on_grid, jnp.where(up, smallest, np.uint32(0)))
+    rounded = jax.lax.bitcast_convert_type(sign | out, F32)
+    rounded = jnp.where(jnp.isnan(x32), x32, rounded)  # a NaN's low payload bits must not carry
+    return rounded.astype(target)

@@ -1,0 +1,149 @@
+"""jamp.stochastic_round: exact on representable values, unbiased, deterministic per key, astype's
+edge values, straight-through derivative, jit/vmap; errors in the caller's terms. (Sharded
+arrays: tests/optim_sharding_checks.py, run by test_optim.py.)"""
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jamp
+from jamp.rounding import FORMATS
+
+DTYPES = list(FORMATS)
+IDS = [d.name for d in DTYPES]
+round_jit = jax.jit(jamp.stochastic_round, static_argnums=1)
+
+
+def as_f32(x):
+    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+
+
+def representable(dtype):
+    info = ml_dtypes.finfo(dtype)
+    values = [0.0, -0.0, float(info.smallest_subnormal), float(info.tiny), 1.0, -1.5, 3.0,
+              float(info.max), -float(info.max), float(info.tiny) * 3, np.inf, -np.inf, np.nan]
+    # the format's own values, cast back: exact in float32 (and -0.0 / inf where it has none
+    # become what astype makes of them, which stochastic_round must match too)
+    return np.asarray(values, np.float32).astype(dtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_representable_values_come_back_unchanged_whatever_the_bits(dtype):
+    x = jnp.asarray(np.tile(representable(dtype), 64))
+    expected = as_f32(x.astype(dtype))
+    for seed in range(4):
+        got = round_jit(x, dtype, jax.random.key(seed))
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(as_f32(got), expected)
+
+
+# Binomial test of unbiasedness. Each checked value sits between two neighbours `down < up`;
+# the number k of n draws that went up must be within Z standard deviations of n*p, with
+# p = (x - down) / (up - down). With Z = 5 a correct implementation fails one check with
+# probability about 5.7e-7 (normal approximation); over the 9 formats x 5 values here, the
+# false-alarm rate of the whole test is below 3e-5. (The keys are fixed, so a run is
+# reproducible; the rate says how unlikely a correct implementation is to trip it.)
+Z = 5.0
+N = 40_000
+
+
+def between(dtype):
+    """Values strictly between two neighbours of ``dtype``: in the normal range, in the
+    subnormal range, below the smallest subnormal (exact region |x| >= s * 2**-9), negative."""
+    info = ml_dtypes.finfo(dtype)
+    step = 2.0 ** -int(info.nmant)
+    s = float(info.smallest_subnormal)
+    return np.asarray([1 + 0.3 * step, -(2 + 1.7 * step), 2.37 * s, 0.41 * s, -0.013 * s],
+                      np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_unbiased_binomial_test(dtype):
+    x = between(dtype)
+    draws = as_f32(round_jit(jnp.broadcast_to(jnp.asarray(x)[:, None], (len(x), N)), dtype,
+                             jax.random.key(7))).astype(np.float64)
+    for value, row in zip(x.astype(np.float64), draws):
+        outcomes = np.unique(row)
+        assert len(outcomes) == 2, (dtype, value, outcomes)  # its two neighbours, both drawn
+        down, up = (outcomes if value > 0 else outcomes[::-1])
+        assert min(down, up) < value < max(down, up)
+        p = (value - down) / (up - down)
+        k = np.count_nonzero(row == up)
+        assert abs(k - N * p) <= Z * np.sqrt(N * p * (1 - p)), (dtype, value, k, N * p)
+
+
+def test_deterministic_per_key_and_different_across_keys():
+    x = jnp.linspace(1.0, 2.0, 4096) + 2.0**-12
+    a = round_jit(x, jnp.bfloat16, jax.random.key(3))
+    b = jamp.stochastic_round(x, jnp.bfloat16, jax.random.key(3))  # eager = jit
+    c = round_jit(x, jnp.bfloat16, jax.random.key(4))
+    raw = round_jit(x, jnp.bfloat16, jax.random.PRNGKey(3))  # a raw uint32 key works too
+    np.testing.assert_array_equal(as_f32(a), as_f32(b))
+    assert np.any(as_f32(a) != as_f32(c))
+    assert raw.dtype == jnp.bfloat16
+
+
+def test_overflow_nan_and_inf_follow_astype():
+    key = jax.random.key(0)
+    f16 = jamp.stochastic_round(jnp.asarray([70000.0, -1e6, np.nan, np.inf]), jnp.float16, key)
+    assert np.isposinf(as_f32(f16[0])) and np.isneginf(as_f32(f16[1]))
+    assert np.isnan(as_f32(f16[2])) and np.isposinf(as_f32(f16[3]))
+    # float8_e4m3fn has no inf: astype makes an overflow NaN, and so does stochastic_round
+    e4 = jamp.stochastic_round(jnp.asarray([1000.0, -460.0 * 3]), jnp.float8_e4m3fn, key)
+    assert np.all(np.isnan(as_f32(e4)))
+    # between float16's max (65504) and the next power of two: max or inf, unbiased either way
+    near = as_f32(round_jit(jnp.full((4000,), 65504.0 + 8.0), jnp.float16, key))
+    assert set(np.unique(near)) == {65504.0, np.inf}
+    # a NaN whose payload is in the low bits stays NaN (the added bits must not carry it away)
+    payload = jax.lax.bitcast_convert_type(jnp.asarray([0x7F800001, 0x7FFFFFFF], jnp.uint32),
+                                           jnp.float32)
+    assert np.all(np.isnan(as_f32(jamp.stochastic_round(payload, jnp.bfloat16, key))))
+
+
+def test_straight_through_gradient_jit_and_vmap():
+    x = jnp.linspace(-3.0, 3.0, 64) + 2.0**-11
+    key = jax.random.key(1)
+    grad = jax.jit(jax.grad(lambda v: jnp.sum(
+        jamp.stochastic_round(v, jnp.bfloat16, key).astype(jnp.float32) * 3.0)))(x)
+    np.testing.assert_array_equal(grad, np.full(64, 3.0, np.float32))
+    _, tangent = jax.jvp(lambda v: jamp.stochastic_round(v, jnp.float16, key), (x,),
+                         (jnp.ones_like(x),))
+    assert tangent.dtype == jnp.float16
+    # vmap with a batch of keys: each example as if rounded alone
+    keys = jax.random.split(key, 4)
+    rows = x.reshape(4, 16)
+    batched = jax.vmap(lambda r, k: jamp.stochastic_round(r, jnp.bfloat16, k))(rows, keys)
+    for i in range(4):
+        np.testing.assert_array_equal(
+            as_f32(batched[i]), as_f32(jamp.stochastic_round(rows[i], jnp.bfloat16, keys[i])))
+
+
+def test_16_bit_inputs_and_float32_target():
+    key = jax.random.key(0)
+    x = jnp.asarray([1.0, 1.0 + 2.0**-9, 3.0], jnp.float16)
+    y = jamp.stochastic_round(x, jnp.bfloat16, key)
+    assert y.dtype == jnp.bfloat16
+    assert as_f32(y)[0] == 1.0 and as_f32(y)[2] == 3.0
+    assert as_f32(y)[1] in (1.0, 1.0078125)
+    same = jamp.stochastic_round(x, jnp.float32, key)
+    np.testing.assert_array_equal(same, as_f32(x))
+
+
+@pytest.mark.parametrize("dtype, error, words", [
+    (jnp.int8, ValueError, "int8 is not a floating dtype"),
+    (jnp.float64, ValueError, "float64 is wider than float32"),
+    ("nonsense", TypeError, "must be a dtype"),
+])
+def test_bad_dtype_is_named(dtype, error, words):
+    with pytest.raises(error, match=words):
+        jamp.stochastic_round(jnp.ones(3), dtype, jax.random.key(0))
+
+
+def test_bad_x_and_key_are_named():
+    with pytest.raises(TypeError, match=r"x=\.\.\.\) must be a floating array, got int32"):
+        jamp.stochastic_round(jnp.arange(3), jnp.bfloat16, jax.random.key(0))
+    with pytest.raises(TypeError, match="key=...\\) must be one PRNG key"):
+        jamp.stochastic_round(jnp.ones(3), jnp.bfloat16, 0)
+    with pytest.raises(TypeError, match="batch of keys"):
+        jamp.stochastic_round(jnp.ones(3), jnp.bfloat16, jax.random.split(jax.random.key(0), 3))
