@@ -443,7 +443,7 @@ class Rewriter:
         self.scope_log = ScopeLog() if scope_log is None else scope_log
         self._states: dict[tuple[str, ...], RegionState] = {}
         # '@file:line' rules need each equation's frames: looked up only when the policy has one.
-        self._line_rules = any(is_line_rule(glob) for glob, _ in policy.rules)
+        self.line_rules = any(is_line_rule(glob) for glob, _ in policy.rules)
         # Sub-jaxprs already rewritten in this program, shared with child rewriters: jnp's
         # jitted helpers (`_where`, ...) recur with the same avals many times in a model.
         # (Not while recording: a report counts every occurrence.)
@@ -480,12 +480,12 @@ class Rewriter:
 
     def state_for(self, eqn: Any) -> RegionState:
         state = self.state_for_scopes(compat.scope_names(eqn))
-        return self._at_lines(state, eqn.source_info) if self._line_rules else state
+        return self._at_lines(state, eqn.source_info) if self.line_rules else state
 
     def current_state(self) -> RegionState:
         """The state of an operation bound now (the region front end, region_trace.py)."""
         state = self.state_for_scopes(compat.current_scope_names())
-        return self._at_lines(state, compat.current_source_info()) if self._line_rules else state
+        return self._at_lines(state, compat.current_source_info()) if self.line_rules else state
 
     def _at_lines(self, state: RegionState, source_info: Any) -> RegionState:
         frames = compat.frame_lines(source_info)

@@ -52,6 +52,7 @@ docs/reference/dtypes.md, "Regions"):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 import weakref
@@ -90,6 +91,12 @@ _STORES: dict[Policy, weakref.WeakKeyDictionary] = {}
 # callee rewritten in an earlier region is not walked again): a rule is reported unmatched
 # when no region of its policy has entered a scope it matches.
 _SCOPES: dict[Policy, ScopeLog] = {}
+# Rewrites of inline jits (jnp's functions, below) per policy, kept across regions: callee jaxpr
+# (weakly: JAX's own trace cache keeps jnp's) -> {(regions, operand avals, state, operand
+# knowledge): CallRewrite, or None where the callee cannot be reused (op by op then)}.
+_CALLS: dict[Policy, weakref.WeakKeyDictionary] = {}
+# What a region knows about a value that the rules read, as RegionEnv sets (see Env).
+_KNOWLEDGE = ("lowered", "lower_outputs", "expanded", "input_view", "scalar_like")
 
 
 def active() -> bool:
@@ -183,6 +190,28 @@ class RegionEnv(Env):
         self.casts.forget(var)
 
 
+    def knowledge_of(self, value: Any) -> tuple[frozenset, ConstSource | None] | None | bool:
+        """What this region knows about ``value``: its tags and rewrite-time constant; None for a
+        value it never saw; False where it knows what tags cannot say (jnp's float32
+        promotion of a 16-bit value: the rules read that value)."""
+        entry = self._vars.get(id(value))
+        if entry is None or entry[0]() is not value:
+            return None
+        var = entry[1]
+        if var in self.upcast_of:
+            return False
+        return frozenset(t for t in _KNOWLEDGE if var in getattr(self, t)), self.known.get(var)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRewrite:
+    """An inline jit's jaxpr as a region decided it, and, per output, what the region knew about
+    it ``(tags, rewrite-time constant)``, or None where the walk never saw it."""
+
+    closed: Any
+    outputs: tuple
+
+
 class CastsByVar(dict):
     """The cast cache (``(var, dtype) -> value``), able to drop a variable's entries without a
     scan: a long eager loop in one region would otherwise pay for every cast made so far."""
@@ -209,7 +238,13 @@ class CastsByVar(dict):
 class RegionTrace(compat.Trace):
     """The trace of one ``jamp.autocast`` region: applies ``policy`` and binds on ``parent``."""
 
-    def __init__(self, parent: Any, policy: Policy, region: int | None = None):
+    def __init__(
+        self,
+        parent: Any,
+        policy: Policy,
+        region: int | None = None,
+        base: RegionState | None = None,
+    ):
         super().__init__()
         self.parent = parent
         self.policy = policy
@@ -221,7 +256,8 @@ class RegionTrace(compat.Trace):
         scopes = _SCOPES.setdefault(policy, ScopeLog()) if policy.rules else None
         self.rewriter = Rewriter(
             policy,
-            RegionState(True, policy.compute_dtype),
+            # base: the state at a call whose body this region walks (its scopes are relative)
+            RegionState(True, policy.compute_dtype) if base is None else base,
             rewritten,
             scope_log=scopes,
             region=region,
@@ -234,12 +270,7 @@ class RegionTrace(compat.Trace):
 
     def process_primitive(self, primitive: Any, args: Sequence[Any], params: dict) -> Any:
         if compat.is_inline_jit(primitive, params):
-            # jnp's functions are jits JAX inlines into the program being traced (autocast_transform
-            # sees their equations): the region sees them one by one too, eagerly as well.
-            jaxpr, consts = compat.open_and_consts(params["jaxpr"])
-            with compat.set_current_trace(self):
-                outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
-            return outs
+            return self._inline_call(primitive, args, params)
         state = self.rewriter.current_state()
         if not self._needs_rule(primitive, state, args, params):
             with compat.set_current_trace(self.parent):
@@ -280,6 +311,122 @@ class RegionTrace(compat.Trace):
             v for v, t in zip(outvars, traced) if v.aval.dtype == compute and t != compute
         )
         return outs if primitive.multiple_results else outs[0]
+
+    # -- jnp's functions: inline jits ----------------------------------------------------------
+
+    def _inline_call(self, primitive: Any, args: Sequence[Any], params: dict) -> list[Any]:
+        """jnp's functions are jits JAX inlines into the program being traced (autocast_transform
+        sees their equations), so the region decides their equations one by one too, eagerly as
+        well. That walk is made once per callee jaxpr, operand types (weak types included),
+        region state and what the region knows about the operands, into a rewritten jaxpr
+        (:class:`CallRewrite`), which later calls bind as one call: a jaxpr trace inlines it as
+        it inlines the callee, eagerly it runs as one compiled call, as the callee does.
+
+        Walked op by op on every call instead (``_reusable`` says which): operands whose value
+        the rules read (a constant cast once, saturating, at rewrite time: a weak or rank-0
+        concrete value), operands or outputs that are jnp's float32 promotion of a value the
+        policy made 16-bit (the rules use the 16-bit value itself, which is not an operand), and
+        policies with ``'@file:line'`` rules (they match the caller's frames, not the callee's).
+        """
+        if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
+            with compat.set_current_trace(self.parent):
+                return primitive.bind(*args, **params)
+        state = self.rewriter.current_state()
+        knowledge = self._operand_knowledge(args)
+        rewrite = None
+        if knowledge is not None and not self.rewriter.line_rules:
+            rewrite = self._call_rewrite(params["jaxpr"], args, state, knowledge)
+        if rewrite is None:
+            jaxpr, consts = compat.open_and_consts(params["jaxpr"])
+            with compat.set_current_trace(self):
+                return compat.eval_jaxpr_retyped(jaxpr, consts, args)
+        with compat.set_current_trace(self.parent):
+            outs = primitive.bind(*args, **{**params, "jaxpr": rewrite.closed})
+        env = self.env
+        for value, known in zip(outs, rewrite.outputs):
+            if known is None:  # not seen by the walk (a constant of the callee): as if new
+                continue
+            tags, source = known
+            var = compat.Var(compat.aval_of(value))
+            env.remember(value, var)
+            for tag in tags:
+                getattr(env, tag).add(var)
+            if source is not None:
+                env.known[var] = source
+        return outs
+
+    def _operand_knowledge(self, args: Sequence[Any]) -> tuple[frozenset, ...] | None:
+        """Per operand, the region's tags for it; None where the walk reads more than tags."""
+        env, out = self.env, []
+        for value in args:
+            var, new = env.var_for(value)
+            if new:
+                self._adopt_input(var, value)
+            if var in env.known or var in env.upcast_of:
+                return None
+            out.append(frozenset(tag for tag in _KNOWLEDGE if var in getattr(env, tag)))
+        return tuple(out)
+
+    def _call_rewrite(
+        self, closed: Any, args: Sequence[Any], state: RegionState, knowledge: tuple
+    ) -> CallRewrite | None:
+        """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
+        cannot be reused, or its jaxpr cannot be weakly referenced)."""
+        avals = tuple(compat.aval_of(a) for a in args)
+        key = (
+            self.rewriter.region,
+            avals,
+            tuple(bool(getattr(a, "weak_type", False)) for a in avals),
+            state,
+            knowledge,
+        )
+        store = _CALLS.setdefault(self.policy, weakref.WeakKeyDictionary())
+        try:
+            entries = store.get(closed)
+            if entries is None:
+                entries = store[closed] = {}
+        except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
+            return None
+        if key in entries:
+            return entries[key]
+        rewrite = self._walk_once(closed, list(avals), state, knowledge)
+        consts = compat.open_and_consts(rewrite.closed)[1] if rewrite is not None else ()
+        if not any(compat.is_tracer(c) for c in consts):
+            entries[key] = rewrite  # (one closing over this trace's values: this call only)
+        return rewrite
+
+    def _walk_once(
+        self, closed: Any, avals: list, state: RegionState, knowledge: tuple
+    ) -> CallRewrite | None:
+        """Walk the callee op by op under a region of this policy pushed on a jaxpr trace of its
+        own, from the call's state and operand knowledge; the rewritten jaxpr and what the walk
+        knew about each output."""
+        jaxpr, consts = compat.open_and_consts(closed)
+        found: dict[str, Any] = {}
+
+        def walk(*operands: Any) -> list[Any]:
+            sub = RegionTrace(
+                compat.current_trace(), self.policy, region=self.rewriter.region, base=state
+            )
+            try:
+                for value, tags in zip(operands, knowledge):
+                    var, _ = sub.env.var_for(value)
+                    for tag in tags:
+                        getattr(sub.env, tag).add(var)
+                with compat.set_current_trace(sub):
+                    outs = compat.eval_jaxpr_retyped(jaxpr, consts, operands)
+                found["outputs"] = [sub.env.knowledge_of(x) for x in outs]
+            finally:
+                sub.invalidate()
+            return outs
+
+        try:
+            rewritten = compat.trace_to_closed(walk, avals)
+        except Exception:  # the walk on the values themselves raises what it raises, in place
+            return None
+        if any(out is False for out in found["outputs"]):
+            return None
+        return CallRewrite(rewritten, tuple(found["outputs"]))
 
     def _needs_rule(
         self, primitive: Any, state: RegionState, args: Sequence[Any], params: dict
