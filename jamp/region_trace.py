@@ -51,6 +51,7 @@ docs/reference/dtypes.md, "Regions"):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -332,10 +333,10 @@ class RegionTrace(compat.Trace):
             with compat.set_current_trace(self.parent):
                 return primitive.bind(*args, **params)
         state = self.rewriter.current_state()
-        knowledge = self._operand_knowledge(args)
+        known = self._operand_knowledge(args)
         rewrite = None
-        if knowledge is not None and not self.rewriter.line_rules:
-            rewrite = self._call_rewrite(params["jaxpr"], args, state, knowledge)
+        if known is not None and not self.rewriter.line_rules:
+            rewrite = self._call_rewrite(params["jaxpr"], args, state, *known)
         if rewrite is None:
             jaxpr, consts = compat.open_and_consts(params["jaxpr"])
             with compat.set_current_trace(self):
@@ -355,20 +356,29 @@ class RegionTrace(compat.Trace):
                 env.known[var] = source
         return outs
 
-    def _operand_knowledge(self, args: Sequence[Any]) -> tuple[frozenset, ...] | None:
-        """Per operand, the region's tags for it; None where the walk reads more than tags."""
-        env, out = self.env, []
+    def _operand_knowledge(self, args: Sequence[Any]) -> tuple[tuple, list] | None:
+        """Per operand, the region's tags for it and, for a small constant the rules read (a
+        weak or rank-0 concrete value, cast once, saturating), its value; and those constants'
+        sources. None where the walk would read more than that."""
+        env, keys, sources = self.env, [], []
         for value in args:
             var, new = env.var_for(value)
             if new:
                 self._adopt_input(var, value)
-            if var in env.known or var in env.upcast_of:
+            if var in env.upcast_of:
                 return None
-            out.append(frozenset(tag for tag in _KNOWLEDGE if var in getattr(env, tag)))
-        return tuple(out)
+            source = env.known.get(var)
+            constant = None
+            if source is not None:
+                constant = _constant_key(source)
+                if constant is None:
+                    return None
+            keys.append((frozenset(t for t in _KNOWLEDGE if var in getattr(env, t)), constant))
+            sources.append(source)
+        return tuple(keys), sources
 
     def _call_rewrite(
-        self, closed: Any, args: Sequence[Any], state: RegionState, knowledge: tuple
+        self, closed: Any, args: Sequence[Any], state: RegionState, knowledge: tuple, sources: list
     ) -> CallRewrite | None:
         """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
         cannot be reused, or its jaxpr cannot be weakly referenced)."""
@@ -377,26 +387,31 @@ class RegionTrace(compat.Trace):
             self.rewriter.region,
             avals,
             tuple(bool(getattr(a, "weak_type", False)) for a in avals),
-            state,
+            # The scope path (a Flax module's) decides only through the policy's rules: without
+            # any, every block of a model reuses the rewrite its first block made.
+            state if self.policy.rules else (state.enabled, state.dtype, state.keep_compute_dtype),
             knowledge,
         )
         store = _CALLS.setdefault(self.policy, weakref.WeakKeyDictionary())
         try:
             entries = store.get(closed)
             if entries is None:
-                entries = store[closed] = {}
+                entries = store[closed] = collections.OrderedDict()
         except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
             return None
         if key in entries:
+            entries.move_to_end(key)
             return entries[key]
-        rewrite = self._walk_once(closed, list(avals), state, knowledge)
+        rewrite = self._walk_once(closed, list(avals), state, knowledge, sources)
         consts = compat.open_and_consts(rewrite.closed)[1] if rewrite is not None else ()
         if not any(compat.is_tracer(c) for c in consts):
             entries[key] = rewrite  # (one closing over this trace's values: this call only)
+            if len(entries) > _CALLS_PER_CALLEE:  # an eager loop passing a new scalar each step
+                entries.popitem(last=False)
         return rewrite
 
     def _walk_once(
-        self, closed: Any, avals: list, state: RegionState, knowledge: tuple
+        self, closed: Any, avals: list, state: RegionState, knowledge: tuple, sources: list
     ) -> CallRewrite | None:
         """Walk the callee op by op under a region of this policy pushed on a jaxpr trace of its
         own, from the call's state and operand knowledge; the rewritten jaxpr and what the walk
@@ -409,10 +424,12 @@ class RegionTrace(compat.Trace):
                 compat.current_trace(), self.policy, region=self.rewriter.region, base=state
             )
             try:
-                for value, tags in zip(operands, knowledge):
+                for value, (tags, _), source in zip(operands, knowledge, sources):
                     var, _ = sub.env.var_for(value)
                     for tag in tags:
                         getattr(sub.env, tag).add(var)
+                    if source is not None:  # cast from the value (in the key), as op by op
+                        sub.env.known[var] = source
                 with compat.set_current_trace(sub):
                     outs = compat.eval_jaxpr_retyped(jaxpr, consts, operands)
                 found["outputs"] = [sub.env.knowledge_of(x) for x in outs]
@@ -499,6 +516,20 @@ class RegionTrace(compat.Trace):
         state = self.rewriter.current_state()
         with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
+
+
+_CALLS_PER_CALLEE = 64  # rewrites kept per inline jit (least recently used dropped)
+
+
+def _constant_key(source: ConstSource) -> tuple | None:
+    """A constant operand's value as part of a cache key: a small concrete value without shape
+    ops (a Python or numpy scalar, a rank-0 array), else None (not keyed: walked op by op)."""
+    if source.steps or compat.is_tracer(source.base):
+        return None
+    value = np.asarray(source.base)
+    if value.size > 16:
+        return None
+    return value.dtype, value.shape, value.tobytes(), type(source.base)
 
 
 _CARRIES_PROGRAMS: dict[Any, bool] = {}

@@ -837,18 +837,24 @@ def test_an_inline_jit_is_walked_once_per_types_state_and_operand_knowledge(monk
     assert str(jax.make_jaxpr(f)(X, x16, W, B)) == str(walked)
 
 
-def test_an_inline_jit_on_values_the_rules_read_is_walked_op_by_op(monkeypatch):
-    """Operands whose value the rules read (a concrete rank-0 constant, cast saturating) and
-    jnp's float32 promotion of a 16-bit value (the rules use the 16-bit value) are not keyed:
-    those calls are walked equation by equation every time, with the same result."""
-    scale = jax.jit(lambda y, c: y * c, inline=True)
+def test_an_inline_jit_on_constants_is_keyed_by_their_value(monkeypatch):
+    """A small constant operand (a concrete rank-0 or weak value) is cast once, saturating, from
+    its value: its rewrite is reused for that value only. jnp's float32 promotion of a 16-bit
+    value (the rules use the 16-bit value, not an operand) is walked op by op every time."""
+    scale = jax.jit(lambda y, c: jnp.sin(y) * c, inline=True)
     walks = _count_walks(monkeypatch)
     with jamp.autocast(jnp.float16):
-        big = scale((X @ W) * 0, np.float32(1e6))  # cast once, saturating: 0 * 65504, not nan
+        zero = (X @ W) * 0
+        big = [scale(zero, np.float32(1e6)) for _ in range(2)]  # 0 * 65504, not 0 * inf = nan
+        small = scale(zero + np.pi / 2, np.float32(2.0))
         promoted = scale((X @ W).astype(jnp.float32), jnp.ones(()))
-    assert not [w for w in walks if "mul" in w]
-    assert np.isfinite(np.asarray(big, np.float32)).all() and big.dtype == F16
-    assert promoted.shape == X.shape
+    assert len([w for w in walks if "sin" in w]) == 2  # one per value; the promotion op by op
+    assert dtypes([*big, small]) == [F16] * 3
+    assert not np.asarray(big[1], np.float32).any() and (np.asarray(small, np.float32) == 2).all()
+    with monkeypatch.context() as m:
+        _op_by_op(m)
+        with jamp.autocast(jnp.float16):
+            assert scale((X @ W).astype(jnp.float32), jnp.ones(())).dtype == promoted.dtype
 
 
 def test_a_jnp_function_in_an_eager_region_runs_its_rewrite_as_one_call():
