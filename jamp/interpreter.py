@@ -430,6 +430,7 @@ class Rewriter:
         scope_log: ScopeLog | None = None,
         active: list[Env] | None = None,
         region: int = 0,
+        states: dict[tuple[str, ...], RegionState] | None = None,
     ):
         self.policy = policy
         # Rewriting for a jamp.autocast region (region_trace.py) rather than a transform: how
@@ -441,7 +442,10 @@ class Rewriter:
         # the rewriter that creates the log (the top-level one) reports those when it finishes.
         self._owns_scope_log = scope_log is None
         self.scope_log = ScopeLog() if scope_log is None else scope_log
-        self._states: dict[tuple[str, ...], RegionState] = {}
+        # The state under each tuple of scope names, from ``state``; a region passes one kept
+        # across its policy's regions (the states are the same; entering a scope costs a glob
+        # match per rule).
+        self._states: dict[tuple[str, ...], RegionState] = {} if states is None else states
         # '@file:line' rules need each equation's frames: looked up only when the policy has one.
         self.line_rules = any(is_line_rule(glob) for glob, _ in policy.rules)
         # Sub-jaxprs already rewritten in this program, shared with child rewriters: jnp's

@@ -92,6 +92,8 @@ _STORES: dict[Policy, weakref.WeakKeyDictionary] = {}
 # callee rewritten in an earlier region is not walked again): a rule is reported unmatched
 # when no region of its policy has entered a scope it matches.
 _SCOPES: dict[Policy, ScopeLog] = {}
+# The region state under each tuple of scope names (a model's module paths), per policy.
+_STATES: dict[Policy, dict] = {}
 # Rewrites of inline jits (jnp's functions, below) per policy, kept across regions: callee jaxpr
 # (weakly: JAX's own trace cache keeps jnp's) -> {(regions, operand avals, state, operand
 # knowledge): CallRewrite, or None where the callee cannot be reused (op by op then)}.
@@ -262,6 +264,8 @@ class RegionTrace(compat.Trace):
             rewritten,
             scope_log=scopes,
             region=region,
+            # (the scope log, when the policy has rules, is kept across regions as well)
+            states=_shared_states(policy) if base is None else None,
         )
         self.env = RegionEnv()
         compat.share_trace_identity(self, parent)
@@ -518,6 +522,14 @@ class RegionTrace(compat.Trace):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
 
 
+def _shared_states(policy: Policy) -> dict:
+    states = _STATES.setdefault(policy, {})
+    if len(states) > _STATES_KEPT:  # a program naming a new scope every step: start again
+        states.clear()
+    return states
+
+
+_STATES_KEPT = 4096
 _CALLS_PER_CALLEE = 64  # rewrites kept per inline jit (least recently used dropped)
 
 
