@@ -780,9 +780,20 @@ _NO_NAMES = _siu.NameStack()
 _JNP_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
 
 
+_last_scope_names: tuple[Any, tuple[str, ...]] = (None, ())
+
+
 def current_scope_names() -> tuple[str, ...]:
-    """Names of the ``jax.named_scope``/Flax module scopes being traced under now."""
-    return tuple(s.name for s in _siu.current_name_stack().stack if isinstance(s, _siu.Scope))
+    """Names of the ``jax.named_scope``/Flax module scopes being traced under now (a region asks
+    for every operation; consecutive ones mostly share one name stack, which is immutable)."""
+    global _last_scope_names
+    stack = _siu.current_name_stack()
+    last = _last_scope_names
+    if last[0] is stack:
+        return last[1]
+    names = tuple(s.name for s in stack.stack if isinstance(s, _siu.Scope))
+    _last_scope_names = (stack, names)
+    return names
 
 
 # jamp's own frames are library frames in the source lines JAX reports (as JAX's own are): an

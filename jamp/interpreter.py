@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -162,8 +163,17 @@ def call_bodies(eqn: Any) -> list[Any]:
     return [compat.open_and_consts(compat.as_closed(call_body(eqn)))[0]]
 
 
+_IS_FLOAT: dict[Any, bool] = {}  # asked for every operand of every equation: by dtype, once
+
+
 def is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
+    try:
+        return _IS_FLOAT[dtype]
+    except KeyError:
+        floating = _IS_FLOAT[dtype] = bool(jnp.issubdtype(dtype, jnp.floating))
+        return floating
+    except TypeError:  # pragma: no cover - an unhashable dtype-like
+        return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
@@ -177,6 +187,11 @@ def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
 def widest(*dtypes: Any) -> np.dtype:
     """JAX's standard promotion of ``dtypes``, whatever ``jax.numpy_dtype_promotion`` the caller
     set: jamp's own casts are explicit, so the user's "strict" mode must not reject them."""
+    return _widest(dtypes)
+
+
+@functools.lru_cache(maxsize=256)
+def _widest(dtypes: tuple) -> np.dtype:  # (entering the promotion context costs ~0.1 ms)
     with jax.numpy_dtype_promotion("standard"):
         return np.dtype(jnp.result_type(*dtypes))
 
@@ -866,7 +881,7 @@ def default_rule(step: Step) -> Sequence[Any]:
     name = step.eqn.primitive.name
     if name in KEEP_TRACED_DTYPES:
         return keep_traced_rule(step)
-    if has_subprograms(step.params):
+    if carries_programs(step.eqn.primitive, step.params):
         if name not in _warned:
             _warned.add(name)
             warnings.warn(
@@ -878,6 +893,18 @@ def default_rule(step: Step) -> Sequence[Any]:
             )
         return keep_traced_rule(step)
     return equalize_rule(step)
+
+
+_CARRIES_PROGRAMS: dict[Any, bool] = {}
+
+
+def carries_programs(primitive: Any, params: dict[str, Any]) -> bool:
+    """Whether the primitive's equations carry jaxprs: looked at once per primitive (a region
+    asks for every bind, the default rule for every equation it takes)."""
+    known = _CARRIES_PROGRAMS.get(primitive)
+    if known is None:
+        known = _CARRIES_PROGRAMS[primitive] = has_subprograms(params)
+    return known
 
 
 def has_subprograms(params: dict[str, Any]) -> bool:

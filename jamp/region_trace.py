@@ -70,7 +70,7 @@ from .interpreter import (
     Env,
     Rewriter,
     Step,
-    has_subprograms,
+    carries_programs,
     is_float,
     track_derived,
     widest,
@@ -306,7 +306,7 @@ class RegionTrace(compat.Trace):
                     if var in env.upcast_of:
                         env.casts.pop((var, F32), None)
         # What a call would have returned without the policy (its body's traced types).
-        traced = [v.aval.dtype for v in eqn.outvars] if _carries_programs(primitive, params) else []
+        traced = [v.aval.dtype for v in eqn.outvars] if carries_programs(primitive, params) else []
         outvars = eqn.set_outputs(outs)
         for value, var in zip(outs, outvars):
             env.remember(value, var)
@@ -389,8 +389,7 @@ class RegionTrace(compat.Trace):
         avals = tuple(compat.aval_of(a) for a in args)
         key = (
             self.rewriter.region,
-            avals,
-            tuple(bool(getattr(a, "weak_type", False)) for a in avals),
+            avals,  # (an aval's equality includes its weak type)
             # The scope path (a Flax module's) decides only through the policy's rules: without
             # any, every block of a model reuses the rewrite its first block made.
             state if self.policy.rules else (state.enabled, state.dtype, state.keep_compute_dtype),
@@ -454,7 +453,7 @@ class RegionTrace(compat.Trace):
     ) -> bool:
         """Whether the policy can change anything: an enabled state and a floating operand, or
         a sub-program (whose regions may differ from this one)."""
-        if _carries_programs(primitive, params):
+        if carries_programs(primitive, params):
             return True
         return state.enabled and any(
             is_float(getattr(compat.aval_of(a), "dtype", np.int32)) for a in args
@@ -542,18 +541,6 @@ def _constant_key(source: ConstSource) -> tuple | None:
     if value.size > 16:
         return None
     return value.dtype, value.shape, value.tobytes(), type(source.base)
-
-
-_CARRIES_PROGRAMS: dict[Any, bool] = {}
-
-
-def _carries_programs(primitive: Any, params: dict) -> bool:
-    """Whether the primitive's equations carry jaxprs: looked at once per primitive (a region
-    asks for every bind)."""
-    known = _CARRIES_PROGRAMS.get(primitive)
-    if known is None:
-        known = _CARRIES_PROGRAMS[primitive] = has_subprograms(params)
-    return known
 
 
 def region_above(differentiating: Any) -> RegionTrace | None:
