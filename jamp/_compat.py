@@ -604,7 +604,9 @@ def routing_problems() -> list[str]:
             f"expected ({', '.join(_BACKWARD_PASS_SIGNATURE)})"
         )
     elif not _calls_backward_pass(api):
-        problems.append(f"jax._src.api no longer calls {where}.{_BACKWARD_PASS} (jax.vjp's pullback)")
+        problems.append(
+            f"jax._src.api no longer calls {where}.{_BACKWARD_PASS} (jax.vjp's pullback)"
+        )
     return problems
 
 

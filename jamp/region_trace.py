@@ -192,7 +192,6 @@ class RegionEnv(Env):
         self.upcast_of.pop(var, None)
         self.casts.forget(var)
 
-
     def knowledge_of(self, value: Any) -> tuple[frozenset, ConstSource | None] | None | bool:
         """What this region knows about ``value``: its tags and rewrite-time constant; None for a
         value it never saw; False where it knows what tags cannot say (jnp's float32
