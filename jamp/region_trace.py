@@ -326,11 +326,14 @@ class RegionTrace(compat.Trace):
         (:class:`CallRewrite`), which later calls bind as one call: a jaxpr trace inlines it as
         it inlines the callee, eagerly it runs as one compiled call, as the callee does.
 
-        Walked op by op on every call instead (``_reusable`` says which): operands whose value
-        the rules read (a constant cast once, saturating, at rewrite time: a weak or rank-0
-        concrete value), operands or outputs that are jnp's float32 promotion of a value the
-        policy made 16-bit (the rules use the 16-bit value itself, which is not an operand), and
-        policies with ``'@file:line'`` rules (they match the caller's frames, not the callee's).
+        A small constant operand (a weak or rank-0 concrete value, which the rules cast once,
+        saturating, from its value) is keyed by its value. Walked op by op on every call
+        instead, because the walk reads more than a key holds (docs/reference/dtypes.md,
+        "Regions"): an operand or output that is jnp's float32 promotion of a value the policy
+        made 16-bit (the rules use the 16-bit value itself, which is not an operand), a constant
+        operand with shape ops applied or over 16 elements, and every call under a policy with
+        ``'@file:line'`` rules (they match the caller's frames, which differ per call). A walk
+        that raises is redone op by op on the values themselves, where the error belongs.
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             with compat.set_current_trace(self.parent):
