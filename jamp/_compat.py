@@ -15,6 +15,7 @@ import contextlib
 import functools
 import os
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -536,8 +537,112 @@ set_current_trace = _core.set_current_trace
 # decided them, also a custom_vjp bwd (user code) of a pullback made outside the region.
 
 _DIFFERENTIATION_TRACES = ("JVPTrace", "LinearizeTrace")
-_ROUTED_METHODS = ("process_primitive", "process_custom_jvp_call", "process_custom_vjp_call")
+# The replaced methods and the positional parameters the replacement relies on (it passes the
+# primitive on to the region's method of the same name, which takes what follows it).
+_ROUTED_SIGNATURES: dict[str, tuple[str, ...]] = {
+    "process_primitive": ("self", "primitive", "tracers", "params"),
+    "process_custom_jvp_call": ("self", "primitive", "fun", "jvp", "tracers"),
+    "process_custom_vjp_call": ("self", "primitive", "fun", "fwd", "bwd", "tracers"),
+}
+_ROUTED_METHODS = tuple(_ROUTED_SIGNATURES)
 _BACKWARD_PASS = "backward_pass3"
+_BACKWARD_PASS_SIGNATURE = ("jaxpr", "transform_stack", "consts", "primals_in", "cotangents_in")
+
+
+class JaxCompatibilityError(RuntimeError):
+    """The installed JAX lacks (or changed) a private attribute that a jamp feature replaces."""
+
+
+def _positional(fn: Any) -> tuple[str, ...] | None:
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
+
+
+def _calls_backward_pass(module: Any) -> bool:
+    """Whether a function of ``module`` looks ``ad.backward_pass3`` up when it runs (the name
+    the marking replaces; ``jax.vjp``'s pullback does, in ``jax._src.api``)."""
+    return any(
+        isinstance(f, types.FunctionType) and _BACKWARD_PASS in f.__code__.co_names
+        for f in vars(module).values()
+    )
+
+
+def routing_problems() -> list[str]:
+    """What the installed JAX lacks of what ``differentiation_routed_above`` replaces: each
+    problem names the attribute and what was expected (empty: all there, as in 0.10-0.12)."""
+    from jax._src import api
+    from jax._src.interpreters import ad
+
+    where = "jax._src.interpreters.ad"
+    problems = []
+    for name in _DIFFERENTIATION_TRACES:
+        cls = getattr(ad, name, None)
+        if not isinstance(cls, type):
+            problems.append(f"{where}.{name} (a class) is missing")
+            continue
+        for method, expected in _ROUTED_SIGNATURES.items():
+            fn = cls.__dict__.get(method)
+            if fn is None:
+                problems.append(f"{where}.{name}.{method} is missing (not defined on the class)")
+            elif _positional(fn) != expected:
+                problems.append(
+                    f"{where}.{name}.{method} takes ({', '.join(_positional(fn) or ('?',))}), "
+                    f"expected ({', '.join(expected)})"
+                )
+    backward = getattr(ad, _BACKWARD_PASS, None)
+    if not callable(backward):
+        problems.append(f"{where}.{_BACKWARD_PASS} is missing")
+    elif _positional(backward) != _BACKWARD_PASS_SIGNATURE:
+        problems.append(
+            f"{where}.{_BACKWARD_PASS} takes ({', '.join(_positional(backward) or ('?',))}), "
+            f"expected ({', '.join(_BACKWARD_PASS_SIGNATURE)})"
+        )
+    elif not _calls_backward_pass(api):
+        problems.append(
+            f"jax._src.api no longer calls {where}.{_BACKWARD_PASS} (jax.vjp's pullback)"
+        )
+    return problems
+
+
+_routing_checked: tuple | None = None  # the attributes that passed the last check
+
+
+def check_differentiation_routing() -> None:
+    """Raise :class:`JaxCompatibilityError` naming the JAX version and every missing or changed
+    attribute if the installed JAX cannot be routed; a no-op after a check of the same
+    attributes passed (regions call it on entry)."""
+    global _routing_checked
+    from jax._src.interpreters import ad
+
+    current = (
+        *(
+            getattr(getattr(ad, name, None), "__dict__", {}).get(method)
+            for name in _DIFFERENTIATION_TRACES
+            for method in _ROUTED_METHODS
+        ),
+        getattr(ad, _BACKWARD_PASS, None),
+    )
+    if current == _routing_checked:
+        return
+    problems = routing_problems()
+    if problems:
+        raise JaxCompatibilityError(
+            f"jamp.autocast regions cannot run on jax {jax.__version__}: while a region is open, "
+            "jamp routes jax.grad/vjp/jvp/linearize called inside it through JAX's private "
+            "differentiation traces, and this JAX differs from the versions jamp supports "
+            "(0.10-0.12): " + "; ".join(problems) + ". jamp.autocast_transform(fn) does not "
+            "need them; or install a supported JAX (docs/development.md, 'Replaced JAX "
+            "methods')."
+        )
+    _routing_checked = current
+
+
 _routing_lock = threading.Lock()
 _routing_users = 0
 _originals: dict[tuple[Any, str], Any] = {}  # (owner, name) -> JAX's own attribute
@@ -605,6 +710,7 @@ def differentiation_routed_above(above: Callable[[Any], Any]) -> Iterator[None]:
 
     with _routing_lock:
         if _routing_users == 0:  # (what is there now is JAX's, or another library's: keep it)
+            check_differentiation_routing()  # before anything is replaced: fail loudly
             _originals.clear()
             for cls in (getattr(ad, name) for name in _DIFFERENTIATION_TRACES):
                 for method in _ROUTED_METHODS:
@@ -676,9 +782,20 @@ _NO_NAMES = _siu.NameStack()
 _JNP_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
 
 
+_last_scope_names: tuple[Any, tuple[str, ...]] = (None, ())
+
+
 def current_scope_names() -> tuple[str, ...]:
-    """Names of the ``jax.named_scope``/Flax module scopes being traced under now."""
-    return tuple(s.name for s in _siu.current_name_stack().stack if isinstance(s, _siu.Scope))
+    """Names of the ``jax.named_scope``/Flax module scopes being traced under now (a region asks
+    for every operation; consecutive ones mostly share one name stack, which is immutable)."""
+    global _last_scope_names
+    stack = _siu.current_name_stack()
+    last = _last_scope_names
+    if last[0] is stack:
+        return last[1]
+    names = tuple(s.name for s in stack.stack if isinstance(s, _siu.Scope))
+    _last_scope_names = (stack, names)
+    return names
 
 
 # jamp's own frames are library frames in the source lines JAX reports (as JAX's own are): an

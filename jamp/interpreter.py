@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -163,8 +164,17 @@ def call_bodies(eqn: Any) -> list[Any]:
     return [compat.open_and_consts(compat.as_closed(call_body(eqn)))[0]]
 
 
+_IS_FLOAT: dict[Any, bool] = {}  # asked for every operand of every equation: by dtype, once
+
+
 def is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
+    try:
+        return _IS_FLOAT[dtype]
+    except KeyError:
+        floating = _IS_FLOAT[dtype] = bool(jnp.issubdtype(dtype, jnp.floating))
+        return floating
+    except TypeError:  # pragma: no cover - an unhashable dtype-like
+        return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
@@ -178,6 +188,11 @@ def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
 def widest(*dtypes: Any) -> np.dtype:
     """JAX's standard promotion of ``dtypes``, whatever ``jax.numpy_dtype_promotion`` the caller
     set: jamp's own casts are explicit, so the user's "strict" mode must not reject them."""
+    return _widest(dtypes)
+
+
+@functools.lru_cache(maxsize=256)
+def _widest(dtypes: tuple) -> np.dtype:  # (entering the promotion context costs ~0.1 ms)
     with jax.numpy_dtype_promotion("standard"):
         return np.dtype(jnp.result_type(*dtypes))
 
@@ -440,6 +455,7 @@ class Rewriter:
         scope_log: ScopeLog | None = None,
         active: list[Env] | None = None,
         region: int = 0,
+        states: dict[tuple[str, ...], RegionState] | None = None,
     ):
         self.policy = policy
         # Rewriting for a jamp.autocast region (region_trace.py) rather than a transform: how
@@ -451,9 +467,12 @@ class Rewriter:
         # the rewriter that creates the log (the top-level one) reports those when it finishes.
         self._owns_scope_log = scope_log is None
         self.scope_log = ScopeLog() if scope_log is None else scope_log
-        self._states: dict[tuple[str, ...], RegionState] = {}
+        # The state under each tuple of scope names, from ``state``; a region passes one kept
+        # across its policy's regions (the states are the same; entering a scope costs a glob
+        # match per rule).
+        self._states: dict[tuple[str, ...], RegionState] = {} if states is None else states
         # '@file:line' rules need each equation's frames: looked up only when the policy has one.
-        self._line_rules = any(is_line_rule(glob) for glob, _ in policy.rules)
+        self.line_rules = any(is_line_rule(glob) for glob, _ in policy.rules)
         # Sub-jaxprs already rewritten in this program, shared with child rewriters: jnp's
         # jitted helpers (`_where`, ...) recur with the same avals many times in a model.
         # (Not while recording: a report counts every occurrence.)
@@ -490,12 +509,12 @@ class Rewriter:
 
     def state_for(self, eqn: Any) -> RegionState:
         state = self.state_for_scopes(compat.scope_names(eqn))
-        return self._at_lines(state, eqn.source_info) if self._line_rules else state
+        return self._at_lines(state, eqn.source_info) if self.line_rules else state
 
     def current_state(self) -> RegionState:
         """The state of an operation bound now (the region front end, region_trace.py)."""
         state = self.state_for_scopes(compat.current_scope_names())
-        return self._at_lines(state, compat.current_source_info()) if self._line_rules else state
+        return self._at_lines(state, compat.current_source_info()) if self.line_rules else state
 
     def _at_lines(self, state: RegionState, source_info: Any) -> RegionState:
         frames = compat.frame_lines(source_info)
@@ -921,7 +940,7 @@ def default_rule(step: Step) -> Sequence[Any]:
     name = step.eqn.primitive.name
     if name in KEEP_TRACED_DTYPES:
         return keep_traced_rule(step)
-    if has_subprograms(step.params):
+    if carries_programs(step.eqn.primitive, step.params):
         if name not in _warned:
             _warned.add(name)
             warnings.warn(
@@ -933,6 +952,18 @@ def default_rule(step: Step) -> Sequence[Any]:
             )
         return keep_traced_rule(step)
     return equalize_rule(step)
+
+
+_CARRIES_PROGRAMS: dict[Any, bool] = {}
+
+
+def carries_programs(primitive: Any, params: dict[str, Any]) -> bool:
+    """Whether the primitive's equations carry jaxprs: looked at once per primitive (a region
+    asks for every bind, the default rule for every equation it takes)."""
+    known = _CARRIES_PROGRAMS.get(primitive)
+    if known is None:
+        known = _CARRIES_PROGRAMS[primitive] = has_subprograms(params)
+    return known
 
 
 def has_subprograms(params: dict[str, Any]) -> bool:

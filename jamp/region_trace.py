@@ -51,7 +51,9 @@ docs/reference/dtypes.md, "Regions"):
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import functools
 import threading
 import weakref
@@ -68,7 +70,7 @@ from .interpreter import (
     Env,
     Rewriter,
     Step,
-    has_subprograms,
+    carries_programs,
     is_float,
     track_derived,
     widest,
@@ -90,6 +92,14 @@ _STORES: dict[Policy, weakref.WeakKeyDictionary] = {}
 # callee rewritten in an earlier region is not walked again): a rule is reported unmatched
 # when no region of its policy has entered a scope it matches.
 _SCOPES: dict[Policy, ScopeLog] = {}
+# The region state under each tuple of scope names (a model's module paths), per policy.
+_STATES: dict[Policy, dict] = {}
+# Rewrites of inline jits (jnp's functions, below) per policy, kept across regions: callee jaxpr
+# (weakly: JAX's own trace cache keeps jnp's) -> {(regions, operand avals, state, operand
+# knowledge): CallRewrite, or None where the callee cannot be reused (op by op then)}.
+_CALLS: dict[Policy, weakref.WeakKeyDictionary] = {}
+# What a region knows about a value that the rules read, as RegionEnv sets (see Env).
+_KNOWLEDGE = ("lowered", "lower_outputs", "expanded", "input_view", "scalar_like")
 
 
 def active() -> bool:
@@ -184,6 +194,27 @@ class RegionEnv(Env):
             facts.pop(var, None)
         self.casts.forget(var)
 
+    def knowledge_of(self, value: Any) -> tuple[frozenset, ConstSource | None] | None | bool:
+        """What this region knows about ``value``: its tags and rewrite-time constant; None for a
+        value it never saw; False where it knows what tags cannot say (jnp's float32
+        promotion of a 16-bit value: the rules read that value)."""
+        entry = self._vars.get(id(value))
+        if entry is None or entry[0]() is not value:
+            return None
+        var = entry[1]
+        if var in self.upcast_of:
+            return False
+        return frozenset(t for t in _KNOWLEDGE if var in getattr(self, t)), self.known.get(var)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRewrite:
+    """An inline jit's jaxpr as a region decided it, and, per output, what the region knew about
+    it ``(tags, rewrite-time constant)``, or None where the walk never saw it."""
+
+    closed: Any
+    outputs: tuple
+
 
 class CastsByVar(dict):
     """The cast cache (``(var, dtype) -> value``), able to drop a variable's entries without a
@@ -211,7 +242,13 @@ class CastsByVar(dict):
 class RegionTrace(compat.Trace):
     """The trace of one ``jamp.autocast`` region: applies ``policy`` and binds on ``parent``."""
 
-    def __init__(self, parent: Any, policy: Policy, region: int | None = None):
+    def __init__(
+        self,
+        parent: Any,
+        policy: Policy,
+        region: int | None = None,
+        base: RegionState | None = None,
+    ):
         super().__init__()
         self.parent = parent
         self.policy = policy
@@ -223,10 +260,13 @@ class RegionTrace(compat.Trace):
         scopes = _SCOPES.setdefault(policy, ScopeLog()) if policy.rules else None
         self.rewriter = Rewriter(
             policy,
-            RegionState(True, policy.compute_dtype),
+            # base: the state at a call whose body this region walks (its scopes are relative)
+            RegionState(True, policy.compute_dtype) if base is None else base,
             rewritten,
             scope_log=scopes,
             region=region,
+            # (the scope log, when the policy has rules, is kept across regions as well)
+            states=_shared_states(policy) if base is None else None,
         )
         self.env = RegionEnv()
         compat.share_trace_identity(self, parent)
@@ -236,12 +276,7 @@ class RegionTrace(compat.Trace):
 
     def process_primitive(self, primitive: Any, args: Sequence[Any], params: dict) -> Any:
         if compat.is_inline_jit(primitive, params):
-            # jnp's functions are jits JAX inlines into the program being traced (autocast_transform
-            # sees their equations): the region sees them one by one too, eagerly as well.
-            jaxpr, consts = compat.open_and_consts(params["jaxpr"])
-            with compat.set_current_trace(self):
-                outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
-            return outs
+            return self._inline_call(primitive, args, params)
         state = self.rewriter.current_state()
         if not self._needs_rule(primitive, state, args, params):
             with compat.set_current_trace(self.parent):
@@ -272,7 +307,7 @@ class RegionTrace(compat.Trace):
                     if var in env.upcast_of:
                         env.casts.pop((var, F32), None)
         # What a call would have returned without the policy (its body's traced types).
-        traced = [v.aval.dtype for v in eqn.outvars] if _carries_programs(primitive, params) else []
+        traced = [v.aval.dtype for v in eqn.outvars] if carries_programs(primitive, params) else []
         outvars = eqn.set_outputs(outs)
         for value, var in zip(outs, outvars):
             env.remember(value, var)
@@ -283,12 +318,146 @@ class RegionTrace(compat.Trace):
         )
         return outs if primitive.multiple_results else outs[0]
 
+    # -- jnp's functions: inline jits ----------------------------------------------------------
+
+    def _inline_call(self, primitive: Any, args: Sequence[Any], params: dict) -> list[Any]:
+        """jnp's functions are jits JAX inlines into the program being traced (autocast_transform
+        sees their equations), so the region decides their equations one by one too, eagerly as
+        well. That walk is made once per callee jaxpr, operand types (weak types included),
+        region state and what the region knows about the operands, into a rewritten jaxpr
+        (:class:`CallRewrite`), which later calls bind as one call: a jaxpr trace inlines it as
+        it inlines the callee, eagerly it runs as one compiled call, as the callee does.
+
+        A small constant operand (a weak or rank-0 concrete value, which the rules cast once,
+        saturating, from its value) is keyed by its value. Walked op by op on every call
+        instead, because the walk reads more than a key holds (docs/reference/dtypes.md,
+        "Regions"): an operand or output that is jnp's float32 promotion of a value the policy
+        made 16-bit (the rules use the 16-bit value itself, which is not an operand), a constant
+        operand with shape ops applied or over 16 elements, and every call under a policy with
+        ``'@file:line'`` rules (they match the caller's frames, which differ per call). A walk
+        that raises is redone op by op on the values themselves, where the error belongs.
+        """
+        if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
+            with compat.set_current_trace(self.parent):
+                return primitive.bind(*args, **params)
+        state = self.rewriter.current_state()
+        known = self._operand_knowledge(args)
+        rewrite = None
+        if known is not None and not self.rewriter.line_rules:
+            rewrite = self._call_rewrite(params["jaxpr"], args, state, *known)
+        if rewrite is None:
+            jaxpr, consts = compat.open_and_consts(params["jaxpr"])
+            with compat.set_current_trace(self):
+                return compat.eval_jaxpr_retyped(jaxpr, consts, args)
+        with compat.set_current_trace(self.parent):
+            outs = primitive.bind(*args, **{**params, "jaxpr": rewrite.closed})
+        env = self.env
+        for value, known in zip(outs, rewrite.outputs):
+            if known is None:  # not seen by the walk (a constant of the callee): as if new
+                continue
+            tags, source = known
+            var = compat.Var(compat.aval_of(value))
+            env.remember(value, var)
+            for tag in tags:
+                getattr(env, tag).add(var)
+            if source is not None:
+                env.known[var] = source
+        return outs
+
+    def _operand_knowledge(self, args: Sequence[Any]) -> tuple[tuple, list] | None:
+        """Per operand, the region's tags for it and, for a small constant the rules read (a
+        weak or rank-0 concrete value, cast once, saturating), its value; and those constants'
+        sources. None where the walk would read more than that."""
+        env, keys, sources = self.env, [], []
+        for value in args:
+            var, new = env.var_for(value)
+            if new:
+                self._adopt_input(var, value)
+            if var in env.upcast_of:
+                return None
+            source = env.known.get(var)
+            constant = None
+            if source is not None:
+                constant = _constant_key(source)
+                if constant is None:
+                    return None
+            keys.append((frozenset(t for t in _KNOWLEDGE if var in getattr(env, t)), constant))
+            sources.append(source)
+        return tuple(keys), sources
+
+    def _call_rewrite(
+        self, closed: Any, args: Sequence[Any], state: RegionState, knowledge: tuple, sources: list
+    ) -> CallRewrite | None:
+        """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
+        cannot be reused, or its jaxpr cannot be weakly referenced)."""
+        avals = tuple(compat.aval_of(a) for a in args)
+        key = (
+            self.rewriter.region,
+            avals,  # (an aval's equality includes its weak type)
+            # The scope path (a Flax module's) decides only through the policy's rules: without
+            # any, every block of a model reuses the rewrite its first block made.
+            state if self.policy.rules else (state.enabled, state.dtype, state.keep_compute_dtype),
+            knowledge,
+        )
+        store = _CALLS.setdefault(self.policy, weakref.WeakKeyDictionary())
+        try:
+            entries = store.get(closed)
+            if entries is None:
+                entries = store[closed] = collections.OrderedDict()
+        except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
+            return None
+        if key in entries:
+            entries.move_to_end(key)
+            return entries[key]
+        rewrite = self._walk_once(closed, list(avals), state, knowledge, sources)
+        consts = compat.open_and_consts(rewrite.closed)[1] if rewrite is not None else ()
+        if not any(compat.is_tracer(c) for c in consts):
+            entries[key] = rewrite  # (one closing over this trace's values: this call only)
+            if len(entries) > _CALLS_PER_CALLEE:  # an eager loop passing a new scalar each step
+                entries.popitem(last=False)
+        return rewrite
+
+    def _walk_once(
+        self, closed: Any, avals: list, state: RegionState, knowledge: tuple, sources: list
+    ) -> CallRewrite | None:
+        """Walk the callee op by op under a region of this policy pushed on a jaxpr trace of its
+        own, from the call's state and operand knowledge; the rewritten jaxpr and what the walk
+        knew about each output."""
+        jaxpr, consts = compat.open_and_consts(closed)
+        found: dict[str, Any] = {}
+
+        def walk(*operands: Any) -> list[Any]:
+            sub = RegionTrace(
+                compat.current_trace(), self.policy, region=self.rewriter.region, base=state
+            )
+            try:
+                for value, (tags, _), source in zip(operands, knowledge, sources):
+                    var, _ = sub.env.var_for(value)
+                    for tag in tags:
+                        getattr(sub.env, tag).add(var)
+                    if source is not None:  # cast from the value (in the key), as op by op
+                        sub.env.known[var] = source
+                with compat.set_current_trace(sub):
+                    outs = compat.eval_jaxpr_retyped(jaxpr, consts, operands)
+                found["outputs"] = [sub.env.knowledge_of(x) for x in outs]
+            finally:
+                sub.invalidate()
+            return outs
+
+        try:
+            rewritten = compat.trace_to_closed(walk, avals)
+        except Exception:  # the walk on the values themselves raises what it raises, in place
+            return None
+        if any(out is False for out in found["outputs"]):
+            return None
+        return CallRewrite(rewritten, tuple(found["outputs"]))
+
     def _needs_rule(
         self, primitive: Any, state: RegionState, args: Sequence[Any], params: dict
     ) -> bool:
         """Whether the policy can change anything: an enabled state and a floating operand, or
         a sub-program (whose regions may differ from this one)."""
-        if _carries_programs(primitive, params):
+        if carries_programs(primitive, params):
             return True
         return state.enabled and any(
             is_float(getattr(compat.aval_of(a), "dtype", np.int32)) for a in args
@@ -356,16 +525,26 @@ class RegionTrace(compat.Trace):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
 
 
-_CARRIES_PROGRAMS: dict[Any, bool] = {}
+def _shared_states(policy: Policy) -> dict:
+    states = _STATES.setdefault(policy, {})
+    if len(states) > _STATES_KEPT:  # a program naming a new scope every step: start again
+        states.clear()
+    return states
 
 
-def _carries_programs(primitive: Any, params: dict) -> bool:
-    """Whether the primitive's equations carry jaxprs: looked at once per primitive (a region
-    asks for every bind)."""
-    known = _CARRIES_PROGRAMS.get(primitive)
-    if known is None:
-        known = _CARRIES_PROGRAMS[primitive] = has_subprograms(params)
-    return known
+_STATES_KEPT = 4096
+_CALLS_PER_CALLEE = 64  # rewrites kept per inline jit (least recently used dropped)
+
+
+def _constant_key(source: ConstSource) -> tuple | None:
+    """A constant operand's value as part of a cache key: a small concrete value without shape
+    ops (a Python or numpy scalar, a rank-0 array), else None (not keyed: walked op by op)."""
+    if source.steps or compat.is_tracer(source.base):
+        return None
+    value = np.asarray(source.base)
+    if value.size > 16:
+        return None
+    return value.dtype, value.shape, value.tobytes(), type(source.base)
 
 
 def region_above(differentiating: Any) -> RegionTrace | None:

@@ -153,18 +153,18 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 f"another region pass its compute dtype: jamp.autocast(dtype=jnp."
                 f"{policy.compute_dtype.name})"
             )
-        exits = contextlib.ExitStack()
-        exits.enter_context(jax.named_scope(marker(self.enabled, self.dtype)))
-        if self.dtype is not None:
-            dtype = self.dtype
-        elif is_autocast_enabled() or not outermost:
-            dtype = get_autocast_dtype()
-        else:
-            dtype = self._region_policy().compute_dtype
-        exits.enter_context(entered(self.enabled, dtype))
-        if self.enabled and outermost:
-            exits.enter_context(region_trace.pushed(self._region_policy()))
-        return exits
+        with contextlib.ExitStack() as exits:  # left as it was if entering raises
+            exits.enter_context(jax.named_scope(marker(self.enabled, self.dtype)))
+            if self.dtype is not None:
+                dtype = self.dtype
+            elif is_autocast_enabled() or not outermost:
+                dtype = get_autocast_dtype()
+            else:
+                dtype = self._region_policy().compute_dtype
+            exits.enter_context(entered(self.enabled, dtype))
+            if self.enabled and outermost:
+                exits.enter_context(region_trace.pushed(self._region_policy()))
+            return exits.pop_all()
 
     def _region_policy(self) -> Policy:
         """The policy of an outermost region: the one given, else the default tables in

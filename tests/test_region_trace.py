@@ -779,3 +779,126 @@ def test_eval_jaxpr_bound_in_a_region_runs_its_body_under_the_policy():
 
     assert f(X, W).dtype == BF16
     assert jax.jit(f)(X, W).dtype == BF16
+
+
+# --- reused rewrites of inline jits; the check of what the routing of grad replaces (issue 33) --
+
+
+def _op_by_op(monkeypatch):
+    """Make the region walk every inline jit equation by equation, as it did before issue 33."""
+    from jamp import region_trace
+
+    monkeypatch.setattr(region_trace.RegionTrace, "_operand_knowledge", lambda self, args: None)
+
+
+def _count_walks(monkeypatch):
+    from jamp import region_trace
+
+    walks = []
+    walk = region_trace.RegionTrace._walk_once
+
+    def counted(self, closed, *rest):
+        walks.append({e.primitive.name for e in compat.open_and_consts(closed)[0].eqns})
+        return walk(self, closed, *rest)
+
+    monkeypatch.setattr(region_trace.RegionTrace, "_walk_once", counted)
+    return walks
+
+
+def test_an_inline_jit_is_walked_once_per_types_state_and_operand_knowledge(monkeypatch):
+    """jnp's functions (inline jits) are decided once per callee jaxpr, operand types (weak types
+    too), region state and what the region knows about the operands, then bound as one call."""
+    add = jax.jit(lambda y, b: jnp.tanh(y + b), inline=True)
+    x16 = X.astype(jnp.bfloat16)
+    walks = _count_walks(monkeypatch)
+
+    def f(x, x16, w, b):
+        with jamp.autocast():
+            lowered = [add(x @ w, b) for _ in range(3)]  # a matmul's output: the bias adapts
+            arrived = add(x16, b)  # a bfloat16 input with the same types: a residual, promotes
+            with jamp.autocast(enabled=False):
+                off = add(x @ w, b)
+            weak = add(x @ w, 2.0)
+        return lowered, arrived, off, weak
+
+    for run in (f, jax.jit(f)):
+        walks.clear()
+        lowered, arrived, off, weak = run(X, x16, W, B)
+        assert dtypes(lowered) == [BF16] * 3 and dtypes([arrived, off, weak]) == [F32, F32, BF16]
+        # lowered once, arrived, off, weak: not once per call (x @ w is jnp's inline jit too)
+        assert len([w for w in walks if "tanh" in w]) <= 4
+    for run in (f, jax.jit(f)):  # the same decisions (and values) as the walk op by op
+        expected = run(X, x16, W, B)
+        with monkeypatch.context() as m:
+            _op_by_op(m)
+            chex.assert_trees_all_close(run(X, x16, W, B), expected)
+    walked = jax.make_jaxpr(f)(X, x16, W, B)
+    _op_by_op(monkeypatch)
+    assert str(jax.make_jaxpr(f)(X, x16, W, B)) == str(walked)
+
+
+def test_an_inline_jit_on_constants_is_keyed_by_their_value(monkeypatch):
+    """A small constant operand (a concrete rank-0 or weak value) is cast once, saturating, from
+    its value: its rewrite is reused for that value only. jnp's float32 promotion of a 16-bit
+    value (the rules use the 16-bit value, not an operand) is walked op by op every time."""
+    scale = jax.jit(lambda y, c: jnp.sin(y) * c, inline=True)
+    walks = _count_walks(monkeypatch)
+    with jamp.autocast(jnp.float16):
+        zero = (X @ W) * 0
+        big = [scale(zero, np.float32(1e6)) for _ in range(2)]  # 0 * 65504, not 0 * inf = nan
+        small = scale(zero + np.pi / 2, np.float32(2.0))
+        promoted = scale((X @ W).astype(jnp.float32), jnp.ones(()))
+    assert len([w for w in walks if "sin" in w]) == 2  # one per value; the promotion op by op
+    assert dtypes([*big, small]) == [F16] * 3
+    assert not np.asarray(big[1], np.float32).any() and (np.asarray(small, np.float32) == 2).all()
+    with monkeypatch.context() as m:
+        _op_by_op(m)
+        with jamp.autocast(jnp.float16):
+            assert scale((X @ W).astype(jnp.float32), jnp.ones(())).dtype == promoted.dtype
+
+
+def test_a_jnp_function_in_an_eager_region_runs_its_rewrite_as_one_call():
+    calls = []
+    f = jax.jit(lambda x: calls.append(1) or jnp.exp(x @ W), inline=True)
+    with jamp.autocast():
+        first = f(X)
+        assert dtypes([first, f(X), f(X)]) == [F32] * 3
+    assert len(calls) == 1  # JAX traced the callee once, and jamp walked that jaxpr once
+    with jamp.autocast():
+        chex.assert_trees_all_close(f(X), first)
+
+
+@pytest.mark.parametrize(
+    "owner, name",
+    [
+        ("JVPTrace", "process_primitive"),
+        ("LinearizeTrace", "process_custom_vjp_call"),
+        (None, "backward_pass3"),
+    ],
+)
+def test_a_jax_without_a_method_the_region_replaces_fails_at_the_first_region(
+    monkeypatch, owner, name
+):
+    """A JAX release renaming a method the routing of jax.grad replaces must fail loudly and
+    early, naming the JAX version and the attribute, not break differentiation silently."""
+    from jax._src.interpreters import ad
+
+    target = ad if owner is None else getattr(ad, owner)
+    jax_own = getattr(target, name)
+    monkeypatch.delattr(target, name)
+    with pytest.raises(compat.JaxCompatibilityError) as err:
+        with jamp.autocast():
+            pass
+    assert jax.__version__ in str(err.value) and f"{owner or 'ad'}.{name}" in str(err.value)
+    assert not jamp.is_autocast_enabled()  # nothing half entered
+    assert all(getattr(ad, n, None) is not None for n in ("JVPTrace", "LinearizeTrace"))
+    monkeypatch.undo()
+    if owner is not None:  # a changed signature is named too
+        monkeypatch.setattr(target, name, lambda self, primitive, tracers: None)
+        with pytest.raises(compat.JaxCompatibilityError, match=r"expected \(self, primitive"):
+            with jamp.autocast():
+                pass
+        monkeypatch.undo()
+    assert getattr(target, name) is jax_own
+    with jamp.autocast():  # and the installed JAX's own again: regions work
+        assert jax.grad(lambda w: jnp.sum(X @ w))(W).dtype == F32
