@@ -188,11 +188,12 @@ def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
 def widest(*dtypes: Any) -> np.dtype:
     """JAX's standard promotion of ``dtypes``, whatever ``jax.numpy_dtype_promotion`` the caller
     set: jamp's own casts are explicit, so the user's "strict" mode must not reject them."""
-    return _widest(dtypes)
+    return _widest(dtypes, bool(jax.config.jax_enable_x64))
 
 
 @functools.lru_cache(maxsize=256)
-def _widest(dtypes: tuple) -> np.dtype:  # (entering the promotion context costs ~0.1 ms)
+def _widest(dtypes: tuple, x64: bool) -> np.dtype:  # (the promotion context costs ~0.1 ms)
+    # x64 in the key: with it off, JAX promotes float32 and float64 to float32.
     with jax.numpy_dtype_promotion("standard"):
         return np.dtype(jnp.result_type(*dtypes))
 
@@ -303,9 +304,14 @@ class Env:
         Found on the first question, so other policies never pay for the walk."""
         if self._cotangent is None:
             found = set(self.cotangent_inputs)
+            # Only a backward loop body (inputs hinted as cotangents) follows its cotangents
+            # through untransposed equations. In a program that merely contains a backward pass
+            # (a train step), a value computed from a gradient (``w - lr * g``) is a primal: the
+            # matmul that reads it is a forward one (e4m3fn, not widened by reduce_dtype).
+            follow = bool(self.cotangent_inputs)
             for eqn in self.jaxpr.eqns if self.jaxpr is not None else ():
-                if "transpose" in compat.transform_names(eqn) or any(
-                    isinstance(v, compat.Var) and v in found for v in eqn.invars
+                if "transpose" in compat.transform_names(eqn) or (
+                    follow and any(isinstance(v, compat.Var) and v in found for v in eqn.invars)
                 ):
                     found.update(eqn.outvars)
             self._cotangent = found

@@ -214,6 +214,33 @@ class CallRewrite:
 
     closed: Any
     outputs: tuple
+    # What the trackers learned about the outputs, relative to the call's operands and outputs:
+    # (tracker, output k, ("in" or "out", j)).
+    facts: tuple = ()
+    # Per output, the index of the operand the callee returns as it is, or None.
+    forwarded: tuple = ()
+
+
+def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
+    """What the trackers of ``env`` (a walk's) know about the walk's outputs, in terms of its
+    operands (``in_vars``) and other outputs; None where a fact points elsewhere (the callee's
+    own intermediates): such a callee is walked op by op at every call, as before caching."""
+    out_vars = []
+    for value in outs:
+        var, new = env.var_for(value)
+        out_vars.append(None if new else var)
+    found = []
+    for name, known in env.facts.items():
+        for k, var in enumerate(out_vars):
+            target = known.get(var) if var is not None else None
+            if target is None:
+                continue
+            where = [("in", j) for j, v in enumerate(in_vars) if v is target]
+            where += [("out", j) for j, v in enumerate(out_vars) if v is target]
+            if not where:
+                return None
+            found.append((name, k, where[0]))
+    return tuple(found)
 
 
 class CastsByVar(dict):
@@ -345,6 +372,7 @@ class RegionTrace(compat.Trace):
         rewrite = None
         if known is not None and not self.rewriter.line_rules:
             rewrite = self._call_rewrite(params["jaxpr"], args, state, *known)
+        in_vars = [self.env.var_for(a)[0] for a in args] if rewrite is not None else []
         if rewrite is None:
             jaxpr, consts = compat.open_and_consts(params["jaxpr"])
             with compat.set_current_trace(self):
@@ -352,23 +380,37 @@ class RegionTrace(compat.Trace):
         with compat.set_current_trace(self.parent):
             outs = primitive.bind(*args, **{**params, "jaxpr": rewrite.closed})
         env = self.env
-        for value, known in zip(outs, rewrite.outputs):
+        out_vars: list[Any] = []
+        for value, known, j in zip(outs, rewrite.outputs, rewrite.forwarded):
+            out_vars.append(None)
+            if j is not None:  # the callee returns its operand j (jnp.asarray): the same value,
+                out_vars[-1] = in_vars[j]  # and the same variable, as op by op (facts included)
+                env.remember(value, in_vars[j])
+                continue
             if known is None:  # not seen by the walk (a constant of the callee): as if new
                 continue
             tags, source = known
-            var = compat.Var(compat.aval_of(value))
+            var = out_vars[-1] = compat.Var(compat.aval_of(value))
             env.remember(value, var)
             for tag in tags:
                 getattr(env, tag).add(var)
             if source is not None:
                 env.known[var] = source
+        # What the trackers learned about the outputs (a softmax's max: rules/softmax.py),
+        # pointing at the caller's own variables.
+        for name, k, (side, j) in rewrite.facts:
+            target = in_vars[j] if side == "in" else out_vars[j]
+            if out_vars[k] is not None and target is not None:
+                env.facts.setdefault(name, {})[out_vars[k]] = target
         return outs
 
-    def _operand_knowledge(self, args: Sequence[Any]) -> tuple[tuple, list] | None:
+    def _operand_knowledge(self, args: Sequence[Any]) -> tuple[tuple, list, tuple] | None:
         """Per operand, the region's tags for it and, for a small constant the rules read (a
-        weak or rank-0 concrete value, cast once, saturating), its value; and those constants'
-        sources. None where the walk would read more than that."""
-        env, keys, sources = self.env, [], []
+        weak or rank-0 concrete value, cast once, saturating), its value; those constants'
+        sources; and what the trackers know of one operand in terms of another (``(tracker,
+        i, j)``: a softmax's max ``i`` of ``j``). None where the walk would read more than that
+        (a fact about an operand that points outside the call)."""
+        env, keys, sources, vars_ = self.env, [], [], []
         for value in args:
             var, new = env.var_for(value)
             if new:
@@ -383,10 +425,26 @@ class RegionTrace(compat.Trace):
                     return None
             keys.append((frozenset(t for t in _KNOWLEDGE if var in getattr(env, t)), constant))
             sources.append(source)
-        return tuple(keys), sources
+            vars_.append(var)
+        facts = []
+        for name, known in env.facts.items():
+            for i, var in enumerate(vars_):
+                target = known.get(var)
+                if target is None:
+                    continue
+                if not any(target is other for other in vars_):
+                    return None
+                facts.append((name, i, next(j for j, o in enumerate(vars_) if o is target)))
+        return tuple(keys), sources, tuple(sorted(facts))
 
     def _call_rewrite(
-        self, closed: Any, args: Sequence[Any], state: RegionState, knowledge: tuple, sources: list
+        self,
+        closed: Any,
+        args: Sequence[Any],
+        state: RegionState,
+        knowledge: tuple,
+        sources: list,
+        facts: tuple,
     ) -> CallRewrite | None:
         """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
         cannot be reused, or its jaxpr cannot be weakly referenced)."""
@@ -398,6 +456,7 @@ class RegionTrace(compat.Trace):
             # any, every block of a model reuses the rewrite its first block made.
             state if self.policy.rules else (state.enabled, state.dtype, state.keep_compute_dtype),
             knowledge,
+            facts,
         )
         store = _CALLS.setdefault(self.policy, weakref.WeakKeyDictionary())
         try:
@@ -409,7 +468,7 @@ class RegionTrace(compat.Trace):
         if key in entries:
             entries.move_to_end(key)
             return entries[key]
-        rewrite = self._walk_once(closed, list(avals), state, knowledge, sources)
+        rewrite = self._walk_once(closed, list(avals), state, knowledge, sources, facts)
         consts = compat.open_and_consts(rewrite.closed)[1] if rewrite is not None else ()
         if not any(compat.is_tracer(c) for c in consts):
             entries[key] = rewrite  # (one closing over this trace's values: this call only)
@@ -418,7 +477,13 @@ class RegionTrace(compat.Trace):
         return rewrite
 
     def _walk_once(
-        self, closed: Any, avals: list, state: RegionState, knowledge: tuple, sources: list
+        self,
+        closed: Any,
+        avals: list,
+        state: RegionState,
+        knowledge: tuple,
+        sources: list,
+        facts: tuple,
     ) -> CallRewrite | None:
         """Walk the callee op by op under a region of this policy pushed on a jaxpr trace of its
         own, from the call's state and operand knowledge; the rewritten jaxpr and what the walk
@@ -431,15 +496,20 @@ class RegionTrace(compat.Trace):
                 compat.current_trace(), self.policy, region=self.rewriter.region, base=state
             )
             try:
+                in_vars = []
                 for value, (tags, _), source in zip(operands, knowledge, sources):
                     var, _ = sub.env.var_for(value)
+                    in_vars.append(var)
                     for tag in tags:
                         getattr(sub.env, tag).add(var)
                     if source is not None:  # cast from the value (in the key), as op by op
                         sub.env.known[var] = source
+                for name, i, j in facts:  # (in the key)
+                    sub.env.facts.setdefault(name, {})[in_vars[i]] = in_vars[j]
                 with compat.set_current_trace(sub):
                     outs = compat.eval_jaxpr_retyped(jaxpr, consts, operands)
                 found["outputs"] = [sub.env.knowledge_of(x) for x in outs]
+                found["facts"] = _output_facts(sub.env, in_vars, outs)
             finally:
                 sub.invalidate()
             return outs
@@ -448,9 +518,13 @@ class RegionTrace(compat.Trace):
             rewritten = compat.trace_to_closed(walk, avals)
         except Exception:  # the walk on the values themselves raises what it raises, in place
             return None
-        if any(out is False for out in found["outputs"]):
+        if any(out is False for out in found["outputs"]) or found["facts"] is None:
             return None
-        return CallRewrite(rewritten, tuple(found["outputs"]))
+        invars = list(jaxpr.invars)
+        forwarded = tuple(
+            next((j for j, v in enumerate(invars) if v is out), None) for out in jaxpr.outvars
+        )
+        return CallRewrite(rewritten, tuple(found["outputs"]), found["facts"], forwarded)
 
     def _needs_rule(
         self, primitive: Any, state: RegionState, args: Sequence[Any], params: dict

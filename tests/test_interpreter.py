@@ -344,3 +344,18 @@ def test_strict_dtype_promotion_leaves_jamps_own_casts_working(dtype):
         # The user's own implicit promotions stay as strict as they asked.
         with pytest.raises(jax.dtypes.TypePromotionError):
             jamp.autocast_transform(lambda x: x + x.astype(BF16))(x)
+
+
+def test_widest_follows_the_x64_flag_after_a_cached_answer():
+    # widest() is cached; float32 with float64 promotes to float32 with x64 off, float64 on.
+    from jamp.interpreter import widest
+
+    f32, f64 = np.dtype(np.float32), np.dtype(np.float64)
+    before = jax.config.jax_enable_x64
+    try:
+        jax.config.update("jax_enable_x64", False)
+        assert widest(f32, f64) == f32
+        jax.config.update("jax_enable_x64", True)
+        assert widest(f32, f64) == f64
+    finally:
+        jax.config.update("jax_enable_x64", before)

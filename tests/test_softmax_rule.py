@@ -27,10 +27,20 @@ def by_hand(logits):
 
 
 LOSSES = {"int_labels": int_labels, "one_hot": one_hot, "log_softmax": by_hand}
+def in_region(fn):
+    """``fn`` with a ``with jamp.autocast(float16):`` block around its body (a region trace:
+    the decorator form outside a region applies autocast_transform instead)."""
+    def region_fn(*args):
+        with jamp.autocast(jnp.float16):
+            return fn(*args)
+    return region_fn
+
+
 FORMS = {
     "transform": lambda fn: jamp.autocast_transform(fn, POLICY),
-    "region": lambda fn: jamp.autocast(jnp.float16)(fn),
-    "region_jit": lambda fn: jax.jit(jamp.autocast(jnp.float16)(fn)),
+    "decorator": lambda fn: jamp.autocast(jnp.float16)(fn),
+    "region": in_region,
+    "region_jit": lambda fn: jax.jit(in_region(fn)),
 }
 
 
@@ -110,3 +120,31 @@ def test_softmax_as_a_custom_jvp_call_is_caught_too():
             fn = FORMS[form](lambda x: jax.nn.softmax(x)[:, 0].sum())
             value, grad = jax.value_and_grad(fn)(x)
             assert np.isfinite(float(value)) and bool(jnp.all(jnp.isfinite(grad)))
+
+
+def _sub_dtypes(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "sub":
+            out.append(np.dtype(eqn.outvars[0].aval.dtype))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _sub_dtypes(inner)
+    return out
+
+
+@pytest.mark.parametrize("composite", [
+    lambda x: x - x.max(-1, keepdims=True), jax.nn.softmax, jax.nn.log_softmax,
+    lambda x: jax.nn.logsumexp(x, axis=-1)], ids=["by_hand", "softmax", "log_softmax",
+                                                  "logsumexp"])
+def test_a_region_shifts_in_float32_on_every_call(composite):
+    # A region decides jnp's inline jits (jnp.max, the `-` operator) once and reuses the
+    # rewrite: the reused call must carry what the softmax rule learned (max_of) to the `sub`.
+    for _ in range(3):
+        subs = _sub_dtypes(jax.make_jaxpr(in_region(composite))(LOGITS).jaxpr)
+        assert subs and all(d == F32 for d in subs[:1]), subs
+    with jamp.autocast(jnp.float16):
+        shifted = LOGITS - LOGITS.max(-1, keepdims=True)
+    np.testing.assert_array_equal(np.asarray(shifted[0]), [0.0, -80000.0, -39999.0, -39998.0])
