@@ -188,7 +188,7 @@ def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
 def widest(*dtypes: Any) -> np.dtype:
     """JAX's standard promotion of ``dtypes``, whatever ``jax.numpy_dtype_promotion`` the caller
     set: jamp's own casts are explicit, so the user's "strict" mode must not reject them."""
-    return _widest(dtypes, bool(jax.config.jax_enable_x64))
+    return _widest(dtypes, bool(jax.config.read("jax_enable_x64")))
 
 
 @functools.lru_cache(maxsize=256)
