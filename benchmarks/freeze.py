@@ -18,9 +18,13 @@ unfrozen float32 model on held-out inputs, per storage mode, for the tiny GPT of
 statistics made non-trivial, folded before quantizing); plus a ``jamp.tune_weights`` choice
 (tolerance 2e-2, candidates int8 and int4, calibrated on other inputs). Goals: int8 <= 0.27x
 and int4 <= 0.15x of float32's bytes; int8 error <= 2e-2. Bytes and errors are deterministic.
+``--weights --zoo`` measures the same for the zoo's Flax lm1b Transformer and ResNet (as
+``tests/zoo`` freezes them; needs the zoo extra and the repository root on ``PYTHONPATH``), and
+for both at a wider configuration (lm1b emb 256 / mlp 1024, ResNet 64 filters).
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/freeze.py [--quick] [--rounds N]
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/freeze.py --weights
+    PYTHONPATH=$PWD JAX_PLATFORMS=cpu .venv/bin/python benchmarks/freeze.py --weights --zoo
 """
 from __future__ import annotations
 
@@ -179,8 +183,9 @@ def run(batch: int, blocks: int, rounds: int, min_sample_s: float, freeze_reps: 
         f"frozen program: {frozen_primitives}", "", *goals])
 
 
-def weights_models() -> list[tuple[str, Any, Any, jax.Array, jax.Array, jax.Array]]:
-    """(name, model, variables, freeze input, calibration input, held-out input) per model."""
+def weights_models() -> list[tuple[str, Any, Any, tuple, tuple, tuple, dict]]:
+    """(name, model, variables, freeze inputs, calibration inputs, held-out inputs, apply
+    kwargs) per model."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "examples"))
     import tiny_gpt
@@ -188,17 +193,77 @@ def weights_models() -> list[tuple[str, Any, Any, jax.Array, jax.Array, jax.Arra
     out = []
     for d in (64, 256):
         gpt = tiny_gpt.TinyGPT(d=d)
-        tokens = [jax.random.randint(jax.random.key(k), (8, 16), 0, tiny_gpt.VOCAB + 1)
+        tokens = [(jax.random.randint(jax.random.key(k), (8, 16), 0, tiny_gpt.VOCAB + 1),)
                   for k in (10, 11, 12)]
-        out.append((f"tiny GPT d={d}", gpt, gpt.init(jax.random.key(0), tokens[0]), *tokens))
+        out.append((f"tiny GPT d={d}", gpt, gpt.init(jax.random.key(0), *tokens[0]), *tokens,
+                    {}))
     cnn = ResNet(2)
-    images = [jax.random.normal(jax.random.key(k), (8, 32, 32, 3)) for k in (10, 11, 12)]
-    variables = trained_like(cnn.init(jax.random.key(1), images[0]), jax.random.key(2))
-    out.append(("ResNet-style CNN", cnn, variables, *images))
+    images = [(jax.random.normal(jax.random.key(k), (8, 32, 32, 3)),) for k in (10, 11, 12)]
+    variables = trained_like(cnn.init(jax.random.key(1), *images[0]), jax.random.key(2))
+    out.append(("ResNet-style CNN", cnn, variables, *images, {}))
     return out
 
 
-def weights_table() -> str:
+def zoo_models() -> list[tuple[str, Any, Any, tuple, tuple, tuple, dict]]:
+    """The zoo's Flax lm1b Transformer and ResNet as ``tests/zoo`` freezes them (its
+    ``ZooCase.inference``: module, variables, inputs, kwargs), then the same models at a
+    representative width through their own configs. Calibration and held-out inputs are other
+    PRNG draws of the freeze inputs' shapes; the ResNet's BatchNorm statistics are randomized
+    (``trained_like``) so that folding them changes the kernels, and so are its BatchNorm
+    scales: the example initializes each block's last one to zero, which would fold that
+    block's second convolution into a kernel of zeros (a residual branch that adds nothing)."""
+    import flax.linen as fnn
+
+    from tests.zoo import models as zoo
+    from tests.zoo.flax_examples import imagenet_models, lm1b_models
+
+    def tokens(shape: tuple, vocab: int) -> list[tuple]:
+        # the zoo's padded row: the second sequence ends in padding (token 0)
+        return [(jax.random.randint(jax.random.key(k), shape, 1, vocab)
+                 .at[1, shape[1] * 3 // 4:].set(0),) for k in (20, 21, 22)]
+
+    def images(shape: tuple) -> list[tuple]:
+        return [(jax.random.normal(jax.random.key(k), shape),) for k in (20, 21, 22)]
+
+    def trained_resnet(variables: Any) -> Any:
+        params = dict(variables["params"])
+        scales = [p for p, _ in jax.tree_util.tree_leaves_with_path(params)
+                  if jax.tree_util.keystr(p).endswith("['scale']")]
+        keys = dict(zip(map(jax.tree_util.keystr, scales), jax.random.split(
+            jax.random.key(3), len(scales))))
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, leaf: jax.random.uniform(keys[jax.tree_util.keystr(p)], leaf.shape,
+                                               minval=0.5, maxval=1.5)
+            if jax.tree_util.keystr(p) in keys else leaf, params)
+        return trained_like({**variables, "params": params}, jax.random.key(2))
+
+    out = []
+    lm1b = zoo.flax_lm1b().inference
+    resnet = zoo.flax_resnet().inference
+    assert lm1b is not None and resnet is not None
+    lm_inputs = tokens(lm1b.inputs[0].shape, lm1b.target.config.vocab_size)
+    out.append(("zoo lm1b Transformer (2 layers, emb 32, mlp 64, vocab 64)", lm1b.target,
+                lm1b.variables, lm1b.inputs, *lm_inputs[1:], lm1b.kwargs))
+    res_inputs = images(resnet.inputs[0].shape)
+    out.append(("zoo ResNet (2 stages of 1 block, 8 filters)", resnet.target,
+                trained_resnet(resnet.variables), resnet.inputs,
+                *res_inputs[1:], resnet.kwargs))
+
+    wide_config = lm1b.target.config.replace(emb_dim=256, qkv_dim=256, mlp_dim=1024)
+    wide_lm = lm1b_models.TransformerLM(wide_config)
+    wide_params = fnn.unbox(wide_lm.init(jax.random.key(0), *lm_inputs[0])["params"])
+    out.append(("lm1b Transformer at emb 256, mlp 1024 (2 layers, vocab 64)", wide_lm,
+                {"params": wide_params}, *lm_inputs, {}))
+    wide_res = imagenet_models.ResNet(stage_sizes=[1, 1], block_cls=imagenet_models.ResNetBlock,
+                                      num_classes=10, num_filters=64)
+    wide_images = images((4, 32, 32, 3))
+    wide_vars = trained_resnet(wide_res.init(jax.random.key(1), *wide_images[0], train=False))
+    out.append(("ResNet at 64 filters (2 stages of 1 block, 32x32 images)", wide_res, wide_vars,
+                *wide_images, {"train": False}))
+    return out
+
+
+def weights_table(zoo: bool = False) -> str:
     import jamp
 
     modes: dict[str, dict[str, Any]] = {
@@ -211,20 +276,21 @@ def weights_table() -> str:
         "bf16 policy + int8": dict(policy=jamp.Policy(), weights=jnp.int8),
     }
     sections = []
-    for name, model, variables, x, calib, held in weights_models():
-        ref = model.apply(variables, held)
-        error = lambda f: float(jnp.linalg.norm((f(held) - ref).astype(jnp.float32))
+    for name, model, variables, x, calib, held, kw in (zoo_models() if zoo
+                                                        else weights_models()):
+        ref = model.apply(variables, *held, **kw)
+        error = lambda f: float(jnp.linalg.norm((f(*held) - ref).astype(jnp.float32))
                                 / jnp.linalg.norm(ref))
         rows, base = [], None
         for mode, kwargs in modes.items():
-            frozen = tracing.freeze(model, variables, x, **kwargs)
+            frozen = tracing.freeze(model, variables, *x, **kw, **kwargs)
             size = len(frozen.export())
             base = base or size
             rows.append([mode, f"{size:,}", f"{size / base:.3f}", f"{error(frozen):.2e}"])
-        plain = tracing.freeze(model, variables, x)
-        chosen = jamp.tune_weights(plain, calib, candidates=(jnp.int8, jnp.int4),
+        plain = tracing.freeze(model, variables, *x, **kw)
+        chosen = jamp.tune_weights(plain, *calib, candidates=(jnp.int8, jnp.int4),
                                    tolerance=2e-2)
-        tuned = tracing.freeze(model, variables, x, weights=chosen)
+        tuned = tracing.freeze(model, variables, *x, **kw, weights=chosen)
         size = len(tuned.export())
         counts = collections.Counter(s.chosen for s in chosen.scopes)
         label = "tuned (" + ", ".join(f"{n} {c}" for c, n in sorted(counts.items())) + ")"
@@ -246,11 +312,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="5 rounds, short samples")
     parser.add_argument("--weights", action="store_true",
                         help="export bytes and error per weights= mode (no timing)")
+    parser.add_argument("--zoo", action="store_true",
+                        help="with --weights: the zoo's Flax lm1b Transformer and ResNet")
     args = parser.parse_args(argv)
     if args.weights:
         print(environment())
         print()
-        print(weights_table())
+        print(weights_table(args.zoo))
         return
     if args.quick:
         args.rounds, args.min_sample_ms, args.freeze_reps = 5, 50.0, 2
