@@ -249,10 +249,10 @@ def round_with_bits(x: jax.Array, bits: jax.Array, target: np.dtype) -> jax.Arra
         # the result is the top half of the word: taken by a shift, not a convert (which on
         # the CPU is an emulated round-to-nearest). A NaN keeps its sign and is made quiet, as
         # astype does; its payload must not carry into the exponent.
-        mask = np.uint32((1 << kept_drop) - 1)
-        stochastic = sign | (magnitude + (bits & mask))
+        # Adding to the whole word adds to the magnitude: only a NaN's can carry into the sign.
+        stochastic = word + (bits & np.uint32((1 << kept_drop) - 1))
         quiet = word | np.uint32(0x00400000)
-        half = jnp.where(magnitude > np.uint32(0x7F800000), quiet, stochastic) >> np.uint32(16)
+        half = jnp.where(jnp.isnan(x32), quiet, stochastic) >> np.uint32(16)
         return jax.lax.bitcast_convert_type(half.astype(jnp.uint16), target)
     else:
         biased = (magnitude >> np.uint32(23)).astype(jnp.int32)
