@@ -1,7 +1,7 @@
 """Training state in fewer bytes (jamp.optim, issue 30): bytes, accuracy and cost of each recipe.
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/optim_state.py [--gpt-steps N] [--digits-epochs E]
-        [--seeds 0,1,2] [--cost-params N] [--rounds R] [--skip accuracy,cost]
+        [--seeds 0,1,2] [--cost-params N] [--rounds R] [--cost-calls C] [--skip accuracy,cost]
 
 Recipes (AdamW everywhere; "bf16 compute" = the loss under ``jamp.autocast_transform``):
 
@@ -24,7 +24,8 @@ Recipes (AdamW everywhere; "bf16 compute" = the loss under ``jamp.autocast_trans
    weights within 0.5%.
 3. Cost: the jitted optimizer update alone (``tx.update`` + ``optax.apply_updates``, float32
    arithmetic inside), with stochastic rounding against the same update with nearest rounding,
-   samples interleaved, median of per-round ratios, gc on. Goal <= 1.3x (CPU).
+   samples (``--cost-calls`` updates in a row each) interleaved, median of per-round ratios, gc
+   on. Goal <= 1.3x (CPU).
 """
 from __future__ import annotations
 
@@ -222,7 +223,9 @@ def memory_rows(work: dict, names: list[str]) -> list[list[Any]]:
 
 # --- cost -----------------------------------------------------------------------------------------
 
-def cost_rows(n_params: int, rounds: int) -> list[list[Any]]:
+def cost_rows(n_params: int, rounds: int, calls: int = 10) -> list[list[Any]]:
+    """Each sample times ``calls`` updates in a row (ms per update): one ~1 ms call after a
+    full collection is mostly cache refill and scheduling noise on the shared machine."""
     side = int(np.sqrt(n_params))
     params32 = {"w": jax.random.normal(jax.random.key(0), (side, side)) * 0.05,
                 "b": jnp.zeros((side,))}
@@ -252,9 +255,12 @@ def cost_rows(n_params: int, rounds: int) -> list[list[Any]]:
         samples: list[list[float]] = [[], []]
         for _ in range(rounds):
             for i, (step, state) in enumerate(fns):
-                seconds, _ = timed(lambda step=step, state=state: jax.block_until_ready(
-                    step(params, state)))
-                samples[i].append(seconds)
+                def run(step=step, state=state):
+                    for _ in range(calls):
+                        jax.block_until_ready(step(params, state))
+
+                seconds, _ = timed(run)
+                samples[i].append(seconds / calls)
         ms = [1e3 * statistics.median(s) for s in samples]
         spread = [1e3 * (max(s) - min(s)) for s in samples]
         rows.append([name, f"{side * side + side:,}", f"{ms[0]:.2f} (±{spread[0] / 2:.2f})",
@@ -272,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--cost-params", type=int, default=1 << 20)
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--cost-calls", type=int, default=10,
+                        help="updates timed in a row for one cost sample")
     parser.add_argument("--skip", default="", help="comma-separated: memory, accuracy, cost")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
@@ -313,10 +321,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if "cost" not in skip:
         print(f"\n### Cost of the update: stochastic against nearest rounding "
-              f"({args.rounds} interleaved rounds; median ms, ± half the range)\n")
+              f"({args.rounds} interleaved rounds of {args.cost_calls} updates a side; median "
+              f"ms an update, ± half the range)\n")
         print(markdown_table(["update", "parameters", "stochastic ms", "nearest ms",
                               "ratio (median of per-round)"],
-                             cost_rows(args.cost_params, args.rounds)))
+                             cost_rows(args.cost_params, args.rounds, args.cost_calls)))
 
 
 if __name__ == "__main__":

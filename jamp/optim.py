@@ -50,7 +50,7 @@ import numpy as np
 import optax
 
 from .policy import UnmatchedRuleWarning, user_stacklevel
-from .rounding import F32, check_target, is_narrow, stochastic_round
+from .rounding import F32, check_target, is_narrow, stochastic_round_many
 
 __all__ = [
     "state_dtype",
@@ -107,18 +107,23 @@ class CompensatedState(NamedTuple):
 _SALTS = {"state_dtype": 0x5D7E, "master_weights": 0x3A57, "stochastic_rounding": 0x5120}
 
 
-def _round_nearest(x: jax.Array, dtype: np.dtype, key: Any) -> jax.Array:
+# Each rounding takes all of a step's leaves at once (stochastic rounding shares its hashing
+# between them): (arrays, their target dtypes, the step's key) -> rounded arrays.
+_RoundMany = Callable[[Sequence[jax.Array], Sequence[Any], Any], list[jax.Array]]
+
+
+def _round_nearest(xs: Sequence[jax.Array], targets: Sequence[Any], key: Any) -> list[jax.Array]:
     del key
-    return x.astype(dtype)
+    return [x.astype(t) for x, t in zip(xs, targets)]
 
 
-_ROUNDINGS: dict[str, Callable[[jax.Array, np.dtype, Any], jax.Array]] = {
+_ROUNDINGS: dict[str, _RoundMany] = {
     "nearest": _round_nearest,
-    "stochastic": stochastic_round,
+    "stochastic": stochastic_round_many,
 }
 
 
-def _check_rounding(rounding: Any, where: str) -> Callable[[jax.Array, np.dtype, Any], jax.Array]:
+def _check_rounding(rounding: Any, where: str) -> _RoundMany:
     if not isinstance(rounding, str) or rounding not in _ROUNDINGS:
         raise ValueError(
             f"{where}(rounding=...) must be one of {sorted(_ROUNDINGS)}, got {rounding!r}"
@@ -150,9 +155,9 @@ def _check_seed(seed: Any, where: str) -> int:
     return int(seed)
 
 
-def _leaf_key(seed: int, salt: int, step: jax.Array, index: int) -> Any:
-    key = jax.random.fold_in(jax.random.key(seed), salt)
-    return jax.random.fold_in(jax.random.fold_in(key, step), index)
+def _step_key(seed: int, salt: int, step: jax.Array) -> Any:
+    """The key of one step's rounding: every leaf draws its own words from it."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), salt), step)
 
 
 def _floating(x: Any) -> bool:
@@ -284,14 +289,18 @@ def state_dtype(
         old_flat, treedef = jax.tree_util.tree_flatten_with_path(stored)
         treedef = cast(Any, treedef)  # typed PyTreeDef? in jax's stubs, without its methods
         new_leaves = treedef.flatten_up_to(new_state)
-        kept_leaves = []
-        for index, ((path, old), new) in enumerate(zip(old_flat, new_leaves)):
-            if narrowed(path, old):
-                key = _leaf_key(seed, _SALTS["state_dtype"], state.step, index)
-                new = round_fn(jnp.asarray(new).astype(F32), target, key)
-            elif hasattr(old, "dtype") and hasattr(new, "dtype") and new.dtype != old.dtype:
-                new = new.astype(old.dtype)  # kept leaves keep their type from step to step
-            kept_leaves.append(new)
+        stored_at = [i for i, (path, old) in enumerate(old_flat) if narrowed(path, old)]
+        rounded = round_fn(
+            [jnp.asarray(new_leaves[i]).astype(F32) for i in stored_at],
+            [target] * len(stored_at),
+            _step_key(seed, _SALTS["state_dtype"], state.step),
+        )
+        kept_leaves = list(new_leaves)
+        for (_, old), new, i in zip(old_flat, new_leaves, range(len(new_leaves))):
+            if hasattr(old, "dtype") and hasattr(new, "dtype") and new.dtype != old.dtype:
+                kept_leaves[i] = new.astype(old.dtype)  # kept leaves keep their type
+        for i, new in zip(stored_at, rounded):
+            kept_leaves[i] = new
         new_updates = jax.tree.map(
             lambda u, g: u.astype(g.dtype) if _floating(u) and _floating(g) else u,
             new_updates,
@@ -368,18 +377,20 @@ def master_weights(
         inner_updates, inner_state = inner.update(
             wide_grads, state.inner_state, treedef.unflatten(view), **extra
         )
-        out, new_master = [], []
-        for index, (p, g, m, u, n) in enumerate(
-            zip(leaves, flat_grads, master, treedef.flatten_up_to(inner_updates), narrow)
-        ):
-            if not n:
-                out.append(u)
-                new_master.append(m)
-                continue
-            m = m + jnp.asarray(u).astype(F32)
-            key = _leaf_key(seed, _SALTS["master_weights"], state.step, index)
-            out.append(_land(p, round_fn(m, p.dtype, key), _update_dtype(g, p)))
-            new_master.append(m)
+        flat_updates = treedef.flatten_up_to(inner_updates)
+        new_master = [
+            m + jnp.asarray(u).astype(F32) if n else m
+            for m, u, n in zip(master, flat_updates, narrow)
+        ]
+        at = [i for i, n in enumerate(narrow) if n]
+        rounded = round_fn(
+            [new_master[i] for i in at],
+            [leaves[i].dtype for i in at],
+            _step_key(seed, _SALTS["master_weights"], state.step),
+        )
+        out = list(flat_updates)
+        for i, r in zip(at, rounded):
+            out[i] = _land(leaves[i], r, _update_dtype(flat_grads[i], leaves[i]))
         return treedef.unflatten(out), MasterWeightsState(
             step=state.step + 1, master=treedef.unflatten(new_master), inner_state=inner_state
         )
@@ -428,16 +439,15 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
         inner_updates, inner_state = inner.update(
             wide_grads, state.inner_state, widened(leaves, treedef, narrow), **extra
         )
-        out = []
-        for index, (p, g, u, n) in enumerate(
-            zip(leaves, flat_grads, treedef.flatten_up_to(inner_updates), narrow)
-        ):
-            if not n:
-                out.append(u)
-                continue
-            key = _leaf_key(seed, _SALTS["stochastic_rounding"], state.step, index)
-            target = stochastic_round(p.astype(F32) + jnp.asarray(u).astype(F32), p.dtype, key)
-            out.append(_land(p, target, _update_dtype(g, p)))
+        out = list(treedef.flatten_up_to(inner_updates))
+        at = [i for i, n in enumerate(narrow) if n]
+        rounded = stochastic_round_many(
+            [leaves[i].astype(F32) + jnp.asarray(out[i]).astype(F32) for i in at],
+            [leaves[i].dtype for i in at],
+            _step_key(seed, _SALTS["stochastic_rounding"], state.step),
+        )
+        for i, r in zip(at, rounded):
+            out[i] = _land(leaves[i], r, _update_dtype(flat_grads[i], leaves[i]))
         return treedef.unflatten(out), StochasticRoundingState(
             step=state.step + 1, inner_state=inner_state
         )

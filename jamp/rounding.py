@@ -15,6 +15,22 @@ Why on the bits: adding float noise and rounding to nearest is biased by the rou
 noisy sum; adding integer bits below the kept ones is exact (each of the ``2**k`` outcomes has
 the same probability and the carry happens for exactly the right fraction of them).
 
+Where the bits come from: a keyed hash of each element's index in the whole array,
+``lowbias32((index ^ w1) * 0x9E3779B9 + w0)``, with ``w0, w1`` two words drawn from the key with
+``jax.random.bits`` (``hashed_bits``). For a fixed element, ``w0`` to bits is a bijection of
+uint32, so with uniform key words each element's bits are exactly uniform and independent from
+key to key (step to step in ``jamp.optim``) whatever the hash's quality: unbiasedness rests on
+the key draw, not on the mix. The one round of lowbias32 (a bijective multiply-xorshift
+finalizer with near-ideal avalanche) only makes neighbouring elements' bits unrelated within one
+draw; ``tests/test_rounding.py`` checks both 16-bit halves for uniformity and lag-1 / next-row
+correlation. The index comes from ``broadcasted_iota``, so a sharded array is hashed shard by
+shard with no communication and the bits do not depend on the number of devices. Cost:
+``jax.random.bits`` per element (threefry) made a stochastically rounded optimizer update 9-18x
+the nearest one on the CPU; two rounds of the hash 1.9x; one round, with the bfloat16 result
+taken as the word's top half (a shift, where ``astype`` is an emulated round-to-nearest on the
+CPU) and one key draw for all of a step's leaves (``stochastic_round_many``), about 1.2x
+(``benchmarks/optim_state.py``).
+
 Edge values follow ``astype``: NaN stays NaN, ±inf stays ±inf, and a finite value rounds up past
 the largest finite value of ``dtype`` (with probability proportional to the distance, as if the
 next value existed) to what ``astype`` makes of an overflow: inf for bfloat16, float16 and
@@ -26,6 +42,7 @@ float32 (to nearest) first.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -118,7 +135,7 @@ def stochastic_round(x: Any, dtype: Any, key: Any) -> jax.Array:
     ``dtype=jnp.float32`` is the plain cast (nothing to round for inputs of 32 bits or fewer).
 
     The bits are a hash of each element's index keyed by ``key`` (two words of
-    ``jax.random.bits``; a hash is 12x cheaper than threefry for every element on the CPU): the
+    ``jax.random.bits``; far cheaper than threefry for every element on the CPU): the
     same key gives the same result, under ``jit`` and on sharded arrays alike (each device
     hashes the indices of its own shard, and the result does not depend on the number of
     devices). Under ``jax.vmap``, batch the key too (``jax.random.split``): one key shared by
@@ -149,12 +166,42 @@ def stochastic_round(x: Any, dtype: Any, key: Any) -> jax.Array:
 
 
 def _mix(h: jax.Array) -> jax.Array:
-    """lowbias32 (Chris Wellons' integer hash): a bijection of uint32 with good avalanche."""
+    """lowbias32 (Chris Wellons' hash-prospector): a bijection of uint32 with near-ideal
+    avalanche (flipping an input bit flips each output bit with probability close to 1/2;
+    measured bias 0.17 on his scale, where the best known 32-bit hashes score about 0.02)."""
     h = h ^ (h >> np.uint32(16))
     h = h * np.uint32(0x7FEB352D)
     h = h ^ (h >> np.uint32(15))
     h = h * np.uint32(0x846CA68B)
     return h ^ (h >> np.uint32(16))
+
+
+def _global_index(shape: tuple[int, ...]) -> jax.Array:
+    """Each element's row-major index in the whole array (wrapping at 2**32), from
+    ``broadcasted_iota``: computed shard by shard with no communication."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
+            stride % (1 << 32)
+        )
+        stride *= shape[axis]
+    return index
+
+
+def hashed_bits(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """One uint32 of random bits an element of ``shape``, keyed by two uint32 ``words``:
+    ``lowbias32((index ^ words[1]) * 0x9E3779B9 + words[0])``.
+
+    One round of the hash on a keyed Weyl sequence: the xor and the addend make a key choose its
+    own bijection of the indices (not a shifted copy of another key's sequence) and the odd
+    multiplier spreads neighbouring indices across the word before the mix. Rounding needs
+    each element's bits uniform and unrelated to its neighbours' and to other keys', not a
+    cryptographic stream (llm.c rounds with a similar hash); ``tests/test_rounding.py`` checks
+    the low and high 16 bits for uniformity and neighbour correlation.
+    """
+    index = _global_index(shape)
+    return _mix((index ^ words[1]) * np.uint32(0x9E3779B9) + words[0])
 
 
 def random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
@@ -163,21 +210,34 @@ def random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
 
     Why not ``jax.random.bits(key, shape)`` for every element: its threefry costs about 12x a
     simple elementwise op on the CPU, which made a stochastically rounded optimizer update 9-18x
-    the cost of the same update rounded to nearest (``benchmarks/optim_state.py``). Rounding
-    needs uniform bits that differ from element to element and from key to key, not a
-    cryptographic stream; llm.c rounds with a similar hash. Built from the global index
-    (``broadcasted_iota``), the bits of a sharded array are computed shard by shard with no
+    the cost of the same update rounded to nearest (``benchmarks/optim_state.py``). Built from
+    the global index, the bits of a sharded array are computed shard by shard with no
     communication and do not depend on the number of devices. (Indices wrap at 2**32 elements.)
     """
-    words = jax.random.bits(key, (2,), jnp.uint32)
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(len(shape))):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
-            stride % (1 << 32)
-        )
-        stride *= shape[axis]
-    return _mix(_mix(index * np.uint32(0x9E3779B9) + words[0]) ^ words[1])
+    return hashed_bits(jax.random.bits(key, (2,), jnp.uint32), shape)
+
+
+def stochastic_round_many(
+    xs: Sequence[jax.Array], targets: Sequence[Any], key: Any
+) -> list[jax.Array]:
+    """``stochastic_round(xs[i], targets[i], ...)`` for every i, with bits from one ``key``:
+    one ``jax.random.bits`` draw gives every array its two key words (array i hashes with
+    ``words[i]``), instead of a key split and a draw an array. Same properties as
+    ``stochastic_round``: unbiased, exact on representable values, deterministic per key,
+    computed shard by shard, straight-through.
+
+    (Arrays of one shape do not share a hashed word, although bfloat16 uses 16 of its 32 bits:
+    XLA recomputes an elementwise producer inside each consumer's fusion, so sharing saved no
+    work on the CPU, and materializing the word costs more memory traffic than the hash.)"""
+    words = jax.random.bits(key, (max(1, len(xs)), 2), jnp.uint32)
+    out = []
+    for i, (x, target) in enumerate(zip(xs, targets)):
+        x, target = jnp.asarray(x), np.dtype(target)
+        if target == F32:
+            out.append(x.astype(F32))
+        else:
+            out.append(_rounded(x, hashed_bits(words[i], tuple(x.shape)), target))
+    return out
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -202,9 +262,15 @@ def round_with_bits(x: jax.Array, bits: jax.Array, target: np.dtype) -> jax.Arra
     magnitude = word & np.uint32(0x7FFFFFFF)
     kept_drop = 23 - nmant  # float32 mantissa bits the target has no room for
     if minexp <= -126:
-        # bfloat16: float32's exponent range, so the dropped width is the same everywhere.
-        mask = np.uint32((1 << kept_drop) - 1)
-        out = (magnitude + (bits & mask)) & ~mask
+        # bfloat16: float32's exponent range, so the dropped width is the same everywhere, and
+        # the result is the top half of the word: taken by a shift, not a convert (which on
+        # the CPU is an emulated round-to-nearest). A NaN keeps its sign and is made quiet, as
+        # astype does; its payload must not carry into the exponent.
+        # Adding to the whole word adds to the magnitude: only a NaN's can carry into the sign.
+        stochastic = word + (bits & np.uint32((1 << kept_drop) - 1))
+        quiet = word | np.uint32(0x00400000)
+        half = jnp.where(jnp.isnan(x32), quiet, stochastic) >> np.uint32(16)
+        return jax.lax.bitcast_convert_type(half.astype(jnp.uint16), target)
     else:
         biased = (magnitude >> np.uint32(23)).astype(jnp.int32)
         exponent = jnp.maximum(biased, 1) - 127  # float32 subnormals share the lowest binade's step

@@ -147,3 +147,26 @@ def test_bad_x_and_key_are_named():
         jamp.stochastic_round(jnp.ones(3), jnp.bfloat16, 0)
     with pytest.raises(TypeError, match="batch of keys"):
         jamp.stochastic_round(jnp.ones(3), jnp.bfloat16, jax.random.split(jax.random.key(0), 3))
+
+
+def test_hashed_bits_are_uniform_and_unrelated_to_their_neighbours():
+    """The one-round keyed hash behind the bits: each 16-bit half (bfloat16 uses the low one)
+    is uniform (chi-square over 64 bins) and uncorrelated with the next element's and the next
+    row's (z-test on the correlation, |z| <= 5). Each of the 2 keys x 2 halves x 3 checks false
+    alarms with probability at most 1e-6, so the whole test with probability below 1.2e-5."""
+    from scipy import stats
+
+    from jamp.rounding import hashed_bits
+
+    n = 1 << 18
+    for seed in (0, 1):
+        words = jax.random.bits(jax.random.key(seed), (2,), jnp.uint32)
+        bits = np.asarray(hashed_bits(words, (n // 512, 512))).ravel()
+        for half in (bits & 0xFFFF, bits >> 16):
+            counts = np.bincount(half >> 10, minlength=64)
+            chi2 = float(np.sum((counts - n / 64) ** 2 / (n / 64)))
+            assert stats.chi2.sf(chi2, 63) > 1e-6, (seed, chi2)
+            u = half.astype(np.float64)
+            for lag in (1, 512):
+                z = np.corrcoef(u[:-lag], u[lag:])[0, 1] * np.sqrt(n - lag)
+                assert abs(z) <= 5, (seed, lag, z)
