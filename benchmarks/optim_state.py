@@ -152,6 +152,7 @@ def zoo_lm1b_workload(steps: int) -> dict:
     are shifted to 1..10 and the separator is 11; the model shifts its inputs right itself, so
     the logits at position i predict token i."""
     import tiny_gpt as g
+
     from tests.zoo.flax_examples import lm1b_models as m
 
     config = m.TransformerConfig(vocab_size=64, output_vocab_size=64, emb_dim=32, num_heads=4,
