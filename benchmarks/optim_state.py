@@ -1,7 +1,8 @@
 """Training state in fewer bytes (jamp.optim, issue 30): bytes, accuracy and cost of each recipe.
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/optim_state.py [--gpt-steps N] [--digits-epochs E]
-        [--seeds 0,1,2] [--cost-params N] [--rounds R] [--cost-calls C] [--skip accuracy,cost]
+        [--zoo-steps N] [--seeds 0,1,2] [--cost-params N] [--rounds R] [--cost-calls C]
+        [--skip accuracy,cost]
 
 Recipes (AdamW everywhere; "bf16 compute" = the loss under ``jamp.autocast_transform``):
 
@@ -19,9 +20,11 @@ Recipes (AdamW everywhere; "bf16 compute" = the loss under ``jamp.autocast_trans
    rounding <= 6.1; master weights + bf16 moments <= 10.1.
 2. Accuracy, one jitted ``lax.scan`` over all steps per run, ``--seeds`` (3 by default): the tiny
    GPT of ``examples/tiny_gpt.py`` (final loss: mean of the last 10% of steps; held-out token
-   accuracy) and the digits CNN of ``examples/digits.py`` (test accuracy). Goals: stochastic
-   rounding within 1% of float32's final loss (0.5 points of its digits accuracy), master
-   weights within 0.5%.
+   accuracy), the digits CNN of ``examples/digits.py`` (test accuracy) and the zoo's Flax lm1b
+   ``TransformerLM`` (``tests/zoo/models.py``, the same configuration, dropout off) trained on the
+   tiny GPT's sort-digits sequences (``--zoo-steps``; a workload given 0 steps or epochs is left
+   out). Goals: stochastic rounding within 1% of float32's final loss (0.5 points of its digits
+   accuracy), master weights within 0.5%.
 3. Cost: the jitted optimizer update alone (``tx.update`` + ``optax.apply_updates``, float32
    arithmetic inside), with stochastic rounding against the same update with nearest rounding,
    samples (``--cost-calls`` updates in a row each) interleaved, median of per-round ratios, gc
@@ -49,6 +52,7 @@ import jamp  # noqa: E402
 from common import environment, markdown_table, paired_ratio, timed  # noqa: E402
 
 BF16 = jnp.bfloat16
+ZOO_STEPS = 300
 optim = jamp.optim
 
 
@@ -108,7 +112,7 @@ def gpt_workload(steps: int) -> dict:
     lr = optax.warmup_cosine_decay_schedule(0.0, g.LEARNING_RATE, steps // 10, steps,
                                             g.LEARNING_RATE / 10)
     return dict(name="tiny GPT", data=data, loss=loss_fn, init=init, evaluate=evaluate, lr=lr,
-                stateful=False)
+                stateful=False, length=f"{steps} steps")
 
 
 def digits_workload(epochs: int) -> dict:
@@ -140,7 +144,46 @@ def digits_workload(epochs: int) -> dict:
         return 100.0 * jnp.mean(jnp.argmax(logits, -1) == y)
 
     return dict(name="digits CNN", data=data, loss=loss_fn, init=init, evaluate=evaluate,
-                lr=d.LEARNING_RATE, stateful=True)
+                lr=d.LEARNING_RATE, stateful=True, length=f"{epochs} epochs")
+
+
+def zoo_lm1b_workload(steps: int) -> dict:
+    """The zoo's ``flax_lm1b`` TransformerLM (Flax's examples/lm1b model, 2 layers, width 32, the
+    configuration of ``tests/zoo/models.py``) learning the tiny GPT's sort-digits task. Dropout is
+    off so that the recipes differ only in precision. Token 0 is the model's padding, so digits
+    are shifted to 1..10 and the separator is 11; the model shifts its inputs right itself, so
+    the logits at position i predict token i."""
+    import tiny_gpt as g
+
+    from tests.zoo.flax_examples import lm1b_models as m
+
+    config = m.TransformerConfig(vocab_size=64, output_vocab_size=64, emb_dim=32, num_heads=4,
+                                 num_layers=2, qkv_dim=32, mlp_dim=64, max_len=32,
+                                 dropout_rate=0.1, attention_dropout_rate=0.1, deterministic=True)
+    model = m.TransformerLM(config)
+
+    def data(seed):
+        rng = np.random.default_rng(20_000 + seed)
+        train = g.make_sequences(rng, steps * g.BATCH_SIZE).reshape(steps, g.BATCH_SIZE, -1)
+        test = g.make_sequences(np.random.default_rng(30_000 + seed), g.TEST_SEQUENCES)
+        return jnp.asarray(train + 1), jnp.asarray(test + 1)
+
+    def loss_fn(params, seqs):
+        logits = model.apply({"params": params}, seqs)[:, g.LENGTH + 1:]
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), seqs[:, g.LENGTH + 1:]).mean()
+
+    def init(seed, train):
+        return model.init(jax.random.key(seed), train[0])["params"]
+
+    def evaluate(params, test):
+        logits = jamp.autocast_transform(model.apply)({"params": params}, test)[:, g.LENGTH + 1:]
+        return 100.0 * jnp.mean(jnp.argmax(logits, -1) == test[:, g.LENGTH + 1:])
+
+    lr = optax.warmup_cosine_decay_schedule(0.0, g.LEARNING_RATE, steps // 10, steps,
+                                            g.LEARNING_RATE / 10)
+    return dict(name="zoo lm1b Transformer", data=data, loss=loss_fn, init=init,
+                evaluate=evaluate, lr=lr, stateful=False, length=f"{steps} steps")
 
 
 def make_run(work: dict, recipe: tuple) -> Callable[[int], tuple[float, float]]:
@@ -275,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gpt-steps", type=int, default=200)
     parser.add_argument("--digits-epochs", type=int, default=5)
+    parser.add_argument("--zoo-steps", type=int, default=ZOO_STEPS,
+                        help="steps of the zoo lm1b Transformer (accuracy only); 0 leaves it out")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--cost-params", type=int, default=1 << 20)
     parser.add_argument("--rounds", type=int, default=15)
@@ -285,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     skip = set(filter(None, args.skip.split(",")))
     seeds = [int(s) for s in args.seeds.split(",")]
     print(environment(), flush=True)
-    works = [gpt_workload(args.gpt_steps), digits_workload(args.digits_epochs)]
+    works = ([gpt_workload(args.gpt_steps)] if args.gpt_steps else []) + (
+        [digits_workload(args.digits_epochs)] if args.digits_epochs else [])
     names = list(recipes(1e-3))
 
     if "memory" not in skip:
@@ -295,7 +341,8 @@ def main(argv: list[str] | None = None) -> None:
                                  memory_rows(work, names)), flush=True)
 
     if "accuracy" not in skip:
-        for work in works:
+        zoo = [zoo_lm1b_workload(args.zoo_steps)] if args.zoo_steps else []
+        for work in works + zoo:
             start = time.perf_counter()
             results = {}
             for name, recipe in recipes(work["lr"]).items():
@@ -312,9 +359,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append([name, f"{loss:.4f}", " / ".join(f"{r[0]:.3f}" for r in rs),
                              f"{100 * (loss - base) / base:+.2f}%", f"{acc:.2f}",
                              f"{acc - base_acc:+.2f}"])
-            steps = (f"{args.gpt_steps} steps" if work["name"] == "tiny GPT"
-                     else f"{args.digits_epochs} epochs")
-            print(f"\n### Accuracy: {work['name']}, {steps}, seeds {args.seeds} "
+            print(f"\n### Accuracy: {work['name']}, {work['length']}, seeds {args.seeds} "
                   f"({time.perf_counter() - start:.0f} s)\n")
             print(markdown_table(["recipe", "final loss (mean)", "per seed", "vs float32",
                                   "accuracy %", "vs float32 (points)"], rows))
