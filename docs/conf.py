@@ -70,6 +70,13 @@ nitpick_ignore_regex = [
     ("py:class", r"jamp\.float8_check\.Float8Check"),
     ("py:class", r"(jamp\.tune\.)?ScopeChoice"),
     ("py:class", r"(tracing\.program\.)?Retrace"),
+    # NonFinite.produced_by, Report.collectives and WeightsTuneResult.scopes hold these records;
+    # not public either.
+    ("py:class", r"(jamp\.nonfinite\.)?Producer"),
+    ("py:class", r"jamp\.collectives\.CollectiveReport"),
+    ("py:class", r"(jamp\.tune\.)?WeightsScope"),
+    # optax's own name for what its constructors return (no intersphinx offline).
+    ("py:class", r"optax\..*"),
 ]
 
 html_theme_options = {"show_toc_level": 2}

@@ -23,7 +23,7 @@ from .loss_scale import all_finite
 
 
 class MicroBatchesState(NamedTuple):
-    """State of :func:`accumulate_micro_batches`."""
+    """State of :func:`jamp.accumulate_micro_batches`."""
 
     mini_step: jax.Array  # micro-batches of the current step seen so far, in [0, every_k)
     acc_grads: Any  # their gradients' sum (float32 for 16-bit or float32 parameters)

@@ -70,7 +70,7 @@ class UnmatchedKeepWarning(UnmatchedRuleWarning):
 
 
 class StateDtypeState(NamedTuple):
-    """:func:`state_dtype`'s state: the rounding counter (``step``) and ``tx``'s state, stored
+    """:func:`jamp.optim.state_dtype`'s state: the rounding counter (``step``) and ``tx``'s state, stored
     narrow."""
 
     step: jax.Array
@@ -78,8 +78,8 @@ class StateDtypeState(NamedTuple):
 
 
 class MasterWeightsState(NamedTuple):
-    """:func:`master_weights`'s state: the rounding counter (``step``), the float32 master copy of each
-    16-bit parameter (``optax.MaskedNode()`` for the others) and ``tx``'s state."""
+    """:func:`jamp.optim.master_weights`'s state: the rounding counter (``step``), the float32
+    master copy of each 16-bit parameter (``optax.MaskedNode()`` for the others) and ``tx``'s state."""
 
     step: jax.Array
     master: Any
@@ -87,7 +87,7 @@ class MasterWeightsState(NamedTuple):
 
 
 class StochasticRoundingState(NamedTuple):
-    """:func:`stochastic_rounding`'s state: the rounding counter (``step``) and ``tx``'s
+    """:func:`jamp.optim.stochastic_rounding`'s state: the rounding counter (``step``) and ``tx``'s
     state."""
 
     step: jax.Array
@@ -95,7 +95,7 @@ class StochasticRoundingState(NamedTuple):
 
 
 class CompensatedState(NamedTuple):
-    """:func:`compensated`'s state: each 16-bit parameter's rounding error, in its own dtype
+    """:func:`jamp.optim.compensated`'s state: each 16-bit parameter's rounding error, in its own dtype
     (``optax.MaskedNode()`` for the others), and ``tx``'s state."""
 
     compensation: Any

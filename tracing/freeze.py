@@ -337,11 +337,13 @@ def freeze(
 
         model = ResNet()                  # linen, BatchNorm(use_running_average=True)
         frozen = tracing.freeze(model, variables, x)
-        frozen(x)                                        # same outputs, no variables needed
-        frozen16 = tracing.freeze(model, variables, x, policy=jamp.Policy())   # bf16 weights
-        any_batch = frozen.export(polymorphic_shapes="b, ...")   # before del: it reads them
-        del variables                                    # the frozen programs own their constants
-        blob = frozen.export()                           # tracing.load(blob)(x)
+        frozen(x)                             # same outputs, no variables needed
+        # bfloat16 weights:
+        frozen16 = tracing.freeze(model, variables, x, policy=jamp.Policy())
+        # before del: a polymorphic export freezes again, reading the variables
+        any_batch = frozen.export(polymorphic_shapes="b, ...")
+        del variables                         # the frozen programs own their constants
+        blob = frozen.export()                # tracing.load(blob)(x)
 
         nnx_model.eval()                                                       # NNX
         nnx_frozen = tracing.freeze(nnx_model, None, x)
