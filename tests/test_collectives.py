@@ -114,18 +114,6 @@ def test_region_float8_scan_and_transform_of_grad():
     assert grads[0]["w"].dtype == F32 and bool(jnp.all(jnp.isfinite(grads[0]["w"])))
 
 
-def _converts_to(jaxpr, acc):
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "convert_element_type":
-            acc.append(np.dtype(eqn.outvars[0].aval.dtype))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _converts_to(inner, acc)
-    return acc
-
-
 def test_a_matmul_reading_updated_parameters_is_a_forward_one():
     # A train step that reads its updated weights (eval after update, an inner loop): w - lr*g
     # is a primal, so its matmul is not a backward product (neither widened by reduce_dtype
@@ -141,7 +129,9 @@ def test_a_matmul_reading_updated_parameters_is_a_forward_one():
     policy = jamp.Policy(jnp.bfloat16, reduce_dtype=jnp.float32)
     assert jamp.autocast_transform(step, policy)(*args).dtype == BF16
     fp8 = jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=0)
-    converts = _converts_to(jax.make_jaxpr(jamp.autocast_transform(step, fp8))(*args).jaxpr, [])
+    jaxpr = jax.make_jaxpr(jamp.autocast_transform(step, fp8))(*args)
+    converts = [np.dtype(e.outvars[0].aval.dtype)
+                for e in eqns_named(jaxpr, "convert_element_type")]
     # the gradient's one cotangent product takes e5m2; x @ w, the dgrad's w and x2 @ w_new e4m3fn
     assert converts.count(np.dtype(jnp.float8_e5m2)) == 1
     assert converts.count(np.dtype(jnp.float8_e4m3fn)) == 5

@@ -6,6 +6,7 @@ import optax
 import pytest
 
 import jamp
+from tests.jaxpr_utils import eqns_named
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 POLICY = jamp.Policy(jnp.float16)
@@ -122,19 +123,6 @@ def test_softmax_as_a_custom_jvp_call_is_caught_too():
             assert np.isfinite(float(value)) and bool(jnp.all(jnp.isfinite(grad)))
 
 
-def _sub_dtypes(jaxpr):
-    out = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "sub":
-            out.append(np.dtype(eqn.outvars[0].aval.dtype))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    out += _sub_dtypes(inner)
-    return out
-
-
 @pytest.mark.parametrize("composite", [
     lambda x: x - x.max(-1, keepdims=True), jax.nn.softmax, jax.nn.log_softmax,
     lambda x: jax.nn.logsumexp(x, axis=-1)], ids=["by_hand", "softmax", "log_softmax",
@@ -143,7 +131,8 @@ def test_a_region_shifts_in_float32_on_every_call(composite):
     # A region decides jnp's inline jits (jnp.max, the `-` operator) once and reuses the
     # rewrite: the reused call must carry what the softmax rule learned (max_of) to the `sub`.
     for _ in range(3):
-        subs = _sub_dtypes(jax.make_jaxpr(in_region(composite))(LOGITS).jaxpr)
+        jaxpr = jax.make_jaxpr(in_region(composite))(LOGITS)
+        subs = [np.dtype(e.outvars[0].aval.dtype) for e in eqns_named(jaxpr, "sub")]
         assert subs and all(d == F32 for d in subs[:1]), subs
     with jamp.autocast(jnp.float16):
         shifted = LOGITS - LOGITS.max(-1, keepdims=True)
