@@ -472,6 +472,21 @@ def _bad(overflow: bool) -> str:
     return "overflowing" if overflow else "non-finite"
 
 
+def _scope_remedy(policy: Policy, path: Sequence[str], sites: dict, included: str) -> Remedy:
+    """A rule running everything under the scope ``path`` in float32; ``included`` says which
+    operation of the report that takes in."""
+    pattern = "/".join(_glob_escape(p) for p in path)
+    depth = len(path)
+    changed = sum(1 for s in sites.values() if tuple(s.state.path[:depth]) == tuple(path))
+    return Remedy(
+        "rule",
+        f'policy.replace(rules=policy.rules + (("{pattern}", jnp.float32),))',
+        policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
+        equations_changed=changed,
+        why=f"runs everything under scope {pattern} ({_count(changed)}) in float32, {included}",
+    )
+
+
 def _count(n: int) -> str:
     return f"{n} equation{'s' if n != 1 else ''}"
 
@@ -514,16 +529,9 @@ def _candidates(
             out.append(_table_candidate(policy, name, sites, site, overflow))
     path = site.state.path
     for depth in range(len(path), 0, -1):
-        pattern = "/".join(_glob_escape(p) for p in path[:depth])
-        changed = sum(1 for s in sites.values() if s.state.path[:depth] == path[:depth])
         out.append(
-            Remedy(
-                "rule",
-                f'policy.replace(rules=policy.rules + (("{pattern}", jnp.float32),))',
-                policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
-                equations_changed=changed,
-                why=f"runs everything under scope {pattern} ({_count(changed)}) in float32, "
-                f"the `{site.primitive}` that overflowed included",
+            _scope_remedy(
+                policy, path[:depth], sites, f"the `{site.primitive}` that overflowed included"
             )
         )
     if site.primitive in policy.lower and site.sixteen_bit and f32:
@@ -601,16 +609,11 @@ def _producer_candidates(
         "uses"
     )
     if producer.state.path:
-        pattern = "/".join(_glob_escape(p) for p in producer.state.path)
-        depth = len(producer.state.path)
-        changed = sum(1 for s in sites.values() if s.state.path[:depth] == producer.state.path)
         out.append(
-            Remedy(
-                "rule",
-                f'policy.replace(rules=policy.rules + (("{pattern}", jnp.float32),))',
-                policy.replace(rules=policy.rules + ((pattern, jnp.float32),)),
-                equations_changed=changed,
-                why=f"runs everything under scope {pattern} ({_count(changed)}) in float32, "
+            _scope_remedy(
+                policy,
+                producer.state.path,
+                sites,
                 f"{what} included: its outputs are then float32",
             )
         )
