@@ -293,6 +293,16 @@ def line_names(file: str, line: int) -> tuple[str, str]:
     return f"{LINE_RULE}{os.path.basename(file)}:{line}", f"{LINE_RULE}{file}:{line}"
 
 
+def line_rule_hits(file: str, line: int, rules: Sequence[tuple[str, Any]]) -> list[int]:
+    """Indices of the line rules (``"@file:line"`` globs) among ``rules`` matching one frame."""
+    names = line_names(file, line)
+    return [
+        i
+        for i, (pattern, _) in enumerate(rules)
+        if is_line_rule(pattern) and any(fnmatch.fnmatchcase(n, pattern) for n in names)
+    ]
+
+
 def _glob_for(regex_like: str) -> str:
     """The glob a regex-looking rule most likely meant: ``^.*head$`` -> ``*head``."""
     glob = regex_like.removeprefix("^").removesuffix("$")
@@ -862,12 +872,7 @@ class RegionState:
         ):
             return self
         for file, line in frames:
-            names = line_names(file, line)
-            hits = [
-                i
-                for i, (pattern, _) in enumerate(rules)
-                if is_line_rule(pattern) and any(fnmatch.fnmatchcase(n, pattern) for n in names)
-            ]
+            hits = line_rule_hits(file, line, rules)
             if hits:
                 pattern, dtype = rules[hits[-1]]
                 enabled, dtype = (False, self.dtype) if dtype is None else (True, dtype)

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _compat as compat
-from jamp.policy import LINE_RULE, UnmatchedRuleWarning, is_line_rule, line_names
+from jamp.policy import LINE_RULE, UnmatchedRuleWarning, is_line_rule, line_rule_hits
 
 from .fold_constants import bind
 
@@ -205,12 +205,7 @@ def decide(rules: Rules, path: Sequence[str], frames: Sequence[tuple[str, int]])
     if decided:
         return True, dtype, matched
     for file, line in frames:
-        names = line_names(file, line)
-        hits = [
-            i
-            for i, (glob, _) in enumerate(rules)
-            if is_line_rule(glob) and any(fnmatch.fnmatchcase(n, glob) for n in names)
-        ]
+        hits = line_rule_hits(file, line, rules)
         if hits:
             return True, rules[hits[-1]][1], matched | set(hits)
     if not path:
