@@ -85,6 +85,11 @@ def open_and_consts(closed: Any) -> tuple[Any, list[Any]]:
     return closed, list(getattr(closed, "consts", ()))
 
 
+def closed_out_avals(closed: Any) -> list[Any]:
+    """The output types of a closed jaxpr."""
+    return [v.aval for v in open_and_consts(closed)[0].outvars]
+
+
 def check_closed_jaxpr(closed: Any) -> None:
     """Run JAX's own type checker; raises ``JaxprTypeError``."""
     jaxpr, _ = open_and_consts(closed)
@@ -524,6 +529,29 @@ Trace = _core.Trace
 set_current_trace = _core.set_current_trace
 
 
+def bind_on(
+    trace: Any,
+    primitive: Any,
+    args: Sequence[Any],
+    params: dict[str, Any],
+    avals: Sequence[Any] | None = None,
+) -> Any:
+    """Bind ``primitive`` on ``trace`` (a region's parent) from a trace's ``process_primitive``:
+    what ``primitive.bind`` under ``set_current_trace(trace)`` does, for operands that ``bind``
+    has canonicalized already (``avals``: their types), without entering the trace context and
+    canonicalizing again (``Primitive.bind`` then calls ``bind_with_trace``, as here). A
+    primitive with a ``bind`` of its own is bound through it."""
+    if type(primitive).bind is not _PLAIN_BIND:
+        with _core.set_current_trace(trace):
+            return primitive.bind(*args, **params)
+    if avals is None:
+        avals = [_core.typeof(a) for a in args]
+    return primitive.bind_with_trace(trace, args, avals, params)
+
+
+_PLAIN_BIND = _core.Primitive.bind
+
+
 # --- A differentiation started inside a region (``jax.grad`` called in ``with jamp.autocast():``)
 # JAX's ``jvp``/``linearize`` push their trace above the current one (the region), so the
 # user's operations meet JAX's derivative rules before the region could decide their dtypes.
@@ -684,7 +712,11 @@ def decided_above(plain_at_entry: int, backward_at_entry: int) -> bool:
     """Whether an operation bound now on a region was decided before it got there: bound while
     JAX differentiates what a region above decided, or by a backward pass (of operations decided
     when their forward ran), begun after the region (entered at these depths) was."""
-    return _depth("plain") > plain_at_entry or _depth("backward") > backward_at_entry
+    routing = _routing  # (asked for every operation: _depth inlined)
+    return (
+        getattr(routing, "plain", 0) > plain_at_entry
+        or getattr(routing, "backward", 0) > backward_at_entry
+    )
 
 
 def routing_depths() -> tuple[int, int]:

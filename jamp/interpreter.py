@@ -488,6 +488,9 @@ class Rewriter:
         # What rules decided at a source site (scope path and line), which the equations JAX
         # derives from it (its transposes in a ``jax.grad`` program) share; shared with children.
         self.site_decisions: dict[tuple, Any] = {}
+        # current_state's last answer, by the scope names' tuple (the same object while JAX's
+        # name stack is: consecutive operations of a region mostly share it).
+        self._last_state: tuple[Any, RegionState | None] = (None, None)
 
     def child(self, state: RegionState) -> Rewriter:
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
@@ -519,7 +522,11 @@ class Rewriter:
 
     def current_state(self) -> RegionState:
         """The state of an operation bound now (the region front end, region_trace.py)."""
-        state = self.state_for_scopes(compat.current_scope_names())
+        scopes = compat.current_scope_names()
+        last, state = self._last_state
+        if scopes is not last or state is None:
+            state = self.state_for_scopes(scopes)
+            self._last_state = (scopes, state)
         return self._at_lines(state, compat.current_source_info()) if self.line_rules else state
 
     def _at_lines(self, state: RegionState, source_info: Any) -> RegionState:

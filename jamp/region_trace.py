@@ -98,8 +98,14 @@ _STATES: dict[Policy, dict] = {}
 # (weakly: JAX's own trace cache keeps jnp's) -> {(regions, operand avals, state, operand
 # knowledge): CallRewrite, or None where the callee cannot be reused (op by op then)}.
 _CALLS: dict[Policy, weakref.WeakKeyDictionary] = {}
-# What a region knows about a value that the rules read, as RegionEnv sets (see Env).
-_KNOWLEDGE = ("lowered", "lower_outputs", "expanded", "input_view", "scalar_like")
+# Decisions of ordinary operations per policy, kept across regions: (region depth, state) ->
+# {decision key (see _decision_key): Decision}.
+_DECISIONS: dict[Policy, dict] = {}
+_DECISIONS_KEPT = 8192  # per state; a table past it starts again (new shapes every call)
+# What a region knows about a value that the rules read, as RegionEnv sets (see Env): the
+# tags of a decision's or an inline call's key, as bits (RegionEnv.tag_bits).
+_DECISION_TAGS = ("lower_outputs", "expanded", "input_view", "scalar_like", "lowered")
+_TAG_BITS = tuple(1 << k for k in range(len(_DECISION_TAGS)))
 
 
 def active() -> bool:
@@ -160,6 +166,11 @@ class RegionEnv(Env):
         self._vars: dict[int, tuple[Any, Any]] = {}  # id(value) -> (weakref, Var)
         self.casts: CastsByVar = CastsByVar()
         self._cotangent = set()
+        # The tags a decision's key and replay read and set, in the order of _TAG_BITS.
+        self.tag_sets = tuple(getattr(self, tag) for tag in _DECISION_TAGS)
+        # Per variable, its part of a decision key (``_key_part``), made at its first use as an
+        # operand: a value's tags are all set by the operation that made it.
+        self.key_parts: dict[Any, tuple | None] = {}
 
     def accumulated(self, var: Any) -> bool:
         return True  # no lookahead in a region: a square runs in float32 (torch's pow)
@@ -188,29 +199,47 @@ class RegionEnv(Env):
         for tags in (self.lower_outputs, self.expanded, self.input_view, self.scalar_like):
             tags.discard(var)
         self.lowered.discard(var)
+        self.key_parts.pop(var, None)
         self.known.pop(var, None)
         self.upcast_of.pop(var, None)
         for facts in self.facts.values():
             facts.pop(var, None)
         self.casts.forget(var)
 
-    def knowledge_of(self, value: Any) -> tuple[frozenset, ConstSource | None] | None | bool:
-        """What this region knows about ``value``: its tags and rewrite-time constant; None for a
-        value it never saw; False where it knows what tags cannot say (jnp's float32
-        promotion of a 16-bit value: the rules read that value)."""
+    def knowledge_of(self, value: Any) -> tuple[int, ConstSource | None] | None | bool:
+        """What this region knows about ``value``: its tags (bits, ``tag_bits``) and
+        rewrite-time constant; None for a value it never saw; False where it knows what tags
+        cannot say (jnp's float32 promotion of a 16-bit value: the rules read that value)."""
         entry = self._vars.get(id(value))
         if entry is None or entry[0]() is not value:
             return None
         var = entry[1]
         if var in self.upcast_of:
             return False
-        return frozenset(t for t in _KNOWLEDGE if var in getattr(self, t)), self.known.get(var)
+        return self.tag_bits(var), self.known.get(var)
+
+    def tag_bits(self, var: Any) -> int:
+        """The tags of ``var`` as bits (``_TAG_BITS``, in the order of ``tag_sets``)."""
+        lower_outputs, expanded, input_view, scalar_like, lowered = self.tag_sets
+        return (
+            (var in lower_outputs)
+            | (var in expanded) << 1
+            | (var in input_view) << 2
+            | (var in scalar_like) << 3
+            | (var in lowered) << 4
+        )
+
+    def add_tags(self, var: Any, bits: int) -> None:
+        if bits:
+            for bit, tagged in zip(_TAG_BITS, self.tag_sets):
+                if bits & bit:
+                    tagged.add(var)
 
 
 @dataclasses.dataclass(frozen=True)
 class CallRewrite:
     """An inline jit's jaxpr as a region decided it, and, per output, what the region knew about
-    it ``(tags, rewrite-time constant)``, or None where the walk never saw it."""
+    it ``(tag bits, rewrite-time constant)``, or None where the walk never saw it."""
 
     closed: Any
     outputs: tuple
@@ -219,6 +248,7 @@ class CallRewrite:
     facts: tuple = ()
     # Per output, the index of the operand the callee returns as it is, or None.
     forwarded: tuple = ()
+    out_avals: tuple = ()  # the rewritten jaxpr's (what the call's outputs are)
 
 
 def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
@@ -296,6 +326,10 @@ class RegionTrace(compat.Trace):
             states=_shared_states(policy) if base is None else None,
         )
         self.env = RegionEnv()
+        self._tables: dict[int, tuple[RegionState, dict]] = {}  # id(state) -> (state, decisions)
+        self._calls = _CALLS.get(policy)
+        if self._calls is None:
+            self._calls = _CALLS[policy] = weakref.WeakKeyDictionary()
         compat.share_trace_identity(self, parent)
         compat.lower_high_primitives_as(self, parent)
 
@@ -305,15 +339,18 @@ class RegionTrace(compat.Trace):
         if compat.is_inline_jit(primitive, params):
             return self._inline_call(primitive, args, params)
         state = self.rewriter.current_state()
-        if not self._needs_rule(primitive, state, args, params):
-            with compat.set_current_trace(self.parent):
-                return primitive.bind(*args, **params)
+        programs = carries_programs(primitive, params)
+        avals = [compat.aval_of(a) for a in args]
+        if not programs and not (
+            state.enabled and any(is_float(getattr(a, "dtype", np.int32)) for a in avals)
+        ):
+            # nothing for the policy to change: no floating operand, or autocast off
+            return compat.bind_on(self.parent, primitive, args, params, avals)
         if compat.decided_above(*self.entry_depths):
             # JAX's derivative rules bind what a region above them decided (a jax.grad called
             # in the region: differentiation_routed_above), and a backward pass the transposes
             # of ops decided in the forward pass: both run as they are, as torch's backward does.
-            with compat.set_current_trace(self.parent):
-                return primitive.bind(*args, **params)
+            return compat.bind_on(self.parent, primitive, args, params, avals)
         env = self.env
         invars = []
         for value in args:
@@ -321,9 +358,21 @@ class RegionTrace(compat.Trace):
             if new:
                 self._adopt_input(var, value)
             invars.append(var)
+        decisions, key = None, None
+        if not programs:
+            decisions, key = (
+                self._decisions(state),
+                _decision_key(env, primitive, params, invars, avals),
+            )
+            try:
+                decision = decisions.get(key) if key is not None else None
+            except TypeError:  # a parameter that cannot be hashed: decided every time
+                decision = key = None
+            if decision is not None:
+                return self._replay(decision, primitive, params, args, invars, avals)
         eqn = RegionEquation(primitive, params, invars, compat.region_source_info())
         env.values = dict(zip(invars, args))
-        step = Step(self.rewriter, env, eqn, state)
+        step = RecordingStep(self.rewriter, env, eqn, state)
         try:
             with compat.set_current_trace(self.parent):
                 outs = list(self.rewriter.apply(step))
@@ -334,7 +383,7 @@ class RegionTrace(compat.Trace):
                     if var in env.upcast_of:
                         env.casts.pop((var, F32), None)
         # What a call would have returned without the policy (its body's traced types).
-        traced = [v.aval.dtype for v in eqn.outvars] if carries_programs(primitive, params) else []
+        traced = [v.aval.dtype for v in eqn.outvars] if programs else []
         outvars = eqn.set_outputs(outs)
         for value, var in zip(outs, outvars):
             env.remember(value, var)
@@ -343,7 +392,57 @@ class RegionTrace(compat.Trace):
         env.lowered.update(
             v for v, t in zip(outvars, traced) if v.aval.dtype == compute and t != compute
         )
+        if key is not None:
+            decision = step.decision(outs, outvars)
+            if decision is not None:
+                if len(decisions) > _DECISIONS_KEPT:
+                    decisions.clear()
+                decisions[key] = decision
         return outs if primitive.multiple_results else outs[0]
+
+    # -- decisions made once per signature ------------------------------------------------------
+
+    def _decisions(self, state: RegionState) -> dict:
+        """The decisions made under ``state`` by any region of this policy at this depth (an
+        eager loop enters a new region every step, a model repeats its blocks)."""
+        entry = self._tables.get(id(state))
+        if entry is None:  # (the entry keeps ``state`` alive: its id is not reused meanwhile)
+            table = _DECISIONS.setdefault(self.policy, {}).setdefault(
+                (self.rewriter.region, state), {}
+            )
+            entry = self._tables[id(state)] = (state, table)
+        return entry[1]
+
+    def _replay(
+        self,
+        decision: Decision,
+        primitive: Any,
+        params: dict,
+        args: Sequence[Any],
+        invars: list,
+        avals: list,
+    ) -> Any:
+        """Bind an operation as its rule decided it before for the same signature: the same
+        casts (shared with every other operation through the cast cache), the same parameters,
+        and the same tags on its outputs."""
+        env = self.env
+        if decision.casts:
+            args, avals = list(args), None
+            with compat.set_current_trace(self.parent):
+                for i, dtype in decision.casts:
+                    cast = env.casts.get((invars[i], dtype))
+                    if cast is None:
+                        cast = env.casts[(invars[i], dtype)] = compat.convert(args[i], dtype)
+                    args[i] = cast
+        if decision.overrides:
+            params = {**params, **decision.overrides}
+        outs = compat.bind_on(self.parent, primitive, args, params, avals)
+        values = outs if primitive.multiple_results else (outs,)
+        for value, aval, bits in zip(values, decision.out_avals, decision.out_tags):
+            var = compat.Var(aval)
+            env.remember(value, var)
+            env.add_tags(var, bits)
+        return outs
 
     # -- jnp's functions: inline jits ----------------------------------------------------------
 
@@ -365,35 +464,36 @@ class RegionTrace(compat.Trace):
         that raises is redone op by op on the values themselves, where the error belongs.
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
-            with compat.set_current_trace(self.parent):
-                return primitive.bind(*args, **params)
+            return compat.bind_on(self.parent, primitive, args, params)
         state = self.rewriter.current_state()
         known = self._operand_knowledge(args)
         rewrite = None
         if known is not None and not self.rewriter.line_rules:
-            rewrite = self._call_rewrite(params["jaxpr"], args, state, *known)
-        in_vars = [self.env.var_for(a)[0] for a in args] if rewrite is not None else []
+            rewrite = self._call_rewrite(params["jaxpr"], state, *known)
         if rewrite is None:
             jaxpr, consts = compat.open_and_consts(params["jaxpr"])
             with compat.set_current_trace(self):
                 return compat.eval_jaxpr_retyped(jaxpr, consts, args)
-        with compat.set_current_trace(self.parent):
-            outs = primitive.bind(*args, **{**params, "jaxpr": rewrite.closed})
+        in_vars, avals = known[3], known[4]
+        outs = compat.bind_on(
+            self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
+        )
         env = self.env
         out_vars: list[Any] = []
-        for value, known, j in zip(outs, rewrite.outputs, rewrite.forwarded):
+        for value, aval, known_out, j in zip(
+            outs, rewrite.out_avals, rewrite.outputs, rewrite.forwarded
+        ):
             out_vars.append(None)
             if j is not None:  # the callee returns its operand j (jnp.asarray): the same value,
                 out_vars[-1] = in_vars[j]  # and the same variable, as op by op (facts included)
                 env.remember(value, in_vars[j])
                 continue
-            if known is None:  # not seen by the walk (a constant of the callee): as if new
+            if known_out is None:  # not seen by the walk (a constant of the callee): as if new
                 continue
-            tags, source = known
-            var = out_vars[-1] = compat.Var(compat.aval_of(value))
+            bits, source = known_out
+            var = out_vars[-1] = compat.Var(aval)
             env.remember(value, var)
-            for tag in tags:
-                getattr(env, tag).add(var)
+            env.add_tags(var, bits)
             if source is not None:
                 env.known[var] = source
         # What the trackers learned about the outputs (a softmax's max: rules/softmax.py),
@@ -404,13 +504,14 @@ class RegionTrace(compat.Trace):
                 env.facts.setdefault(name, {})[out_vars[k]] = target
         return outs
 
-    def _operand_knowledge(self, args: Sequence[Any]) -> tuple[tuple, list, tuple] | None:
-        """Per operand, the region's tags for it and, for a small constant the rules read (a
-        weak or rank-0 concrete value, cast once, saturating), its value; those constants'
-        sources; and what the trackers know of one operand in terms of another (``(tracker,
-        i, j)``: a softmax's max ``i`` of ``j``). None where the walk would read more than that
-        (a fact about an operand that points outside the call)."""
-        env, keys, sources, vars_ = self.env, [], [], []
+    def _operand_knowledge(self, args: Sequence[Any]) -> tuple | None:
+        """Per operand, the region's tags for it (bits) and, for a small constant the rules
+        read (a weak or rank-0 concrete value, cast once, saturating), its value; those
+        constants' sources; what the trackers know of one operand in terms of another
+        (``(tracker, i, j)``: a softmax's max ``i`` of ``j``); and the operands' variables and
+        types. None where the walk would read more than that (a fact about an operand that
+        points outside the call)."""
+        env, keys, sources, vars_, avals = self.env, [], [], [], []
         for value in args:
             var, new = env.var_for(value)
             if new:
@@ -423,9 +524,10 @@ class RegionTrace(compat.Trace):
                 constant = _constant_key(source)
                 if constant is None:
                     return None
-            keys.append((frozenset(t for t in _KNOWLEDGE if var in getattr(env, t)), constant))
+            keys.append((env.tag_bits(var), constant))
             sources.append(source)
             vars_.append(var)
+            avals.append(compat.aval_of(value))
         facts = []
         for name, known in env.facts.items():
             for i, var in enumerate(vars_):
@@ -435,39 +537,40 @@ class RegionTrace(compat.Trace):
                 if not any(target is other for other in vars_):
                     return None
                 facts.append((name, i, next(j for j, o in enumerate(vars_) if o is target)))
-        return tuple(keys), sources, tuple(sorted(facts))
+        return tuple(keys), sources, tuple(sorted(facts)), vars_, avals
 
     def _call_rewrite(
         self,
         closed: Any,
-        args: Sequence[Any],
         state: RegionState,
         knowledge: tuple,
         sources: list,
         facts: tuple,
+        in_vars: list,
+        avals: list,
     ) -> CallRewrite | None:
         """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
         cannot be reused, or its jaxpr cannot be weakly referenced)."""
-        avals = tuple(compat.aval_of(a) for a in args)
         key = (
             self.rewriter.region,
-            avals,  # (an aval's equality includes its weak type)
+            tuple(avals),  # (an aval's equality includes its weak type)
             # The scope path (a Flax module's) decides only through the policy's rules: without
             # any, every block of a model reuses the rewrite its first block made.
             state if self.policy.rules else (state.enabled, state.dtype, state.keep_compute_dtype),
             knowledge,
             facts,
         )
-        store = _CALLS.setdefault(self.policy, weakref.WeakKeyDictionary())
+        store = self._calls
         try:
             entries = store.get(closed)
             if entries is None:
                 entries = store[closed] = collections.OrderedDict()
         except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
             return None
-        if key in entries:
+        rewrite = entries.get(key, _UNSEEN)
+        if rewrite is not _UNSEEN:
             entries.move_to_end(key)
-            return entries[key]
+            return rewrite
         rewrite = self._walk_once(closed, list(avals), state, knowledge, sources, facts)
         consts = compat.open_and_consts(rewrite.closed)[1] if rewrite is not None else ()
         if not any(compat.is_tracer(c) for c in consts):
@@ -497,11 +600,10 @@ class RegionTrace(compat.Trace):
             )
             try:
                 in_vars = []
-                for value, (tags, _), source in zip(operands, knowledge, sources):
+                for value, (bits, _), source in zip(operands, knowledge, sources):
                     var, _ = sub.env.var_for(value)
                     in_vars.append(var)
-                    for tag in tags:
-                        getattr(sub.env, tag).add(var)
+                    sub.env.add_tags(var, bits)
                     if source is not None:  # cast from the value (in the key), as op by op
                         sub.env.known[var] = source
                 for name, i, j in facts:  # (in the key)
@@ -524,17 +626,12 @@ class RegionTrace(compat.Trace):
         forwarded = tuple(
             next((j for j, v in enumerate(invars) if v is out), None) for out in jaxpr.outvars
         )
-        return CallRewrite(rewritten, tuple(found["outputs"]), found["facts"], forwarded)
-
-    def _needs_rule(
-        self, primitive: Any, state: RegionState, args: Sequence[Any], params: dict
-    ) -> bool:
-        """Whether the policy can change anything: an enabled state and a floating operand, or
-        a sub-program (whose regions may differ from this one)."""
-        if carries_programs(primitive, params):
-            return True
-        return state.enabled and any(
-            is_float(getattr(compat.aval_of(a), "dtype", np.int32)) for a in args
+        return CallRewrite(
+            rewritten,
+            tuple(found["outputs"]),
+            found["facts"],
+            forwarded,
+            tuple(compat.closed_out_avals(rewritten)),
         )
 
     def _adopt_input(self, var: Any, value: Any) -> None:
@@ -597,6 +694,97 @@ class RegionTrace(compat.Trace):
         state = self.rewriter.current_state()
         with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
+
+
+def _tag_bits(env: RegionEnv, var: Any) -> int | None:
+    """The tags of ``var`` as bits (``_TAG_BITS``); None where the region knows more about it
+    than tags say (a constant the rules cast from its value, jnp's float32 promotion of a
+    lowered value, a tracker's fact): an operation reading such a value is decided every time."""
+    if var in env.known or var in env.upcast_of:
+        return None
+    for facts in env.facts.values():
+        if var in facts:
+            return None
+    return env.tag_bits(var)
+
+
+def _decision_key(
+    env: RegionEnv, primitive: Any, params: dict, invars: list, avals: list
+) -> tuple | None:
+    """Everything a rule reads of one operation: the primitive, its parameters, and per operand
+    its type as traced (the variable's) and as it arrives, and its tags. None where an operand
+    carries more than tags (``_tag_bits``)."""
+    key: list[Any] = [primitive, tuple(params.items())]
+    parts = env.key_parts
+    for var, aval in zip(invars, avals):
+        part = parts.get(var, _UNSEEN)
+        if part is _UNSEEN:
+            bits = _tag_bits(env, var)
+            part = parts[var] = None if bits is None else (var.aval, bits)
+        if part is None:
+            return None
+        key += (part, aval)
+    return tuple(key)
+
+
+_UNSEEN = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What a rule did with one operation, replayable for the same key: the operands it cast
+    (index, dtype), the parameters it changed, and its outputs' types as traced and tags."""
+
+    casts: tuple
+    overrides: dict
+    out_avals: tuple
+    out_tags: tuple
+
+
+class RecordingStep(Step):
+    """A region's :class:`Step` that records its casts and binds, so that a rule that cast some
+    operands and bound the operation once can be replayed (:class:`Decision`) without running
+    the rule again."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.casts_made: dict[int, dict[int, np.dtype]] = {}  # id(cast value) -> {operand: dtype}
+        self.binds: list[tuple[list, dict, list]] = []
+
+    def cast(self, i: int, dtype: Any) -> Any:
+        out = super().cast(i, dtype)
+        self.casts_made.setdefault(id(out), {})[i] = np.dtype(dtype)
+        return out
+
+    def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
+        outs = super().bind(args, **overrides)
+        self.binds.append((list(args), overrides, outs))
+        return outs
+
+    def decision(self, returned: Sequence[Any], outvars: Sequence[Any]) -> Decision | None:
+        """The replayable decision, or None: the rule bound more or other than the operation
+        on its operands, some cast (float8's scaling, reduce_dtype's custom_vjp), or the outputs
+        carry more than tags."""
+        if self.substituted or len(self.binds) != 1:
+            return None
+        args, overrides, outs = self.binds[0]
+        if len(outs) != len(returned) or any(a is not b for a, b in zip(outs, returned)):
+            return None
+        casts = []
+        for j, arg in enumerate(args):
+            if arg is self.args[j]:
+                continue
+            dtype = self.casts_made.get(id(arg), {}).get(j)
+            if dtype is None:
+                return None
+            casts.append((j, dtype))
+        tags = []
+        for var in outvars:
+            bits = _tag_bits(self.env, var)
+            if bits is None:
+                return None
+            tags.append(bits)
+        return Decision(tuple(casts), overrides, tuple(v.aval for v in outvars), tuple(tags))
 
 
 def _shared_states(policy: Policy) -> dict:
