@@ -327,9 +327,10 @@ class RegionTrace(compat.Trace):
         )
         self.env = RegionEnv()
         self._tables: dict[int, tuple[RegionState, dict]] = {}  # id(state) -> (state, decisions)
-        self._calls = _CALLS.get(policy)
-        if self._calls is None:
-            self._calls = _CALLS[policy] = weakref.WeakKeyDictionary()
+        calls = _CALLS.get(policy)
+        if calls is None:
+            calls = _CALLS[policy] = weakref.WeakKeyDictionary()
+        self._calls: weakref.WeakKeyDictionary = calls
         compat.share_trace_identity(self, parent)
         compat.lower_high_primitives_as(self, parent)
 
@@ -358,7 +359,8 @@ class RegionTrace(compat.Trace):
             if new:
                 self._adopt_input(var, value)
             invars.append(var)
-        decisions, key = None, None
+        decisions: dict | None = None
+        key: tuple | None = None
         if not programs:
             decisions, key = (
                 self._decisions(state),
@@ -392,7 +394,7 @@ class RegionTrace(compat.Trace):
         env.lowered.update(
             v for v, t in zip(outvars, traced) if v.aval.dtype == compute and t != compute
         )
-        if key is not None:
+        if key is not None and decisions is not None:
             decision = step.decision(outs, outvars)
             if decision is not None:
                 if len(decisions) > _DECISIONS_KEPT:
@@ -420,7 +422,7 @@ class RegionTrace(compat.Trace):
         params: dict,
         args: Sequence[Any],
         invars: list,
-        avals: list,
+        avals: list | None,
     ) -> Any:
         """Bind an operation as its rule decided it before for the same signature: the same
         casts (shared with every other operation through the cast cache), the same parameters,
@@ -470,7 +472,7 @@ class RegionTrace(compat.Trace):
         rewrite = None
         if known is not None and not self.rewriter.line_rules:
             rewrite = self._call_rewrite(params["jaxpr"], state, *known)
-        if rewrite is None:
+        if rewrite is None or known is None:
             jaxpr, consts = compat.open_and_consts(params["jaxpr"])
             with compat.set_current_trace(self):
                 return compat.eval_jaxpr_retyped(jaxpr, consts, args)
@@ -561,16 +563,16 @@ class RegionTrace(compat.Trace):
             facts,
         )
         store = self._calls
+        entries: collections.OrderedDict[tuple, CallRewrite | None] | None
         try:
             entries = store.get(closed)
             if entries is None:
                 entries = store[closed] = collections.OrderedDict()
         except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
             return None
-        rewrite = entries.get(key, _UNSEEN)
-        if rewrite is not _UNSEEN:
+        if key in entries:
             entries.move_to_end(key)
-            return rewrite
+            return entries[key]
         rewrite = self._walk_once(closed, list(avals), state, knowledge, sources, facts)
         consts = compat.open_and_consts(rewrite.closed)[1] if rewrite is not None else ()
         if not any(compat.is_tracer(c) for c in consts):
@@ -780,7 +782,7 @@ class RecordingStep(Step):
             casts.append((j, dtype))
         tags = []
         for var in outvars:
-            bits = _tag_bits(self.env, var)
+            bits = _tag_bits(self.env, var)  # type: ignore[arg-type]  # (a RegionEnv)
             if bits is None:
                 return None
             tags.append(bits)
