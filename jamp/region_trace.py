@@ -54,7 +54,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -156,6 +155,23 @@ def _program_view(avals: list) -> list:
     return [a.update(dtype=wide, weak_type=False) if f else a for a, f in zip(avals, is_floating)]
 
 
+class _ValueRef(weakref.ref):
+    """A weak reference to a value a region has seen, with its variable and ``id`` (one object
+    per value, as few as the garbage collector can be given: a region sees every value)."""
+
+    __slots__ = ("key", "var")
+    key: int
+    var: Any
+
+    def __new__(cls, value: Any, callback: Any, var: Any) -> _ValueRef:
+        ref = super().__new__(cls, value, callback)
+        ref.key, ref.var = id(value), var
+        return ref
+
+    def __init__(self, value: Any, callback: Any, var: Any) -> None:
+        super().__init__(value, callback)  # type: ignore[call-arg]  # (weakref.ref's own)
+
+
 class RegionEnv(Env):
     """The environment of one region: a variable per value that passed through it, the tags the
     rules read, and the casts already made. Entries go with their values (weak references), so an
@@ -163,38 +179,38 @@ class RegionEnv(Env):
 
     def __init__(self) -> None:
         super().__init__(None)
-        self._vars: dict[int, tuple[Any, Any]] = {}  # id(value) -> (weakref, Var)
+        self._vars: dict[int, _ValueRef] = {}  # id(value) -> weak reference holding its Var
+        self._on_death = self._forget  # (one callback for every reference)
         self.casts: CastsByVar = CastsByVar()
         self._cotangent = set()
         # The tags a decision's key and replay read and set, in the order of _TAG_BITS.
         self.tag_sets = tuple(getattr(self, tag) for tag in _DECISION_TAGS)
-        # Per variable, its part of a decision key (``_key_part``), made at its first use as an
-        # operand: a value's tags are all set by the operation that made it.
-        self.key_parts: dict[Any, tuple | None] = {}
+        # Per variable, its tags as a decision key reads them (``_tag_bits``), found at its first
+        # use as an operand: a value's tags are all set by the operation that made it.
+        self.key_parts: dict[Any, int | None] = {}
 
     def accumulated(self, var: Any) -> bool:
         return True  # no lookahead in a region: a square runs in float32 (torch's pow)
 
     def var_for(self, value: Any) -> tuple[Any, bool]:
         """(the variable standing for ``value``, whether it is new to this region)."""
-        entry = self._vars.get(id(value))
-        if entry is not None and entry[0]() is value:
-            return entry[1], False
+        ref = self._vars.get(id(value))
+        if ref is not None and ref() is value:
+            return ref.var, False
         var = compat.Var(compat.aval_of(value))
         self.remember(value, var)
         return var, True
 
     def remember(self, value: Any, var: Any) -> None:
-        key = id(value)
         try:
-            ref = weakref.ref(value, functools.partial(self._forget, key, var))
+            ref = _ValueRef(value, self._on_death, var)
         except TypeError:  # numpy values and Python scalars: a fresh variable each time
             return
-        self._vars[key] = (ref, var)
+        self._vars[ref.key] = ref
 
-    def _forget(self, key: int, var: Any, _ref: Any = None) -> None:
-        entry = self._vars.get(key)
-        if entry is not None and entry[1] is var:
+    def _forget(self, ref: _ValueRef) -> None:
+        key, var = ref.key, ref.var
+        if self._vars.get(key) is ref:
             del self._vars[key]
         for tags in (self.lower_outputs, self.expanded, self.input_view, self.scalar_like):
             tags.discard(var)
@@ -210,10 +226,10 @@ class RegionEnv(Env):
         """What this region knows about ``value``: its tags (bits, ``tag_bits``) and
         rewrite-time constant; None for a value it never saw; False where it knows what tags
         cannot say (jnp's float32 promotion of a 16-bit value: the rules read that value)."""
-        entry = self._vars.get(id(value))
-        if entry is None or entry[0]() is not value:
+        ref = self._vars.get(id(value))
+        if ref is None or ref() is not value:
             return None
-        var = entry[1]
+        var = ref.var
         if var in self.upcast_of:
             return False
         return self.tag_bits(var), self.known.get(var)
@@ -719,13 +735,12 @@ def _decision_key(
     key: list[Any] = [primitive, tuple(params.items())]
     parts = env.key_parts
     for var, aval in zip(invars, avals):
-        part = parts.get(var, _UNSEEN)
-        if part is _UNSEEN:
-            bits = _tag_bits(env, var)
-            part = parts[var] = None if bits is None else (var.aval, bits)
-        if part is None:
+        bits = parts.get(var, _UNSEEN)
+        if bits is _UNSEEN:
+            bits = parts[var] = _tag_bits(env, var)
+        if bits is None:
             return None
-        key += (part, aval)
+        key += (var.aval, aval, bits)
     return tuple(key)
 
 
