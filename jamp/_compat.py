@@ -226,6 +226,16 @@ def traced_var(x: Any) -> Any:
     return None
 
 
+def eval_jaxpr_flat(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
+    """``eval_jaxpr`` with the operands as arguments (a function to ``jax.jit``)."""
+    return eval_jaxpr(jaxpr, consts, args)
+
+
+def is_eager(trace: Any) -> bool:
+    """Whether binding on ``trace`` runs operations now (JAX's eval trace)."""
+    return isinstance(trace, _core.EvalTrace)
+
+
 def eval_jaxpr(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Evaluate an open jaxpr with its consts under the current trace."""
     return list(_core.eval_jaxpr(jaxpr, list(consts), *args))
@@ -877,6 +887,31 @@ def bind_custom(primitive: Any, subfuns: tuple, args: Sequence[Any], params: dic
     return primitive.bind_with_trace(
         _core.trace_ctx.trace, list(args), avals, {**params, "subfuns": subfuns}
     )
+
+
+def custom_call_key(
+    primitive: Any, subfuns: tuple, avals: Sequence[Any], params: dict[str, Any]
+) -> tuple | None:
+    """What a ``custom_jvp_call``'s staged equation depends on: the primal function (a
+    ``WrappedFun``: compared by function, transformations and their arguments), the rule's own
+    function, the operand types and the parameters; None for other calls (a ``custom_vjp``'s
+    ``out_trees`` is a new function at every call)."""
+    if primitive.name != "custom_jvp_call" or len(subfuns) != 2:
+        return None
+    fun, jvp = subfuns
+    return (primitive, fun, jvp.f, tuple(avals), tuple(params.items()))
+
+
+def filled_stores(fun: Any) -> list[tuple[int, Any]]:
+    """What tracing ``fun`` (a ``WrappedFun``) filled its output stores with: (index, value)."""
+    return [(i, st.val) for i, st in enumerate(fun.stores) if _filled(st)]
+
+
+def fill_stores(fun: Any, values: list[tuple[int, Any]]) -> None:
+    """Fill ``fun``'s output stores as tracing an equal function for the same operand types
+    did (``filled_stores``), as JAX's own trace caches do (``lu.cache``)."""
+    for i, value in values:
+        fun.stores[i].store(value)
 
 
 @contextlib.contextmanager

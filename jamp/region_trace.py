@@ -54,6 +54,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -265,6 +266,19 @@ class CallRewrite:
     # Per output, the index of the operand the callee returns as it is, or None.
     forwarded: tuple = ()
     out_avals: tuple = ()  # the rewritten jaxpr's (what the call's outputs are)
+    # Eagerly, the rewritten jaxpr as a ``jax.jit`` function, made at the first eager call: its
+    # C++ dispatch is how the callee itself runs eagerly (binding the call runs JAX's Python
+    # dispatch, ~10x slower for a small op).
+    eager: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def run_eagerly(self, args: Sequence[Any]) -> list[Any]:
+        jitted = self.eager.get("jit")
+        if jitted is None:
+            jaxpr, consts = compat.open_and_consts(self.closed)
+            jitted = self.eager["jit"] = jax.jit(
+                functools.partial(compat.eval_jaxpr_flat, jaxpr, consts)
+            )
+        return jitted(*args)
 
 
 def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
@@ -493,9 +507,12 @@ class RegionTrace(compat.Trace):
             with compat.set_current_trace(self):
                 return compat.eval_jaxpr_retyped(jaxpr, consts, args)
         in_vars, avals = known[3], known[4]
-        outs = compat.bind_on(
-            self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
-        )
+        if compat.is_eager(self.parent):
+            outs = rewrite.run_eagerly(args)
+        else:
+            outs = compat.bind_on(
+                self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
+            )
         env = self.env
         out_vars: list[Any] = []
         for value, aval, known_out, j in zip(
@@ -704,14 +721,37 @@ class RegionTrace(compat.Trace):
             # region op by op, with concrete values where it had them (it may branch on them).
             with compat.set_current_trace(self):
                 return subfuns[0].call_wrapped(*args)
-        closed = compat.trace_to_closed(
-            lambda *xs: compat.bind_custom(primitive, subfuns, xs, params),
-            [compat.aval_of(a) for a in args],
-        )
+        closed = self._staged_jaxpr(primitive, subfuns, args, params)
         jaxpr, consts = compat.open_and_consts(closed)
         state = self.rewriter.current_state()
         with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
+
+    def _staged_jaxpr(
+        self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict
+    ) -> Any:
+        """The call staged to its one-equation jaxpr: traced once per function, rule and operand
+        types, so that an eager ``jax.grad`` step calling ``jax.nn.relu`` in a region rewrites
+        the same equation (cached: rules/custom_ad.py) rather than a new one at every call."""
+        avals = [compat.aval_of(a) for a in args]
+        key = compat.custom_call_key(primitive, subfuns, avals, params)
+        try:
+            cached = _STAGED.get(key) if key is not None else None
+        except TypeError:  # a parameter or a function's argument that cannot be hashed
+            cached, key = None, None
+        if cached is not None:
+            closed, stored = cached
+            compat.fill_stores(subfuns[0], stored)  # what tracing it again would have filled
+            return closed
+        closed = compat.trace_to_closed(
+            lambda *xs: compat.bind_custom(primitive, subfuns, xs, params), avals
+        )
+        consts = compat.open_and_consts(closed)[1]
+        if key is not None and not any(compat.is_tracer(c) for c in consts):
+            if len(_STAGED) > _STAGED_KEPT:
+                _STAGED.clear()
+            _STAGED[key] = (closed, compat.filled_stores(subfuns[0]))
+        return closed
 
 
 def _tag_bits(env: RegionEnv, var: Any) -> int | None:
@@ -802,6 +842,12 @@ class RecordingStep(Step):
                 return None
             tags.append(bits)
         return Decision(tuple(casts), overrides, tuple(v.aval for v in outvars), tuple(tags))
+
+
+# Custom-derivative calls staged to their equation (_staged_jaxpr): key -> (closed jaxpr, what
+# the staging filled the function's output stores with).
+_STAGED: dict[tuple, tuple[Any, Any]] = {}
+_STAGED_KEPT = 1024
 
 
 def _shared_states(policy: Policy) -> dict:

@@ -126,6 +126,11 @@ def _evaluate(closed: Any, args: Sequence[Any], dtypes: Sequence[Any]) -> list[A
     return cast_all(compat.eval_jaxpr(jaxpr, consts, args), dtypes)
 
 
+# The traced JVP of an original custom_jvp call, per equation (its primal jaxpr, weakly) and
+# JVP function, for the inputs JAX passes tangents for: it depends on nothing else.
+_JVP_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 @register("custom_jvp_call")
 def custom_jvp_rule(step: Step) -> Sequence[Any]:
     primal_closed, out_dtypes, _, rule_state = _primal(step)
@@ -135,6 +140,7 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
     rewriter = step.rewriter.child(rule_state)
     eqn = step.eqn  # the rules below must not hold `step` (its operands are tracers)
     n_in = len(traced)
+    call_jaxpr, jvp_fun = step.params["call_jaxpr"], step.params.get("jvp_jaxpr_fun")
 
     @jax.custom_jvp
     def primal(*args: Any) -> list[Any]:
@@ -156,9 +162,16 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
             outs, out_tangents = jax.jvp(of_perturbed, [flat[i] for i in at], list(flat[n_in:]))
             return [*outs, *out_tangents]
 
-        rule = compat.trace_to_closed(
-            primals_and_tangents, [*traced, *(tangent_avals[i] for i in at)]
-        )
+        rules = _JVP_RULES.get(call_jaxpr)
+        if rules is None:
+            rules = _JVP_RULES[call_jaxpr] = {}
+        rule = rules.get((jvp_fun, tuple(at)))
+        if rule is None:  # (the same equation again: an eager step, a model's repeated block)
+            rule = compat.trace_to_closed(
+                primals_and_tangents, [*traced, *(tangent_avals[i] for i in at)]
+            )
+            if not any(compat.is_tracer(c) for c in compat.open_and_consts(rule)[1]):
+                rules[(jvp_fun, tuple(at))] = rule
         jaxpr, consts = compat.open_and_consts(rule)
         outs = rewriter.run(
             jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *(tangents[i] for i in at)]

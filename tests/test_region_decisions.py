@@ -1,0 +1,207 @@
+"""A region decides an operation once per signature and replays that decision (issue 33).
+
+The replay must give exactly what deciding again gives: every test here compares with the
+region deciding every operation (``_decide_every_time``), on programs where the decision depends
+on more than the operand types (a bias add against a residual add, a softmax's shift, constants).
+"""
+
+import gc
+import weakref
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+
+import jamp
+from jamp import _compat as compat
+from jamp import region_trace
+from jamp.interpreter import Rewriter
+
+BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+X = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
+W = jax.random.normal(jax.random.PRNGKey(1), (16, 16)) * 0.25
+B = jnp.linspace(-1.0, 1.0, 16)
+
+
+def _decide_every_time(monkeypatch):
+    """Every operation decided by its rule, as before issue 33's decisions."""
+    monkeypatch.setattr(region_trace, "_decision_key", lambda *args: None)
+
+
+def _count_rules(monkeypatch):
+    """The primitives whose rule ran, one entry per run."""
+    ran = []
+    apply = Rewriter.apply
+
+    def counted(self, step):
+        if self.region:
+            ran.append(step.eqn.primitive.name)
+        return apply(self, step)
+
+    monkeypatch.setattr(Rewriter, "apply", counted)
+    return ran
+
+
+def mixed_adds(x, w, b, x16):
+    """The same primitive on the same operand types, decided three ways by the operands' tags."""
+    with jamp.autocast():
+        bias = lax.broadcast_in_dim(b, (x.shape[0], w.shape[1]), (1,))
+        lowered = lax.add(lax.dot(x, w), bias)  # a matmul's output: the bias adapts, bf16
+        arrived = lax.add(x16, bias)  # the same types, but an input: promotes, f32
+        again = lax.add(lax.dot(x * 2, w), bias)  # the first decision again
+        with jamp.autocast(enabled=False):
+            off = lax.add(lax.dot(x, w), bias)  # autocast off: f32 matmul, f32 add
+    return lowered, arrived, again, off
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_operation_is_decided_by_its_operands_tags_not_only_their_types(monkeypatch, jit):
+    run = jax.jit(mixed_adds) if jit else mixed_adds
+    args = (X, W, B, X.astype(jnp.bfloat16))
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})  # (none kept from other tests)
+    ran = _count_rules(monkeypatch)
+    outs = run(*args)
+    assert [np.dtype(o.dtype) for o in outs] == [BF16, F32, BF16, F32]
+    assert ran.count("dot_general") == 2  # on and off; the third matmul replays the first
+    ran.clear()
+    # a new trace (eagerly: the same code again) replays them all
+    (jax.jit(lambda *a: mixed_adds(*a)) if jit else mixed_adds)(*args)
+    assert "add" not in ran and "dot_general" not in ran
+    with monkeypatch.context() as m:
+        _decide_every_time(m)
+        chex.assert_trees_all_close(run(*args), outs)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, train):
+        h = nn.LayerNorm()(x)
+        h = nn.Dense(16)(h)
+        h = nn.BatchNorm(use_running_average=not train)(h)
+        h = jax.nn.gelu(h) + x
+        logits = nn.Dense(16)(h)
+        return jax.nn.log_softmax(logits), jnp.mean(h**2)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_replayed_decisions_give_the_program_deciding_every_operation_gives(monkeypatch, dtype):
+    model = Block()
+    variables = model.init(jax.random.PRNGKey(2), X, False)
+
+    def forward(v, x):
+        with jamp.autocast(dtype=dtype):
+            return model.apply(v, x, True, mutable=["batch_stats"])
+
+    def loss(v, x):
+        with jamp.autocast(dtype=dtype):
+            (logp, square), _ = model.apply(v, x, True, mutable=["batch_stats"])
+        return -logp.astype(jnp.float32).mean() + square
+
+    programs = [(forward, (variables, X)), (jax.grad(loss), (variables, X))]
+    replayed = [str(jax.make_jaxpr(f)(*a)) for f, a in programs for _ in range(2)][1::2]
+    with monkeypatch.context() as m:
+        _decide_every_time(m)
+        decided = [str(jax.make_jaxpr(f)(*a)) for f, a in programs]
+    assert replayed == decided
+
+
+def test_a_softmax_shift_and_constants_are_decided_every_time(monkeypatch):
+    """Operands a tag cannot describe (a tracker's fact, a constant cast from its value) keep
+    the rule running: ±40,000 float16 logits stay finite however often the code runs."""
+    ran = _count_rules(monkeypatch)
+    logits = jnp.array([[40000.0, -40000.0, 0.0]] * 4)
+    labels = jnp.array([0, 1, 2, 0])
+    for _ in range(3):
+        with jamp.autocast(dtype=jnp.float16):
+            h = lax.dot(logits, jnp.eye(3))
+            loss = optax.softmax_cross_entropy_with_integer_labels(h, labels)
+            scaled = h * 0.5  # a weak constant: cast once from its value
+        assert np.isfinite(np.asarray(loss, np.float32)).all()
+        assert scaled.dtype == F16
+    assert ran.count("sub") >= 3  # the shift x - max(x), once per call
+
+
+def test_decisions_are_kept_per_region_state(monkeypatch):
+    """A decision under one region state (dtype, enabled) is not replayed under another."""
+    outs = {}
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.bfloat16):
+        with jamp.autocast(dtype=dtype):
+            outs.setdefault(np.dtype(dtype), []).append(lax.dot(X, W).dtype)
+    assert outs == {BF16: [BF16, BF16], F16: [F16]}
+
+
+def test_an_eager_grad_step_stages_a_custom_jvp_call_once(monkeypatch):
+    """``jax.nn.relu`` (a custom_jvp) in an eager ``jax.grad`` step is staged to its equation
+    once, not at every step, and the gradients are those of staging it every time."""
+    staged = []
+    trace_to_closed = compat.trace_to_closed
+
+    def counted(fn, avals, *rest, **kw):
+        staged.append(len(avals))
+        return trace_to_closed(fn, avals, *rest, **kw)
+
+    def loss(w, x):
+        with jamp.autocast():
+            return jnp.sum(jax.nn.relu(x @ w).astype(jnp.float32) ** 2)
+
+    first = jax.grad(loss)(W, X)
+    monkeypatch.setattr(compat, "trace_to_closed", counted)
+    grads = [jax.grad(loss)(W, X) for _ in range(3)]
+    assert not staged  # neither the call nor its JVP rule traced again
+    monkeypatch.setattr(compat, "custom_call_key", lambda *args: None)
+    expected = jax.grad(loss)(W, X)
+    assert staged  # (staged again without the key)
+    for g in [first, *grads]:
+        assert g.dtype == F32
+        chex.assert_trees_all_close(g, expected)
+
+
+def test_custom_jvps_sharing_a_function_keep_their_own_rules():
+    """Two custom_jvp functions of the same Python function with different rules: a staged
+    call of one is never reused for the other."""
+
+    def body(x):
+        return jnp.maximum(x, 0.0)
+
+    def twin(scale):
+        f = jax.custom_jvp(body)
+
+        @f.defjvp
+        def rule(primals, tangents):
+            (x,), (t,) = primals, tangents
+            return body(x), t * scale
+
+        return f
+
+    double, triple = twin(2.0), twin(3.0)
+
+    def loss(f, w, x):
+        with jamp.autocast():
+            return jnp.sum(f(x @ w).astype(jnp.float32))
+
+    for _ in range(2):
+        g2 = jax.grad(lambda w: loss(double, w, X))(W)
+        g3 = jax.grad(lambda w: loss(triple, w, X))(W)
+        # (bfloat16 matmul outputs: the ratio is 1.5 up to their rounding, 1.0 if mixed up)
+        chex.assert_trees_all_close(g3, g2 * 1.5, rtol=2e-2)
+
+
+def test_an_eager_region_forgets_the_values_that_died():
+    """A long eager loop in one region keeps no entry for values that died."""
+    with jamp.autocast():
+        trace = compat.current_trace()
+        y = X
+        for _ in range(50):
+            y = jnp.tanh(y @ W)
+        gc.collect()
+        alive = len(trace.env._vars)
+        ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None
+    assert alive < 30  # (50 steps make hundreds of values)
