@@ -100,6 +100,11 @@ def aval_of(x: Any) -> ShapedArray:
     return jax.typeof(x)
 
 
+def name_stack_of(eqn: Any) -> Any:
+    """An equation's name stack (immutable: equations traced in one scope share it)."""
+    return eqn.source_info.name_stack
+
+
 def scope_names(eqn: Any) -> tuple[str, ...]:
     """Names of the ``jax.named_scope``/Flax module scopes an equation was traced under."""
     return tuple(s.name for s in eqn.source_info.name_stack.stack if isinstance(s, _siu.Scope))
@@ -163,11 +168,33 @@ def equation_context(eqn: Any) -> contextlib.AbstractContextManager[Any]:
 _ALREADY_CURRENT = contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def _equation_context(eqn: Any) -> Iterator[None]:
-    name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
-    with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-        yield
+class _equation_context:  # noqa: N801 - used as a function
+    """``with user_context(traceback, name_stack=...), eqn.ctx.manager:`` as ``eval_jaxpr``
+    enters them; a class rather than a generator: it runs for every equation rewritten."""
+
+    __slots__ = ("eqn", "user", "manager")
+
+    def __init__(self, eqn: Any) -> None:
+        self.eqn = eqn
+
+    def __enter__(self) -> None:
+        info = self.eqn.source_info
+        name_stack = _siu.current_name_stack() + info.name_stack
+        self.user = _siu.user_context(info.traceback, name_stack=name_stack)
+        self.user.__enter__()
+        try:
+            self.manager = self.eqn.ctx.manager
+            self.manager.__enter__()
+        except BaseException:
+            self.user.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            self.manager.__exit__(*exc)
+        finally:
+            result = self.user.__exit__(*exc)
+        return result
 
 
 def bind_params(eqn: Any) -> dict[str, Any]:

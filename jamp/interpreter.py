@@ -491,6 +491,7 @@ class Rewriter:
         # current_state's last answer, by the scope names' tuple (the same object while JAX's
         # name stack is: consecutive operations of a region mostly share it).
         self._last_state: tuple[Any, RegionState | None] = (None, None)
+        self._last_stack_state: tuple[Any, RegionState | None] = (None, None)  # (state_for's)
 
     def child(self, state: RegionState) -> Rewriter:
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
@@ -517,7 +518,11 @@ class Rewriter:
         return value
 
     def state_for(self, eqn: Any) -> RegionState:
-        state = self.state_for_scopes(compat.scope_names(eqn))
+        stack = compat.name_stack_of(eqn)
+        last, state = self._last_stack_state
+        if stack is not last or state is None:  # (consecutive equations mostly share one)
+            state = self.state_for_scopes(compat.scope_names(eqn))
+            self._last_stack_state = (stack, state)
         return self._at_lines(state, eqn.source_info) if self.line_rules else state
 
     def current_state(self) -> RegionState:

@@ -769,9 +769,9 @@ def _tag_bits(env: RegionEnv, var: Any) -> int | None:
 def _decision_key(
     env: RegionEnv, primitive: Any, params: dict, invars: list, avals: list
 ) -> tuple | None:
-    """Everything a rule reads of one operation: the primitive, its parameters, and per operand
-    its type as traced (the variable's) and as it arrives, and its tags. None where an operand
-    carries more than tags (``_tag_bits``)."""
+    """Everything a rule reads of one operation: the primitive, its parameters, per operand its
+    type as traced (the variable's) and as it arrives and its tags, and which operands are the
+    same value. None where an operand carries more than tags (``_tag_bits``)."""
     key: list[Any] = [primitive, tuple(params.items())]
     parts = env.key_parts
     for var, aval in zip(invars, avals):
@@ -781,6 +781,9 @@ def _decision_key(
         if bits is None:
             return None
         key += (var.aval, aval, bits)
+    if len(invars) > 1 and len({id(v) for v in invars}) < len(invars):
+        # the same value twice (``x * x`` is a square to rules/powers.py): which operands are
+        key.append(tuple(next(j for j, u in enumerate(invars) if u is v) for v in invars))
     return tuple(key)
 
 

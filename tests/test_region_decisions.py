@@ -205,3 +205,17 @@ def test_an_eager_region_forgets_the_values_that_died():
     gc.collect()
     assert ref() is None
     assert alive < 30  # (50 steps make hundreds of values)
+
+
+@pytest.mark.parametrize("square_first", [False, True])
+def test_a_value_times_itself_is_not_replayed_as_a_product_of_two(monkeypatch, square_first):
+    """``x * x`` is a square (float32, torch's pow); ``x * y`` with the same types and tags
+    is not: which operands are the same value is part of the decision's key."""
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})
+    with jamp.autocast():
+        h, g = lax.dot(X, W), lax.dot(X * 2, W)
+        if square_first:
+            square, product = lax.mul(h, h), lax.mul(h, g)
+        else:
+            product, square = lax.mul(h, g), lax.mul(h, h)
+    assert (product.dtype, square.dtype) == (BF16, F32)
