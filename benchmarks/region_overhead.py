@@ -16,6 +16,11 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   the issue's question whether ``autocast_transform`` itself should run on the trace path (one
   pass instead of two).
 
+(a') The floor of the transform's rewrite (``floor``)
+  ``autocast_transform`` re-binds every equation of the traced program into a new trace. The
+  same ``make_jaxpr`` with the rules switched off (every equation bound as traced: an ablation)
+  gives what that re-binding alone costs against plain tracing, which no rule can go below.
+
 (b) First call of a jitted train step (``compile``)
   ``jax.jit(step)`` with ``step`` = ``jax.value_and_grad(loss)`` + an optax SGD (momentum 0.9)
   update, ``loss = cross_entropy(forward(params, x), labels)`` (float32 log-softmax), traced,
@@ -68,6 +73,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import functools
 import gc
@@ -300,6 +306,56 @@ def profile_trace(blocks: int, top: int) -> None:
           f"({_binds(transform)} binds). Self time in jamp's own code during the region trace: "
           f"{own * 1e3:.0f} ms ({own / total * 100:.0f}%).\n\njamp functions by cumulative "
           f"time:\n\n{table(jamp_keys)}\n\nAll functions by self time:\n\n{table(self_keys)}\n")
+
+
+# --- (a') the rewrite's floor: every equation re-bound, no rule --------------------------------
+
+
+@contextlib.contextmanager
+def rules_off() -> Any:
+    """An ablation, not a mode of jamp: ``autocast_transform``'s rewrite binds every equation
+    as it is traced (no rule runs, nothing is tracked). What it still costs is the floor of a
+    rewrite that re-binds the program into a new trace."""
+    from jamp import interpreter
+
+    apply, track = interpreter.Rewriter.apply, interpreter.track_derived
+    interpreter.Rewriter.apply = lambda self, step: step.bind(step.args)
+    interpreter.track_derived = lambda step, outs: None
+    try:
+        yield
+    finally:
+        interpreter.Rewriter.apply, interpreter.track_derived = apply, track
+
+
+def measure_floor(blocks: Sequence[int], reps: int) -> None:
+    sides = ("plain", "transform", "transform, no rule")
+    rows = []
+    for n in blocks:
+        make_fn, args = stack_case(n, d=D, heads=HEADS, seq=SEQ, batch=BATCH)
+
+        def transform_no_rule() -> Any:
+            with rules_off():
+                return jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args)
+
+        fns = {"plain": lambda: jax.make_jaxpr(make_fn())(*args),
+               "transform": lambda: jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args),
+               "transform, no rule": transform_no_rule}
+        for f in fns.values():
+            f()
+        t: dict[str, list[float]] = {side: [] for side in sides}
+        for i in range(reps):
+            for side in rotated(sides, i):
+                t[side].append(timed(fns[side])[0])
+        rows.append([f"{n} blocks", *(f"{median(t[s]) * 1e3:.1f}" for s in sides),
+                     fmt_spread(spread(ratios(t["transform"], t["plain"]))),
+                     fmt_spread(spread(ratios(t["transform, no rule"], t["plain"])), True)])
+    print("## (a') The floor of `autocast_transform`'s rewrite\n\n"
+          f"The transformer stack of (a); {reps} interleaved repetitions per size. 'no rule': the "
+          "rewrite re-binds every equation as traced, without running any rule (an ablation: "
+          "the floor of re-binding a program into a new trace).\n")
+    print(markdown_table(["stack", "plain ms", "transform ms", "transform, no rule ms",
+                          "transform / plain", "no rule / plain"], rows))
+    print()
 
 
 # --- (b) first call of a jitted train step -----------------------------------------------------
@@ -569,7 +625,7 @@ def report_eager(results: dict[str, Any], reps: int, warmup: int, fresh_reps: in
 
 # --- entry point ---------------------------------------------------------------------------------
 
-PARTS = ("trace", "compile", "eager")
+PARTS = ("trace", "compile", "eager", "floor")
 
 
 def main() -> None:
@@ -620,6 +676,8 @@ def main() -> None:
         report_trace(measure_trace(blocks, reps, 1, depths), reps, depths)
     if "compile" in args.parts:
         report_compile(measure_compile(compile_blocks, compile_reps), compile_reps)
+    if "floor" in args.parts:
+        measure_floor(blocks, reps)
     if "eager" in args.parts:
         report_eager(measure_eager(eager_reps, eager_warmup, fresh_reps, cold_reps),
                      eager_reps, eager_warmup, fresh_reps, cold_reps)
