@@ -327,19 +327,21 @@ def rules_off() -> Any:
         interpreter.Rewriter.apply, interpreter.track_derived = apply, track
 
 
+def floor_sides(make_fn: Callable[[], Callable], args: Sequence[Any]) -> dict[str, Callable]:
+    def transform_no_rule() -> Any:
+        with rules_off():
+            return jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args)
+
+    return {"plain": lambda: jax.make_jaxpr(make_fn())(*args),
+            "transform": lambda: jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args),
+            "transform, no rule": transform_no_rule}
+
+
 def measure_floor(blocks: Sequence[int], reps: int) -> None:
     sides = ("plain", "transform", "transform, no rule")
     rows = []
     for n in blocks:
-        make_fn, args = stack_case(n, d=D, heads=HEADS, seq=SEQ, batch=BATCH)
-
-        def transform_no_rule() -> Any:
-            with rules_off():
-                return jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args)
-
-        fns = {"plain": lambda: jax.make_jaxpr(make_fn())(*args),
-               "transform": lambda: jax.make_jaxpr(jamp.autocast_transform(make_fn()))(*args),
-               "transform, no rule": transform_no_rule}
+        fns = floor_sides(*stack_case(n, d=D, heads=HEADS, seq=SEQ, batch=BATCH))
         for f in fns.values():
             f()
         t: dict[str, list[float]] = {side: [] for side in sides}

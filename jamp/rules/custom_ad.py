@@ -165,13 +165,18 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
         rules = _JVP_RULES.get(call_jaxpr)
         if rules is None:
             rules = _JVP_RULES[call_jaxpr] = {}
-        rule = rules.get((jvp_fun, tuple(at)))
+        key: tuple | None = (jvp_fun, tuple(at))
+        try:
+            rule = rules.get(key)
+        except TypeError:  # a rule function that cannot be hashed: traced every time
+            rule = key = None
         if rule is None:  # (the same equation again: an eager step, a model's repeated block)
             rule = compat.trace_to_closed(
                 primals_and_tangents, [*traced, *(tangent_avals[i] for i in at)]
             )
-            if not any(compat.is_tracer(c) for c in compat.open_and_consts(rule)[1]):
-                rules[(jvp_fun, tuple(at))] = rule
+            consts = compat.open_and_consts(rule)[1]
+            if key is not None and not any(compat.is_tracer(c) for c in consts):
+                rules[key] = rule
         jaxpr, consts = compat.open_and_consts(rule)
         outs = rewriter.run(
             jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *(tangents[i] for i in at)]
