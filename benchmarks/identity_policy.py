@@ -108,8 +108,6 @@ def run_file(args: argparse.Namespace, name: str, patched: bool,
                JAX_NUM_GENERATED_CASES=str(args.generated_cases))
     cmd = [args.python, "-m", "pytest", "-p", "identity_jit_plugin", "-p", "no:cacheprovider",
            "-q", "--no-header", "-rN", "--tb=short", f"tests/{name}.py"]
-    if args.workers:
-        cmd += ["-n", str(args.workers)]
     if only == []:
         result = {"patched": patched, "counts": {}, "outcomes": {}, "seconds": 0}
         out.write_text(json.dumps(result))
@@ -120,6 +118,8 @@ def run_file(args: argparse.Namespace, name: str, patched: bool,
         cmd = cmd[:-1] + [f"@{ids}"]
     elif name in args.select:
         cmd += ["-k", args.select[name]]
+    if args.workers:  # (after the file: the ids replace it as the last argument)
+        cmd += ["-n", str(args.workers)]
     start = time.time()
     log = out_dir / ("patched.log" if patched else "baseline.log")
     with open(log, "w") as f:
