@@ -66,6 +66,7 @@ import numpy as np
 from . import _compat as compat
 from .interpreter import (
     F32,
+    SCALED_FORMATS,
     ConstSource,
     Env,
     Rewriter,
@@ -98,8 +99,8 @@ _STATES: dict[Policy, dict] = {}
 # (weakly: JAX's own trace cache keeps jnp's) -> {(regions, operand avals, state, operand
 # knowledge): CallRewrite, or None where the callee cannot be reused (op by op then)}.
 _CALLS: dict[Policy, weakref.WeakKeyDictionary] = {}
-# Decisions of ordinary operations per policy, kept across regions: (region depth, state) ->
-# {decision key (see _decision_key): Decision}.
+# Decisions of ordinary operations per policy, kept across regions: (region depth, what of the
+# state the rules read: _decision_scope) -> {decision key (see _decision_key): Decision}.
 _DECISIONS: dict[Policy, dict] = {}
 _DECISIONS_KEPT = 8192  # per state; a table past it starts again (new shapes every call)
 # What a region knows about a value that the rules read, as RegionEnv sets (see Env): the
@@ -435,12 +436,13 @@ class RegionTrace(compat.Trace):
     # -- decisions made once per signature ------------------------------------------------------
 
     def _decisions(self, state: RegionState) -> dict:
-        """The decisions made under ``state`` by any region of this policy at this depth (an
-        eager loop enters a new region every step, a model repeats its blocks)."""
+        """The decisions made under ``state`` (what of it the rules read: _decision_scope) by
+        any region of this policy at this depth: a model's blocks share them, and an eager
+        loop, which enters a new region every step."""
         entry = self._tables.get(id(state))
         if entry is None:  # (the entry keeps ``state`` alive: its id is not reused meanwhile)
             table = _DECISIONS.setdefault(self.policy, {}).setdefault(
-                (self.rewriter.region, state), {}
+                (self.rewriter.region, _decision_scope(state)), {}
             )
             entry = self._tables[id(state)] = (state, table)
         return entry[1]
@@ -752,6 +754,15 @@ class RegionTrace(compat.Trace):
                 _STAGED.clear()
             _STAGED[key] = (closed, compat.filled_stores(subfuns[0]))
         return closed
+
+
+def _decision_scope(state: RegionState) -> Any:
+    """What of a region state the rules read: enabled, dtype and ``keep_compute_dtype`` (a
+    model's blocks differ in their scope path only, which the state has applied already); the
+    whole state for a scaled format (float8 shares decisions per source site and path)."""
+    if state.dtype in SCALED_FORMATS:
+        return state
+    return (state.enabled, state.dtype, state.keep_compute_dtype)
 
 
 def _tag_bits(env: RegionEnv, var: Any) -> int | None:

@@ -219,3 +219,28 @@ def test_a_value_times_itself_is_not_replayed_as_a_product_of_two(monkeypatch, s
         else:
             product, square = lax.mul(h, g), lax.mul(h, h)
     assert (product.dtype, square.dtype) == (BF16, F32)
+
+
+class Stack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for _ in range(3):
+            x = nn.Dense(16)(x)
+        return x
+
+
+def test_blocks_share_decisions_and_rules_still_decide_per_module(monkeypatch):
+    """Modules differ in their scope path only: they share one table of decisions. A per-module
+    rule turns one off: its state differs, and nothing decided elsewhere is replayed there."""
+    model = Stack()
+    variables = model.init(jax.random.PRNGKey(3), X)
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})
+    with jamp.autocast():
+        out = model.apply(variables, X)
+    assert out.dtype == BF16
+    (tables,) = region_trace._DECISIONS.values()
+    assert len(tables) == 1  # not one per module path (Dense_0, Dense_1, Dense_2)
+    policy = jamp.Policy(jnp.bfloat16, rules=(("*/Dense_2", None),))
+    with jamp.autocast(policy):
+        out = model.apply(variables, X)
+    assert out.dtype == F32  # the last Dense runs in float32, as its rule says
