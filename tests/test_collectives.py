@@ -2,10 +2,6 @@
 jamp/hlo.py). The dtypes that cross between devices are checked on 8 host devices in a
 subprocess (tests/collective_checks.py); here, on one device: the backward products' dtypes in
 the program, gradients' dtypes and values, errors, and the HLO reader on hand-written text."""
-import os
-import pathlib
-import subprocess
-import sys
 
 import chex
 import jax
@@ -15,6 +11,7 @@ import pytest
 
 import jamp
 from jamp import collectives, hlo
+from tests.check_modules import run_check_module
 from tests.jaxpr_utils import eqns_named
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
@@ -28,12 +25,7 @@ def grad(fn):
 
 @pytest.mark.slow  # one device: test_backward_products_*, test_report_read_from_hand_written_hlo
 def test_eight_devices_partitioned_program():
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-m", "tests.collective_checks"], cwd=root,
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "collective checks passed" in result.stdout
+    run_check_module("collective_checks", "collective checks passed")
 
 
 def _loss(params, x):

@@ -2,10 +2,6 @@
 updates, skipped steps, checkpoints, Flax linen / NNX, sharding (subprocess, 8 host devices),
 errors in the user's terms. Equinox: tests/zoo/test_optim_equinox.py (the zoo extra has it)."""
 import functools
-import os
-import pathlib
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +10,7 @@ import optax
 import pytest
 
 import jamp
+from tests.check_modules import run_check_module
 
 BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 optim = jamp.optim
@@ -378,9 +375,4 @@ def test_sharded_state_and_no_gathers_in_a_subprocess():
     """tests/optim_sharding_checks.py on 8 host devices: stochastic_round's result does not
     depend on the device count; the optimizer state is sharded like its parameter; the compiled
     update has no collectives."""
-    root = pathlib.Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-m", "tests.optim_sharding_checks"], cwd=root,
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "optim sharding checks passed" in result.stdout
+    run_check_module("optim_sharding_checks", "optim sharding checks passed")
