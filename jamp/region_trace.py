@@ -503,12 +503,12 @@ class RegionTrace(compat.Trace):
         known = self._operand_knowledge(args)
         rewrite = None
         if known is not None and not self.rewriter.line_rules:
-            rewrite = self._call_rewrite(params["jaxpr"], state, *known)
-        if rewrite is None or known is None:
+            knowledge, sources, facts, in_vars, avals = known
+            rewrite = self._call_rewrite(params["jaxpr"], state, knowledge, sources, facts, avals)
+        if rewrite is None:
             jaxpr, consts = compat.open_and_consts(params["jaxpr"])
             with compat.set_current_trace(self):
                 return compat.eval_jaxpr_retyped(jaxpr, consts, args)
-        in_vars, avals = known[3], known[4]
         if compat.is_eager(self.parent):
             outs = rewrite.run_eagerly(args)
         else:
@@ -583,7 +583,6 @@ class RegionTrace(compat.Trace):
         knowledge: tuple,
         sources: list,
         facts: tuple,
-        in_vars: list,
         avals: list,
     ) -> CallRewrite | None:
         """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
