@@ -2,12 +2,12 @@
 
     # accuracy: the digits CNN and the tiny GPT, bfloat16 vs float8 autocast (any backend)
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/float8.py accuracy [--seeds 0 1]
-    # GPU step time of a GPT: float32, bf16 autocast, hand-written bf16 Flax, float8 autocast,
-    # Flax fp8_ops layers. --config gpt-539m (d=2048, 8 layers, seq 1024, batch 8; the default)
+    # GPU step time of a GPT: float32, bf16 autocast (transform and region forms), hand-written
+    # bf16 Flax, float8 autocast, Flax fp8_ops layers. --config gpt-539m (d=2048, 8 layers, seq 1024, batch 8; the default)
     # or gpt-1.3b (d=2048, 24 layers, seq 2048, batch 4); --d/--layers/... override it.
     python benchmarks/float8.py step [--config gpt-1.3b]
     # GPU step time of a ResNet-50 train step (batch 128, 224x224, SGD with momentum): float32,
-    # hand-written bf16 Flax (dtype=), bf16 autocast, float8 autocast
+    # hand-written bf16 Flax (dtype=), bf16 autocast (both forms), float8 autocast
     python benchmarks/float8.py resnet
     # one matmul, forward and backward, bf16 autocast vs float8 autocast, over torchao's shapes:
     # the data for Policy.min_float8_flops' default (today taken from torchao's figures)
@@ -129,6 +129,8 @@ def _flax_fp8_cls() -> Any:
 VARIANTS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": jnp.float32, "policy": None},
     "bf16 autocast": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16)},
+    "bf16 autocast region": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16),
+                             "form": "region"},
     "bf16 hand-written Flax": {"dtype": jnp.bfloat16, "policy": None},
     "float8 autocast": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.float8_e4m3fn)},
     "Flax fp8_ops layers": {"dtype": jnp.bfloat16, "policy": None, "fp8_ops": True},
@@ -144,11 +146,25 @@ def gpt_loss(model: GPT) -> Callable:
     return loss_fn
 
 
-def make_step(loss_fn: Callable, policy: Optional[jamp.Policy], tx: Any) -> Callable:
+def under_policy(loss_fn: Callable, policy: Optional[jamp.Policy], form: str) -> Callable:
+    """``loss_fn`` under ``policy``: transformed, or run inside a ``with jamp.autocast(policy):``
+    region (the torch-style form), as a user would write either."""
+    if policy is None:
+        return loss_fn
+    if form == "transform":
+        return jamp.autocast_transform(loss_fn, policy)
+
+    def in_region(*args: Any) -> Any:
+        with jamp.autocast(policy):
+            return loss_fn(*args)
+    return in_region
+
+
+def make_step(loss_fn: Callable, policy: Optional[jamp.Policy], tx: Any,
+              form: str = "transform") -> Callable:
     """One training step; Flax's fp8 layers keep their scales in the ``_overwrite_with_gradient``
     collection, whose "gradients" are the new values (Flax's documented training loop)."""
-    if policy is not None:
-        loss_fn = jamp.autocast_transform(loss_fn, policy)
+    loss_fn = under_policy(loss_fn, policy, form)
 
     def step(variables, opt_state, tokens):
         loss, grads = jax.value_and_grad(loss_fn)(variables, tokens)
@@ -270,7 +286,7 @@ def step_time(args: argparse.Namespace) -> None:
         policy = fp8_policy(args) if name == "float8 autocast" else spec["policy"]
         if args.explain and policy is not None and jamp.policy.is_float8(policy.compute_dtype):
             explain_float8(gpt_loss(model), policy, variables, tokens)
-        step = make_step(gpt_loss(model), policy, tx)
+        step = make_step(gpt_loss(model), policy, tx, spec.get("form", "transform"))
         variants.append(Variant(name, step, (variables, tx.init(variables["params"])), tokens))
         print(f"compiled {name}: {variants[-1].compile_s:.0f} s; "
               f"{variants[-1].check.counts()}", flush=True)
@@ -324,6 +340,8 @@ RESNET_VARIANTS: dict[str, dict[str, Any]] = {
     "float32": {"dtype": jnp.float32, "policy": None},
     "bf16 hand-written Flax": {"dtype": jnp.bfloat16, "policy": None},
     "bf16 autocast": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16)},
+    "bf16 autocast region": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16),
+                             "form": "region"},
     "float8 autocast": {"dtype": jnp.float32, "policy": "float8"},
 }
 
@@ -342,9 +360,9 @@ def resnet_forward(model: ResNet, params: Any, batch_stats: Any, images: jax.Arr
     return model.apply({"params": params, "batch_stats": batch_stats}, images, train=False)
 
 
-def resnet_step(loss_fn: Callable, policy: Optional[jamp.Policy], tx: Any) -> Callable:
-    if policy is not None:
-        loss_fn = jamp.autocast_transform(loss_fn, policy)
+def resnet_step(loss_fn: Callable, policy: Optional[jamp.Policy], tx: Any,
+                form: str = "transform") -> Callable:
+    loss_fn = under_policy(loss_fn, policy, form)
 
     def step(params, batch_stats, opt_state, batch):
         (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(
@@ -378,7 +396,7 @@ def resnet_time(args: argparse.Namespace) -> None:
         if args.explain and spec["policy"] == "float8":
             explain_float8(resnet_loss(model), policy, variables["params"],
                            variables["batch_stats"], images, labels)
-        step = resnet_step(resnet_loss(model), policy, tx)
+        step = resnet_step(resnet_loss(model), policy, tx, spec.get("form", "transform"))
         state = (variables["params"], variables["batch_stats"], tx.init(variables["params"]))
         variants.append(Variant(name, step, state, (images, labels)))
         print(f"compiled {name}: {variants[-1].compile_s:.0f} s; "
