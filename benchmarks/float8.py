@@ -286,10 +286,17 @@ def step_time(args: argparse.Namespace) -> None:
         policy = fp8_policy(args) if name == "float8 autocast" else spec["policy"]
         if args.explain and policy is not None and jamp.policy.is_float8(policy.compute_dtype):
             explain_float8(gpt_loss(model), policy, variables, tokens)
-        step = make_step(gpt_loss(model), policy, tx, spec.get("form", "transform"))
-        variants.append(Variant(name, step, (variables, tx.init(variables["params"])), tokens))
-        print(f"compiled {name}: {variants[-1].compile_s:.0f} s; "
-              f"{variants[-1].check.counts()}", flush=True)
+        runs = [(name, policy)]
+        if name == "float8 autocast":  # the same model under other size thresholds
+            runs += [(f"float8 autocast (min {n:.3g} FLOPs)",
+                      jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=n))
+                     for n in args.also_min_float8_flops]
+        for run_name, run_policy in runs:
+            step = make_step(gpt_loss(model), run_policy, tx, spec.get("form", "transform"))
+            state = jax.tree.map(jnp.copy, variables)  # each variant donates its own state
+            variants.append(Variant(run_name, step, (state, tx.init(state["params"])), tokens))
+            print(f"compiled {run_name}: {variants[-1].compile_s:.0f} s; "
+                  f"{variants[-1].check.counts()}", flush=True)
     time_interleaved(variants, args.rounds, args.steps)
     flops = 6 * params * cfg["batch"] * cfg["seq"] if params else None  # fwd + bwd matmuls
     print(f"\nparameters: {params:,}; model FLOPs per step (6 N T): {flops:.3g}" if params else "")
@@ -466,6 +473,8 @@ def main() -> None:
                          help="Policy.min_float8_flops of the float8 variant (default: jamp's)")
         timed.append(cmd)
     step, resnet, matmul = timed
+    step.add_argument("--also-min-float8-flops", type=int, nargs="*", default=[],
+                      help="more float8 variants, one per Policy.min_float8_flops given")
     step.add_argument("--config", choices=[c for c in GPT_CONFIGS if c != "tiny"],
                       default="gpt-539m")
     for key in GPT_CONFIGS["tiny"]:
