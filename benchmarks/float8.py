@@ -10,7 +10,7 @@
     # hand-written bf16 Flax (dtype=), bf16 autocast (both forms), float8 autocast
     python benchmarks/float8.py resnet
     # one matmul, forward and backward, bf16 autocast vs float8 autocast, over torchao's shapes:
-    # the data for Policy.min_float8_flops' default (today taken from torchao's figures)
+    # the data for Policy.min_float8_flops' default (measured on an H200, benchmarks/README.md)
     python benchmarks/float8.py matmul
     # every command at a tiny size, to check the script on a CPU (times mean nothing there:
     # 8-bit arithmetic is emulated)

@@ -140,11 +140,12 @@ BF16 = np.dtype(jnp.bfloat16)
 # scaled float8 operands (e4m3 forward, e5m2 cotangents: TransformerEngine's HYBRID format); values
 # between those ops are bfloat16. Only e4m3 is a compute dtype: e5m2 is the gradient format.
 FLOAT8_COMPUTE = np.dtype(jnp.float8_e4m3fn)
-# Policy.min_float8_flops default: a matmul below 2 * 2048**3 FLOPs (2 per multiply-add) stays
-# bfloat16 under a float8 policy. Not measured for jamp (no GPU here): it lies between torchao's
-# published H100 points, 1024x2048x1024 at 0.80x bfloat16's speed in float8 and 4096x8192x16384
-# at 1.39x (the amax and cast passes cost more than a small GEMM saves).
-MIN_FLOAT8_FLOPS = 2 * 2048**3
+# Policy.min_float8_flops default: a matmul below 2 * 4096**3 FLOPs (2 per multiply-add) stays
+# bfloat16 under a float8 policy. Measured (benchmarks/README.md, "float8 on an H200"): one
+# matmul forward and backward in float8 ran at 0.83-0.89x bfloat16's speed up to 8192x2048x2048
+# (6.9e10 FLOPs) and at 1.09-1.45x from 4096x4096x4096 (1.4e11) up: the amax and cast passes
+# cost more than a small GEMM saves. 2 * 4096**3 is the smallest measured size that won.
+MIN_FLOAT8_FLOPS = 2 * 4096**3
 _FLOATING_COMPUTE = (BF16, np.dtype(jnp.float16), np.dtype(jnp.float32), FLOAT8_COMPUTE)
 
 
@@ -498,10 +499,10 @@ class Policy:
         scopes (plain functions, Flax NNX modules).
       min_float8_flops: under a float8 compute dtype, a matmul or convolution with fewer FLOPs
         (2 per multiply-add, forward product) stays bfloat16: for a small GEMM the amax and cast
-        passes cost more than float8 saves. The default, ``2 * 2048**3`` (``MIN_FLOAT8_FLOPS``),
-        is not measured by jamp: it lies between torchao's published H100 figures (a
-        1024x2048x1024 matmul ran at 0.80x bfloat16's speed in float8, 4096x8192x16384 at
-        1.39x). Tune it on your GPU; ``0`` puts every eligible matmul in float8.
+        passes cost more than float8 saves. The default, ``2 * 4096**3`` (``MIN_FLOAT8_FLOPS``),
+        is the smallest size at which jamp's float8 matmul, forward and backward, measured
+        faster than bfloat16 on an H200 (1.11x; 8192x2048x2048 ran at 0.89x). Tune it on your
+        GPU; ``0`` puts every eligible matmul in float8.
         ``jamp.explain`` lists the matmuls it kept in bfloat16. Other compute dtypes ignore it.
       reduce_dtype: the dtype gradients are summed across devices in (PyTorch FSDP's
         ``MixedPrecision(reduce_dtype=...)``). With ``jnp.float32`` the backward products of a

@@ -19,7 +19,7 @@ from tests.jaxpr_utils import eqns_named, iter_eqns
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 # The tests' matmuls are tiny: min_float8_flops=0 puts them in float8 (the default keeps
-# matmuls below 2 * 2048**3 FLOPs in bfloat16, tested at the end).
+# matmuls below 2 * 4096**3 FLOPs in bfloat16, tested at the end).
 FP8 = jamp.Policy(E4M3, min_float8_flops=0)
 DOT = (((1,), (0,)), ((), ()))
 
@@ -339,16 +339,16 @@ def two_layers(x, w_small, w_big):
     return jnp.tanh(x @ w_big) @ w_small
 
 
-# x @ w_big: 2 * 2048 * 2048 * 2048 FLOPs (the default threshold, kept in float8);
-# tanh(...) @ w_small: 2 * 2048 * 2048 * 8 FLOPs, far below it.
-SIZED = (spec(2048, 2048), spec(2048, 8), spec(2048, 2048))
+# x @ w_big: 2 * 4096 * 4096 * 4096 FLOPs (the default threshold, kept in float8);
+# tanh(...) @ w_small: 2 * 4096 * 4096 * 8 FLOPs, far below it.
+SIZED = (spec(4096, 4096), spec(4096, 8), spec(4096, 4096))
 SIZED_ARRAYS = tuple(jnp.zeros(s.shape) for s in SIZED)   # explain takes arrays (only traced)
 
 
 @pytest.mark.parametrize("order", ["forward", "grad_outside", "grad_inside"])
 def test_default_threshold_keeps_the_small_dot_in_bfloat16(order):
-    policy = jamp.Policy(E4M3)          # default min_float8_flops = 2 * 2048**3
-    assert policy.min_float8_flops == 2 * 2048**3
+    policy = jamp.Policy(E4M3)          # default min_float8_flops = 2 * 4096**3
+    assert policy.min_float8_flops == 2 * 4096**3
     loss = lambda x, ws, wb: jnp.sum(two_layers(x, ws, wb))
     fn = {"forward": jamp.autocast_transform(two_layers, policy),
           "grad_outside": jax.grad(jamp.autocast_transform(loss, policy), argnums=(1, 2)),
@@ -379,15 +379,15 @@ def test_threshold_is_compared_with_each_products_flops():
 
 def test_default_threshold_exports_with_a_symbolic_batch():
     # FLOPs with a symbolic batch count at its generic value (2**16), so comparing them with
-    # the threshold is not inconclusive: x @ w_big's 2 * b * 512 * 256 is 2 * 2048**3 there.
+    # the threshold is not inconclusive: x @ w_big's 2 * b * 1024 * 1024 is 2 * 4096**3 there.
     (b,) = jax.export.symbolic_shape("b")
-    specs = (jax.ShapeDtypeStruct((b, 512), jnp.float32), spec(256, 8), spec(512, 256))
+    specs = (jax.ShapeDtypeStruct((b, 1024), jnp.float32), spec(1024, 8), spec(1024, 1024))
     fn = jamp.autocast_transform(two_layers, jamp.Policy(E4M3))
     assert dot_operand_dtypes(jax.make_jaxpr(fn)(*specs)) == [
         ("bfloat16", "bfloat16"), ("float8_e4m3fn", "float8_e4m3fn")]
     exported = jax.export.export(jax.jit(fn))(*specs)
-    x, ws, wb = normal(0, (3, 512)), normal(1, (256, 8)), normal(2, (512, 256), 0.05)
-    same_split = jamp.Policy(E4M3, min_float8_flops=2 * 3 * 512 * 256)  # at batch 3
+    x, ws, wb = normal(0, (3, 1024)), normal(1, (1024, 8)), normal(2, (1024, 1024), 0.03)
+    same_split = jamp.Policy(E4M3, min_float8_flops=2 * 3 * 1024 * 1024)  # at batch 3
     want = jamp.autocast_transform(two_layers, same_split)(x, ws, wb)
     np.testing.assert_allclose(exported.call(x, ws, wb), want, rtol=2e-2, atol=2e-2)
 
@@ -396,12 +396,12 @@ def test_explain_lists_the_dots_kept_in_bfloat16():
     report = jamp.explain(two_layers, *SIZED_ARRAYS, policy=jamp.Policy(E4M3))
     (kept,) = report.float8_kept
     assert kept.primitive == "dot_general" and kept.reason == "min_float8_flops"
-    assert kept.shapes == ((2048, 2048), (2048, 8)) and kept.flops == 2 * 2048 * 2048 * 8
+    assert kept.shapes == ((4096, 4096), (4096, 8)) and kept.flops == 2 * 4096 * 4096 * 8
     assert "two_layers" in kept.where
-    assert report.flops == {"float8_e4m3fn": 2 * 2048**3, "bfloat16": 2 * 2048 * 2048 * 8}
+    assert report.flops == {"float8_e4m3fn": 2 * 4096**3, "bfloat16": 2 * 4096 * 4096 * 8}
     text = str(report)
-    assert "kept in bfloat16, below min_float8_flops=17,179,869,184:" in text
-    assert "[2048, 2048] x [2048, 8]" in text
+    assert "kept in bfloat16, below min_float8_flops=137,438,953,472:" in text
+    assert "[4096, 4096] x [4096, 8]" in text
     # a policy with no threshold keeps nothing back; bfloat16 policies never list any
     assert jamp.explain(two_layers, *SIZED_ARRAYS, policy=FP8).float8_kept == ()
     assert jamp.explain(two_layers, *SIZED_ARRAYS, policy=jamp.Policy()).float8_kept == ()
