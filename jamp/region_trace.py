@@ -542,14 +542,16 @@ class RegionTrace(compat.Trace):
         return outs
 
     def _operand_knowledge(self, args: Sequence[Any]) -> tuple | None:
-        """Per operand, the region's tags for it (bits) and, for a small constant the rules
-        read (a weak or rank-0 concrete value, cast once, saturating), its value; those
+        """Per operand, the region's tags for it (bits), for a small constant the rules read (a
+        weak or rank-0 concrete value, cast once, saturating) its value, and the first operand
+        that is the same value (its own index if none is); those
         constants' sources; what the trackers know of one operand in terms of another
         (``(tracker, i, j)``: a softmax's max ``i`` of ``j``); and the operands' variables and
         types. None where the walk would read more than that (a fact about an operand that
         points outside the call)."""
         env, keys, sources, vars_, avals = self.env, [], [], [], []
-        for value in args:
+        first: dict[int, int] = {}  # id(var) -> the first operand that is that value
+        for i, value in enumerate(args):
             var, new = env.var_for(value)
             if new:
                 self._adopt_input(var, value)
@@ -561,7 +563,8 @@ class RegionTrace(compat.Trace):
                 constant = _constant_key(source)
                 if constant is None:
                     return None
-            keys.append((env.tag_bits(var), constant))
+            # (the same value twice is one value to the walk too: jnp's ``x * x`` is a square)
+            keys.append((env.tag_bits(var), constant, first.setdefault(id(var), i)))
             sources.append(source)
             vars_.append(var)
             avals.append(compat.aval_of(value))
@@ -631,12 +634,13 @@ class RegionTrace(compat.Trace):
         found: dict[str, Any] = {}
 
         def walk(*operands: Any) -> list[Any]:
+            operands = tuple(operands[same] for _, _, same in knowledge)
             sub = RegionTrace(
                 compat.current_trace(), self.policy, region=self.rewriter.region, base=state
             )
             try:
                 in_vars = []
-                for value, (bits, _), source in zip(operands, knowledge, sources):
+                for value, (bits, _, _), source in zip(operands, knowledge, sources):
                     var, _ = sub.env.var_for(value)
                     in_vars.append(var)
                     sub.env.add_tags(var, bits)

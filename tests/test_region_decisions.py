@@ -221,6 +221,38 @@ def test_a_value_times_itself_is_not_replayed_as_a_product_of_two(monkeypatch, s
     assert (product.dtype, square.dtype) == (BF16, F32)
 
 
+@pytest.mark.parametrize("square_first", [False, True])
+@pytest.mark.parametrize("jit", [False, True])
+def test_jnps_value_times_itself_is_a_square_as_under_the_transform(square_first, jit):
+    """jnp's ``h * h`` hands the same value to its inline jit twice: the rewrite reused for
+    that jit is keyed and walked with which operands are the same value, so it is the square
+    the transform sees (float32 before a sum), and ``h * g`` with the same types is not."""
+
+    def loss(x, w):
+        h, g = x @ w, (x * 2) @ w
+        if square_first:
+            return jnp.sum(h * h), h * g, h
+        product = h * g
+        return jnp.sum(h * h), product, h
+
+    def in_region(x, w):
+        with jamp.autocast():
+            return loss(x, w)
+
+    squares = [
+        e
+        for e in jax.make_jaxpr(in_region)(X, W).jaxpr.eqns
+        if e.primitive.name == "mul" and e.invars[0] is e.invars[1]
+    ]
+    assert [e.outvars[0].aval.dtype for e in squares] == [F32]
+    total, product, h = (jax.jit(in_region) if jit else in_region)(X, W)
+    assert (product.dtype, h.dtype) == (BF16, BF16)
+    if jit:  # the same program as the transform's (XLA may skip rounding h between ops)
+        chex.assert_trees_all_close((total, product, h), jamp.autocast_transform(loss)(X, W))
+    else:  # op by op: the square of the bfloat16 h in float32 (in bfloat16 it is ~1e-3 off)
+        np.testing.assert_allclose(total, np.sum(np.square(np.asarray(h, np.float32))), rtol=1e-6)
+
+
 class Stack(nn.Module):
     @nn.compact
     def __call__(self, x):
