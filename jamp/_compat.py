@@ -831,6 +831,20 @@ def is_loop_carry_type_error(error: BaseException) -> bool:
     )
 
 
+def is_branch_type_error(error: BaseException) -> bool:
+    """Whether ``error`` is JAX's refusal of a ``lax.cond``/``switch`` whose branches return
+    different types (the wording is JAX's, the same in 0.10 and 0.12)."""
+    return isinstance(error, TypeError) and "branches must have equal output types" in str(error)
+
+
+def is_same_dtypes_error(error: BaseException) -> bool:
+    """Whether ``error`` is lax's refusal of operands of different dtypes where an operation
+    requires one (``lax.add``, ``lax.conv_general_dilated``...; the wording is JAX's)."""
+    return isinstance(error, TypeError) and "requires arguments to have the same dtypes" in str(
+        error
+    )
+
+
 def share_trace_identity(trace: Any, parent: Any) -> None:
     """Make ``trace`` answer to ``parent``'s identity where JAX and libraries ask which trace is
     current: ``get_opaque_trace_state`` (Flax NNX's check that a Variable is updated at the trace

@@ -244,7 +244,9 @@ class Hint:
     tags: frozenset = frozenset()
 
 
-TAGS = ("scalar_like", "lower_outputs", "expanded", "input_view", "cotangent")
+# ("lowered" is set in a region only: a body JAX traced with a value the region made 16-bit holds
+# jnp's float32 promotions of it, which the rules then read through, as at the call site.)
+TAGS = ("scalar_like", "lower_outputs", "expanded", "input_view", "cotangent", "lowered")
 INPUT = Hint(tags=frozenset({"input_view"}))  # a function input (a parameter, a batch)
 
 # Primitives that only move or replicate data; a constant stays a constant through them.
@@ -350,7 +352,7 @@ class Step:
         self.substituted = False
         if env.upcast_of:
             for i, atom in enumerate(eqn.invars):
-                original = env.upcast_of.get(atom)
+                original = env.upcast_of.get(atom) if isinstance(atom, compat.Var) else None
                 if original is not None:
                     env.casts.setdefault((atom, F32), self.args[i])
                     self.args[i], self.substituted = original, True

@@ -923,6 +923,35 @@ LOOP_CARRY_NOTE = (
 )
 
 
+# The same for a cond's branches: JAX traces them with the operand's types before the cond reaches
+# the region, so one branch may promote a 16-bit operand (a matmul with a float32 weight) where
+# another keeps it.
+BRANCH_NOTE = (
+    "(inside a jamp.autocast region: an operand of the cond is {dtype} because the region "
+    "computed it, while JAX traced the branches without the policy, so they returned different "
+    "types. Cast the operand to its float32 type before the cond (x.astype(jnp.float32)), enter "
+    "the region inside the branches, or use jamp.autocast_transform(fn), which rewrites the whole "
+    "program; see docs/reference/dtypes.md, 'Regions')"
+)
+# And for code JAX traces itself before the region sees it (a jax.jit function's body) or that
+# the region leaves alone (autocast off), where a lax operation takes operands of one dtype only.
+SAME_DTYPES_NOTE = (
+    "(inside a jamp.autocast region: an operand is {dtype} because the region computed it, "
+    "and this lax operation requires operands of one dtype. JAX traced it without the policy: "
+    "in the body of a jax.jit function called in the region, a loop body or a cond branch, or "
+    "under jamp.autocast(enabled=False). Cast the value to its float32 type before passing it "
+    "(x.astype(jnp.float32)), enter the region inside that function, or use "
+    "jamp.autocast_transform(fn), which rewrites the whole program; see "
+    "docs/reference/dtypes.md, 'Regions')"
+)
+# JAX's refusals that a 16-bit value the region made can cause, and what to tell the user.
+_REFUSAL_NOTES = (
+    (compat.is_loop_carry_type_error, LOOP_CARRY_NOTE),
+    (compat.is_branch_type_error, BRANCH_NOTE),
+    (compat.is_same_dtypes_error, SAME_DTYPES_NOTE),
+)
+
+
 @contextlib.contextmanager
 def pushed(policy: Policy) -> Iterator[None]:
     """Make a region trace the current trace for the block (one per thread: regions nested in
@@ -941,9 +970,9 @@ def pushed(policy: Policy) -> Iterator[None]:
             warn_unmatched(log.unmatched(policy.rules), "a jamp.autocast region", log.paths)
     except TypeError as err:
         dtype = policy.compute_dtype.name
-        if compat.is_loop_carry_type_error(err) and dtype in str(err) and hasattr(err, "add_note"):
-            # (add_note: Python 3.11+)
-            err.add_note(LOOP_CARRY_NOTE.format(dtype=dtype))
+        for refused, note in _REFUSAL_NOTES:
+            if refused(err) and dtype in str(err) and hasattr(err, "add_note"):
+                err.add_note(note.format(dtype=dtype))  # (add_note: Python 3.11+)
         raise
     finally:
         _tls.depth -= 1

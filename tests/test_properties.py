@@ -32,6 +32,7 @@ example database, so failures reproduce run to run; ``fast`` in the fast loop: a
 """
 from __future__ import annotations
 
+import collections
 import math
 from typing import Any, Iterator, Optional
 
@@ -142,6 +143,8 @@ def apply_op(op: tuple, h: Any, x: Any, w: Any) -> Any:
         return UNARY[op[1]](h)
     if kind == "binary":  # with the float32 input: mixed operands promote
         return BINARY[op[1]](h, x)
+    if kind == "square":  # jnp hands h to its multiply twice: torch's pow, float32 before a sum
+        return h + 0.5 * jnp.sum(h * h, axis=op[1], keepdims=True)
     if kind == "affine":  # Python scalars are weakly typed: they adapt to h
         return h * op[1] + op[2]
     if kind == "where":
@@ -259,6 +262,8 @@ def expected_dtype(program: tuple, d: Optional[np.dtype] = F32) -> Optional[np.d
             d = d  # weak scalars and broadcasts of scalars adapt; relu follows its input
         elif kind == "where":
             d = d if op[1] == "leaky" else _promote(d, F32)
+        elif kind == "square":  # the square of a 16-bit h runs in float32 (it is summed):
+            d = F32                 # the sum is float32, and so is h + 0.5 * sum
         elif kind == "reduce":
             # h - max(h) is a softmax's shift, float32 (rules/softmax.py); a float32 sum/mean
             # combined with h is computed, not a parameter, so it is no bias epilogue: the
@@ -291,6 +296,7 @@ _core_ops = st.one_of(
     st.sampled_from([("where", "leaky"), ("where", "mixed")]),
     st.tuples(st.just("reduce"), st.sampled_from(["sum", "mean", "max"]), st.sampled_from([0, 1])),
     st.sampled_from([("concat", "mixed"), ("concat", "halves")]),
+    st.sampled_from([("square", 0), ("square", 1)]),
 )
 
 _family_ops = {
@@ -493,6 +499,60 @@ def check_grad_inside_region(program: tuple, seed: int) -> None:
     assert products == signature(jax.grad(region_loss)), "other matmul dtypes forward or backward"
 
 
+# Not compared: converts (a region leaves jnp's float32 promotions of 16-bit values as converts XLA
+# drops) and broadcasts (the transform casts a constant scalar before broadcasting it, a region
+# after: the operation it feeds sees the same dtype).
+_NOT_DECISIONS = ("convert_element_type", "broadcast_in_dim")
+
+
+def _decisions(closed: Any) -> collections.Counter:
+    """(primitive, operand dtypes, result dtypes) of every computing equation, sub-jaxprs
+    included: what the policy decided."""
+    return collections.Counter(
+        (e.primitive.name, tuple(str(v.aval.dtype) for v in e.invars),
+         tuple(str(v.aval.dtype) for v in e.outvars))
+        for e in iter_eqns(closed) if e.primitive.name not in _NOT_DECISIONS)
+
+
+def _contains(program: tuple, op: tuple) -> bool:
+    return any(o == op or (o[0] in ("jit", "remat") and _contains(o[1], op)) for o in program)
+
+
+def check_region_equals_transform(program: tuple, seed: int) -> None:
+    """(9) A ``jamp.autocast()`` region around the program (the torch form, inside a jit) decides
+    every operation as ``autocast_transform`` does: the same (primitive, operand and result
+    dtypes) for every equation but converts and broadcasts, and the same values (the programs
+    differ in converts jamp leaves for XLA to drop, so XLA may fuse them differently). The one documented
+    difference (docs/reference/dtypes.md, "Regions"): a region cannot look ahead, so every square
+    runs in float32 there, where the transform keeps an unsummed one (gelu's ``x ** 3``) narrow;
+    a program with a gelu is compared with squares out of the fp32 table, narrow in both."""
+    f, (x, w) = as_function(program), make_inputs(seed)
+    policy = jamp.Policy()
+    if _contains(program, ("unary", "gelu")):
+        policy = jamp.Policy(fp32=jamp.policy.FP32 - {"square", "integer_pow"})
+
+    def in_region(x, w):
+        with jamp.autocast(policy):
+            return f(x, w)
+
+    transformed = jamp.autocast_transform(f, policy)
+    want = jax.jit(transformed)(x, w)
+    try:
+        got = jax.jit(in_region)(x, w)
+    except TypeError as refused:
+        # JAX traced a loop body or cond branches with an operand the region made 16-bit and
+        # refused them; jamp's note says so (docs/reference/dtypes.md, "Regions")
+        if "inside a jamp.autocast region" in "".join(getattr(refused, "__notes__", ())):
+            return
+        raise
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    region, transform = (_decisions(jax.make_jaxpr(g)(x, w)) for g in (in_region, transformed))
+    assert region == transform, (
+        f"only the region: {dict(region - transform)}; only the transform: "
+        f"{dict(transform - region)}")
+    assert_close(got, want, TOL_SAME_PRECISION, "region vs autocast_transform")
+
+
 def _matmuls(jaxpr: Any) -> list[Any]:
     return [e for e in iter_eqns(jaxpr) if e.primitive.name in MATMUL_PRIMS]
 
@@ -599,6 +659,13 @@ def test_grad_called_inside_a_region_is_grad_of_the_region(family, data):
     check_grad_inside_region(*_draw(data, family))
 
 
+@family_param
+@settings(max_examples=RUNS, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_a_region_decides_as_the_transform(family, data):
+    check_region_equals_transform(*_draw(data, family))
+
+
 # --- pinned programs: counterexamples hypothesis found, and coverage it may not reach ----------
 # Derandomized search depends on the test code, so a counterexample found once may not be drawn
 # again after an edit; its minimal form is kept here and checked on every run.
@@ -609,6 +676,7 @@ CHECKS = {
     "grad": check_grad, "vmap": check_vmap, "matmuls_lowered": check_matmuls_lowered,
     "backward_matmuls_lowered": check_backward_matmuls_lowered,
     "grad_inside_region": check_grad_inside_region,
+    "region_equals_transform": check_region_equals_transform,
 }
 PINNED = [
     # jnp.full(shape, python_float) after a matmul: promoted to float32, unlike jnp.zeros/ones.
@@ -638,10 +706,11 @@ EACH_OP = [
     *[("binary", n) for n in sorted(BINARY)], ("affine", -0.75, 0.5), ("where", "leaky"),
     ("where", "mixed"), *[("reduce", how, axis) for how in ("sum", "mean", "max") for axis in (0, 1)],
     ("concat", "mixed"), ("concat", "halves"), ("shift",), ("fill",), ("relu",), ("custom_linear",),
-    ("scan", "zeros"), ("scan", "row"), ("cond", -1e3), ("cond", 1e3),
+    ("square", 0), ("square", 1), ("scan", "zeros"), ("scan", "row"), ("cond", -1e3), ("cond", 1e3),
     ("jit", (("reduce", "sum", 1),)), ("remat", (("unary", "exp"), ("matmul",))),
 ]
-CHEAP_CHECKS = ("type_checks", "output_dtype", "matmuls_lowered", "agrees_with_float32")
+CHEAP_CHECKS = ("type_checks", "output_dtype", "matmuls_lowered", "agrees_with_float32",
+                "region_equals_transform")
 
 
 @pytest.mark.parametrize("check", CHEAP_CHECKS)

@@ -604,6 +604,82 @@ def test_a_loop_carry_the_region_made_16_bit_gets_an_error_that_says_what_to_do(
     assert jax.jit(carried, static_argnums=1)(X, True).dtype == F32  # the carry keeps its type
 
 
+@pytest.mark.parametrize("switch", [False, True])
+def test_cond_branches_that_promote_a_16_bit_operand_get_an_error_that_says_what_to_do(switch):
+    """JAX traces a cond's branches with the operand's type before jamp sees the cond: a matmul
+    with a float32 weight promotes the bfloat16 operand, tanh keeps it, and JAX refuses the
+    cond. The error says why and what to do; casting the operand first decides both branches
+    as autocast_transform does."""
+    branches = (lambda a: a @ W, jnp.tanh)
+
+    def branchy(x, cast):
+        with jamp.autocast():
+            h = x @ W
+            h = h.astype(jnp.float32) if cast else h
+            if switch:
+                return lax.switch(jnp.argmax(x[0]) % 2, branches, h)
+            return lax.cond(jnp.sum(x) > 0, *branches, h)
+
+    with pytest.raises(TypeError, match="branches must have equal output types") as raised:
+        branchy(X, False)
+    notes = "".join(getattr(raised.value, "__notes__", ()))
+    assert "inside a jamp.autocast region: an operand of the cond is bfloat16" in notes
+    assert "x.astype(jnp.float32)" in notes
+    jaxpr = jax.make_jaxpr(branchy, static_argnums=1)(X, True)
+    assert operand_dtypes(jaxpr, "dot_general") == [("bfloat16", "bfloat16")] * 2
+    assert branchy(X, True).dtype == BF16
+
+
+def test_a_lax_op_given_a_16_bit_value_it_cannot_mix_gets_an_error_that_says_what_to_do():
+    """A jax.jit function's body is traced by JAX with the bfloat16 argument the region made,
+    before the region sees the call; so is an operation under autocast(enabled=False). A lax
+    operation taking one dtype refuses bfloat16 with float32 there; the error says why and
+    what to do, and a cast to float32 first runs the call under the policy."""
+    square = jnp.ones((16, 16))
+
+    @jax.jit
+    def mixes(h, w):
+        return lax.add(h, w)
+
+    def in_jit(x, cast):
+        with jamp.autocast():
+            h = x @ square
+            return mixes(h.astype(jnp.float32) if cast else h, square)
+
+    def autocast_off(x):
+        with jamp.autocast():
+            h = x @ square
+            with jamp.autocast(enabled=False):
+                return lax.add(h, square)
+
+    for call in (lambda: in_jit(square, False), lambda: autocast_off(square)):
+        with pytest.raises(TypeError, match="requires arguments to have the same dtypes") as raised:
+            call()
+        notes = "".join(getattr(raised.value, "__notes__", ()))
+        assert "inside a jamp.autocast region: an operand is bfloat16" in notes
+        assert "x.astype(jnp.float32)" in notes
+    as_transformed = jamp.autocast_transform(lambda x: mixes(x @ square, square))(square)
+    assert in_jit(square, True).dtype == as_transformed.dtype  # the add decided as any other
+
+    def unrelated(x):
+        with jamp.autocast():
+            return lax.add(x, jnp.ones(x.shape, jnp.int32))
+
+    with pytest.raises(TypeError, match="same dtypes") as raised:
+        unrelated(X)
+    assert not any("jamp.autocast region" in n for n in getattr(raised.value, "__notes__", ()))
+
+
+def test_an_unrelated_cond_type_error_gets_no_region_note():
+    def wrong(x):
+        with jamp.autocast():
+            return lax.cond(jnp.sum(x) > 0, lambda a: a.astype(jnp.int32), lambda a: a, x)
+
+    with pytest.raises(TypeError, match="branches") as raised:
+        wrong(X)
+    assert not any("jamp.autocast region" in n for n in getattr(raised.value, "__notes__", ()))
+
+
 def test_an_unrelated_loop_type_error_gets_no_region_note():
     def wrong(x):
         with jamp.autocast(enabled=True):

@@ -35,11 +35,13 @@ def scan_rule(step: Step) -> Sequence[Any]:
     params = step.params
     n_consts, n_carry = compat.scan_counts(params, len(step.args))
     consts = step.args[:n_consts]
-    # Consts keep all they are known to be; slices of xs stay parameters if xs were (scanned layers).
+    # Consts keep all they are known to be; slices of xs stay parameters if xs were (scanned layers)
+    # and 16-bit by the policy if xs were (in a region).
     # A cotangent carried or scanned over stays one: the loop is part of the backward pass.
     all_hints = step.hints()
     xs_hints = [
-        Hint(tags=h.tags & {"input_view", "cotangent"}) for h in all_hints[n_consts + n_carry :]
+        Hint(tags=h.tags & {"input_view", "cotangent", "lowered"})
+        for h in all_hints[n_consts + n_carry :]
     ]
     carry_hints = [Hint(tags=h.tags & {"cotangent"}) for h in all_hints[n_consts:][:n_carry]]
     hints = [*all_hints[:n_consts], *carry_hints, *xs_hints]
