@@ -55,6 +55,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import re
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -970,8 +971,10 @@ def pushed(policy: Policy) -> Iterator[None]:
             warn_unmatched(log.unmatched(policy.rules), "a jamp.autocast region", log.paths)
     except TypeError as err:
         dtype = policy.compute_dtype.name
+        # (the dtype as a word: a float16 region says nothing of a bfloat16 value)
+        names_dtype = re.search(rf"\b{dtype}\b", str(err)) is not None
         for refused, note in _REFUSAL_NOTES:
-            if refused(err) and dtype in str(err) and hasattr(err, "add_note"):
+            if refused(err) and names_dtype and hasattr(err, "add_note"):
                 err.add_note(note.format(dtype=dtype))  # (add_note: Python 3.11+)
         raise
     finally:

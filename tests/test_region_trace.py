@@ -665,9 +665,14 @@ def test_a_lax_op_given_a_16_bit_value_it_cannot_mix_gets_an_error_that_says_wha
         with jamp.autocast():
             return lax.add(x, jnp.ones(x.shape, jnp.int32))
 
-    with pytest.raises(TypeError, match="same dtypes") as raised:
-        unrelated(X)
-    assert not any("jamp.autocast region" in n for n in getattr(raised.value, "__notes__", ()))
+    def another_dtype(x):  # bfloat16 the user's own, in a float16 region: not the region's doing
+        with jamp.autocast(dtype=jnp.float16):
+            return mixes(x.astype(jnp.bfloat16), x)
+
+    for call in (unrelated, another_dtype):
+        with pytest.raises(TypeError, match="same dtypes") as raised:
+            call(X)
+        assert not any("jamp.autocast region" in n for n in getattr(raised.value, "__notes__", ()))
 
 
 def test_an_unrelated_cond_type_error_gets_no_region_note():
