@@ -1006,13 +1006,18 @@ def convert_rule(step: Step) -> Sequence[Any]:
 
 
 def _rounds_reduction_result(step: Step) -> bool:
-    new = np.dtype(step.params["new_dtype"])
     return (
         step.state.enabled
-        and new in SIXTEEN_BIT
-        and step.aval(0).dtype == F32
+        and convert_may_round_a_reduction(step.params, step.avals())
         and compat.traced_in_jnp_reduction(step.eqn)
     )
+
+
+def convert_may_round_a_reduction(params: dict[str, Any], avals: Sequence[Any]) -> bool:
+    """Whether ``convert_rule`` reads where a convert was traced (not only its operand and
+    parameters): a float32 value converted to a 16-bit dtype. A region decides such a convert
+    every time rather than replaying a decision made elsewhere (region_trace.py)."""
+    return np.dtype(params["new_dtype"]) in SIXTEEN_BIT and avals[0].dtype == F32
 
 
 CATEGORY_RULES: dict[str | None, Rule] = {

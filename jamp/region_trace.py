@@ -58,7 +58,7 @@ import functools
 import re
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -73,6 +73,7 @@ from .interpreter import (
     Rewriter,
     Step,
     carries_programs,
+    convert_may_round_a_reduction,
     is_float,
     track_derived,
     widest,
@@ -786,7 +787,11 @@ def _decision_key(
 ) -> tuple | None:
     """Everything a rule reads of one operation: the primitive, its parameters, per operand its
     type as traced (the variable's) and as it arrives and its tags, and which operands are the
-    same value. None where an operand carries more than tags (``_tag_bits``)."""
+    same value. None where an operand carries more than tags (``_tag_bits``), or where the
+    rule reads more than its operands and parameters (``_READS_MORE``)."""
+    reads_more = _READS_MORE.get(primitive.name)
+    if reads_more is not None and reads_more(params, avals):
+        return None
     key: list[Any] = [primitive, tuple(params.items())]
     parts = env.key_parts
     for var, aval in zip(invars, avals):
@@ -803,6 +808,12 @@ def _decision_key(
 
 
 _UNSEEN = object()
+# Rules that read more of an operation than a decision's key holds, by primitive, for the
+# operations where they do: a convert of a float32 value to 16 bits, whose rule reads where it was
+# traced (inside jnp's reductions it is left out, and the result stays float32).
+_READS_MORE: dict[str, Callable[[dict, list], bool]] = {
+    "convert_element_type": convert_may_round_a_reduction,
+}
 
 
 @dataclasses.dataclass(frozen=True)

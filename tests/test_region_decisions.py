@@ -221,6 +221,22 @@ def test_a_value_times_itself_is_not_replayed_as_a_product_of_two(monkeypatch, s
     assert (product.dtype, square.dtype) == (BF16, F32)
 
 
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_convert_to_16_bits_is_decided_where_it_was_traced(monkeypatch, jit):
+    """A float32 value converted to bfloat16 in the user's code is converted; the same convert
+    inside jnp's reduction of a value the policy made 16-bit is left out (the sum stays float32):
+    the rule reads where the convert was traced, so neither replays the other's decision."""
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})
+
+    def both(x):
+        with jamp.autocast():
+            y = jnp.mean(x).astype(jnp.bfloat16)  # first: the user's own convert, of a scalar
+            return y, jnp.sum(x @ W)  # then jnp's, of the float32 sum of a bfloat16 matmul
+
+    y, total = (jax.jit(both) if jit else both)(X)
+    assert (y.dtype, total.dtype) == (BF16, F32)
+
+
 @pytest.mark.parametrize("square_first", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
 def test_jnps_value_times_itself_is_a_square_as_under_the_transform(square_first, jit):
