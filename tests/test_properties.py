@@ -21,7 +21,10 @@ program within bfloat16 tolerance, (3) ``jax.jit`` agrees with eager (values and
 the rewritten jaxpr (sub-jaxprs included) has bfloat16 operands and output, and so does every
 one in the gradient's jaxpr, (7) the output dtype follows the DESIGN.md/README tables (including
 the README's bias-add rule) where they decide it unambiguously, (8) ``jax.grad`` called inside a
-``jamp.autocast()`` region equals ``jax.grad`` of the function with the region inside it.
+``jamp.autocast()`` region equals ``jax.grad`` of the function with the region inside it, (9) a
+``jamp.autocast()`` region around the program decides every operation as ``autocast_transform``
+does (JAX's refusals of loop carries and cond branches a region made 16-bit aside: they carry
+jamp's note).
 
 Besides the random search, ``test_pinned_program`` replays minimal counterexamples hypothesis
 found (and a few programs mixing every feature), and ``test_each_op_after_a_matmul`` runs the cheap
@@ -522,10 +525,11 @@ def check_region_equals_transform(program: tuple, seed: int) -> None:
     """(9) A ``jamp.autocast()`` region around the program (the torch form, inside a jit) decides
     every operation as ``autocast_transform`` does: the same (primitive, operand and result
     dtypes) for every equation but converts and broadcasts, and the same values (the programs
-    differ in converts jamp leaves for XLA to drop, so XLA may fuse them differently). The one documented
-    difference (docs/reference/dtypes.md, "Regions"): a region cannot look ahead, so every square
-    runs in float32 there, where the transform keeps an unsummed one (gelu's ``x ** 3``) narrow;
-    a program with a gelu is compared with squares out of the fp32 table, narrow in both."""
+    differ in converts jamp leaves for XLA to drop, so XLA may fuse them differently). The one
+    documented difference (docs/reference/dtypes.md, "Regions"): a region cannot look ahead, so
+    every square runs in float32 there, where the transform keeps an unsummed one (gelu's
+    ``x ** 3``) narrow; a program with a gelu is compared with squares out of the fp32 table,
+    narrow in both."""
     f, (x, w) = as_function(program), make_inputs(seed)
     policy = jamp.Policy()
     if _contains(program, ("unary", "gelu")):
