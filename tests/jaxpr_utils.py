@@ -1,7 +1,8 @@
 """Helpers for inspecting (rewritten) jaxprs in tests."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+import collections
+from typing import Any, Callable, Iterator
 
 import jax
 
@@ -33,6 +34,15 @@ def eqns_named(jaxpr: Any, name: str) -> list[Any]:
 def operand_dtypes(jaxpr: Any, name: str) -> list[tuple[str, ...]]:
     """Operand dtype names of every ``name`` equation, e.g. [('bfloat16', 'bfloat16')]."""
     return [tuple(v.aval.dtype.name for v in e.invars) for e in eqns_named(jaxpr, name)]
+
+
+def dtype_signatures(jaxpr: Any, keep: Callable[[str], bool]) -> collections.Counter:
+    """(primitive, operand dtypes, result dtypes) of every equation whose primitive name ``keep``
+    accepts, sub-jaxprs included, counted: what a policy decided, comparable across programs."""
+    return collections.Counter(
+        (e.primitive.name, tuple(str(v.aval.dtype) for v in e.invars),
+         tuple(str(v.aval.dtype) for v in e.outvars))
+        for e in iter_eqns(jaxpr) if keep(e.primitive.name))
 
 
 def make_jaxpr(fn: Any, *args: Any) -> Any:

@@ -49,6 +49,7 @@ from jax import lax
 
 import jamp
 from tests.hypothesis_profiles import examples
+from tests.jaxpr_utils import dtype_signatures
 
 try:  # the public home of JAX's type checker; tests never import jax._src
     from jax.extend.core import check_jaxpr as _check_jaxpr
@@ -511,10 +512,7 @@ _NOT_DECISIONS = ("convert_element_type", "broadcast_in_dim")
 def _decisions(closed: Any) -> collections.Counter:
     """(primitive, operand dtypes, result dtypes) of every computing equation, sub-jaxprs
     included: what the policy decided."""
-    return collections.Counter(
-        (e.primitive.name, tuple(str(v.aval.dtype) for v in e.invars),
-         tuple(str(v.aval.dtype) for v in e.outvars))
-        for e in iter_eqns(closed) if e.primitive.name not in _NOT_DECISIONS)
+    return dtype_signatures(closed, lambda name: name not in _NOT_DECISIONS)
 
 
 def _contains(program: tuple, op: tuple) -> bool:

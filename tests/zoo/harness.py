@@ -23,7 +23,7 @@ from flax import nnx
 import jamp
 import jamp.interpreter
 import tracing
-from tests.jaxpr_utils import iter_eqns
+from tests.jaxpr_utils import dtype_signatures
 
 F32 = jnp.float32
 
@@ -673,11 +673,7 @@ def table_decisions(fn: Callable, args: tuple, policy: jamp.Policy) -> collectio
         return fn(*jax.tree.unflatten(tree, leaves))
 
     closed = jax.make_jaxpr(traced)(*(flat[i] for i in at))
-    table = policy.lower | policy.fp32
-    return collections.Counter(
-        (e.primitive.name, tuple(str(v.aval.dtype) for v in e.invars),
-         tuple(str(v.aval.dtype) for v in e.outvars))
-        for e in iter_eqns(closed) if e.primitive.name in table)
+    return dtype_signatures(closed, (policy.lower | policy.fp32).__contains__)
 
 
 def check_explain_share(run: ZooRun) -> None:
