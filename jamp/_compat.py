@@ -97,7 +97,11 @@ def check_closed_jaxpr(closed: Any) -> None:
 
 
 def aval_of(x: Any) -> ShapedArray:
-    return jax.typeof(x)
+    # A tracer's type is its ``aval`` (what ``jax.typeof`` returns for one, after a walk of the
+    # tracer class's MRO): a region asks for every operand of every operation.
+    if isinstance(x, _core.Tracer):
+        return x.aval
+    return _core.typeof(x)
 
 
 def name_stack_of(eqn: Any) -> Any:
@@ -338,6 +342,19 @@ def dce_closed(closed: Any) -> tuple[Any, list[Any]]:
     keep_inputs = [False] * len(consts) + [True] * len(jaxpr.invars)
     dced, used = _pe.dce_jaxpr(as_inputs, [True] * len(jaxpr.outvars), instantiate=keep_inputs)
     return dced, [c for c, u in zip(consts, used[: len(consts)]) if u]
+
+
+def without_dead_equations(closed: Any) -> Any:
+    """``closed`` less the equations none of its outputs needs, as a closed jaxpr with every
+    input and constant kept (``dce_closed`` without tracing again); ``closed`` itself where
+    nothing is dead."""
+    jaxpr, consts = open_and_consts(closed)
+    used = [True] * len(jaxpr.outvars)
+    if _ClosedJaxpr is None:  # jax >= 0.12: the constants travel on the jaxpr
+        dced, _, _ = _pe.dce_jaxpr_consts(closed, used, instantiate=True)
+        return closed if len(dced.eqns) == len(jaxpr.eqns) else dced
+    dced, _, _ = _pe.dce_jaxpr_consts(jaxpr, used, instantiate=True)
+    return closed if len(dced.eqns) == len(jaxpr.eqns) else _ClosedJaxpr(dced, list(consts))
 
 
 def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
@@ -982,10 +999,22 @@ def _filled(store: Any) -> bool:
 def traced_in_jnp_reduction(eqn: Any) -> bool:
     """Whether ``eqn`` was traced inside ``jnp``'s reductions module (``sum``, ``mean``,
     ``var``...), which converts a 16-bit input up, reduces, and converts the result back."""
-    traceback = eqn.source_info.traceback
+    return in_jnp_reduction(eqn.source_info)
+
+
+def in_jnp_reduction(source_info: Any) -> bool:
+    """Whether ``source_info``'s traceback passes through ``jnp``'s reductions module."""
+    traceback = source_info.traceback
     if traceback is None:
         return False
-    return any(f.file_name.endswith(_JNP_REDUCTIONS) for f in traceback.frames)
+    # The code objects alone: ``frames`` computes every frame's line number too (~4x the time).
+    codes = traceback.raw_frames()[0]
+    return any(code.co_filename.endswith(_JNP_REDUCTIONS) for code in codes)
+
+
+def current_in_jnp_reduction() -> bool:
+    """``in_jnp_reduction`` of what an operation bound now is traced at."""
+    return in_jnp_reduction(_siu.current())
 
 
 # A value of every symbolic dimension (``jax.export.symbolic_shape``, a polymorphic export's

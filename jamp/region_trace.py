@@ -474,10 +474,12 @@ class RegionTrace(compat.Trace):
             params = {**params, **decision.overrides}
         outs = compat.bind_on(self.parent, primitive, args, params, avals)
         values = outs if primitive.multiple_results else (outs,)
+        key_parts = env.key_parts
         for value, aval, bits in zip(values, decision.out_avals, decision.out_tags):
             var = compat.Var(aval)
             env.remember(value, var)
             env.add_tags(var, bits)
+            key_parts[var] = bits  # (what _tag_bits would find at its first use: tags only)
         return outs
 
     # -- jnp's functions: inline jits ----------------------------------------------------------
@@ -535,12 +537,15 @@ class RegionTrace(compat.Trace):
             env.add_tags(var, bits)
             if source is not None:
                 env.known[var] = source
+            else:
+                env.key_parts[var] = bits  # (as in _replay)
         # What the trackers learned about the outputs (a softmax's max: rules/softmax.py),
         # pointing at the caller's own variables.
         for name, k, (side, j) in rewrite.facts:
             target = in_vars[j] if side == "in" else out_vars[j]
             if out_vars[k] is not None and target is not None:
                 env.facts.setdefault(name, {})[out_vars[k]] = target
+                env.key_parts[out_vars[k]] = None  # a fact: more than tags (_tag_bits)
         return outs
 
     def _operand_knowledge(self, args: Sequence[Any]) -> tuple | None:
@@ -552,24 +557,34 @@ class RegionTrace(compat.Trace):
         types. None where the walk would read more than that (a fact about an operand that
         points outside the call)."""
         env, keys, sources, vars_, avals = self.env, [], [], [], []
+        parts = env.key_parts
         first: dict[int, int] = {}  # id(var) -> the first operand that is that value
+        more_than_tags = False
         for i, value in enumerate(args):
             var, new = env.var_for(value)
             if new:
                 self._adopt_input(var, value)
-            if var in env.upcast_of:
-                return None
-            source = env.known.get(var)
-            constant = None
-            if source is not None:
-                constant = _constant_key(source)
-                if constant is None:
+            bits = parts.get(var, _UNSEEN)
+            if bits is _UNSEEN:
+                bits = parts[var] = _tag_bits(env, var)
+            source = constant = None
+            if bits is None:  # a constant, a promotion or a fact (_tag_bits)
+                more_than_tags = True
+                if var in env.upcast_of:
                     return None
+                source = env.known.get(var)
+                if source is not None:
+                    constant = _constant_key(source)
+                    if constant is None:
+                        return None
+                bits = env.tag_bits(var)
             # (the same value twice is one value to the walk too: jnp's ``x * x`` is a square)
-            keys.append((env.tag_bits(var), constant, first.setdefault(id(var), i)))
+            keys.append((bits, constant, first.setdefault(id(var), i)))
             sources.append(source)
             vars_.append(var)
             avals.append(compat.aval_of(value))
+        if not more_than_tags:  # (no facts either)
+            return tuple(keys), sources, (), vars_, avals
         facts = []
         for name, known in env.facts.items():
             for i, var in enumerate(vars_):
@@ -662,6 +677,9 @@ class RegionTrace(compat.Trace):
             rewritten = compat.trace_to_closed(walk, avals)
         except Exception:  # the walk on the values themselves raises what it raises, in place
             return None
+        # Left out once here rather than by XLA at every call: jnp's float32 promotions of a
+        # 16-bit value that the rules read through (the 16-bit value is used instead).
+        rewritten = compat.without_dead_equations(rewritten)
         if any(out is False for out in found["outputs"]) or found["facts"] is None:
             return None
         invars = list(jaxpr.invars)
@@ -787,12 +805,12 @@ def _decision_key(
 ) -> tuple | None:
     """Everything a rule reads of one operation: the primitive, its parameters, per operand its
     type as traced (the variable's) and as it arrives and its tags, and which operands are the
-    same value. None where an operand carries more than tags (``_tag_bits``), or where the
-    rule reads more than its operands and parameters (``_READS_MORE``)."""
-    reads_more = _READS_MORE.get(primitive.name)
-    if reads_more is not None and reads_more(params, avals):
-        return None
+    same value, and what else the rule reads (``_READS_MORE``). None where an operand carries
+    more than tags (``_tag_bits``)."""
     key: list[Any] = [primitive, tuple(params.items())]
+    reads_more = _READS_MORE.get(primitive.name)
+    if reads_more is not None:
+        key.append(reads_more(params, avals))
     parts = env.key_parts
     for var, aval in zip(invars, avals):
         bits = parts.get(var, _UNSEEN)
@@ -801,18 +819,28 @@ def _decision_key(
         if bits is None:
             return None
         key += (var.aval, aval, bits)
-    if len(invars) > 1 and len({id(v) for v in invars}) < len(invars):
+    if len(invars) > 1 and len(set(map(id, invars))) < len(invars):
         # the same value twice (``x * x`` is a square to rules/powers.py): which operands are
         key.append(tuple(next(j for j, u in enumerate(invars) if u is v) for v in invars))
     return tuple(key)
 
 
 _UNSEEN = object()
-# Rules that read more of an operation than a decision's key holds, by primitive, for the
-# operations where they do: a convert of a float32 value to 16 bits, whose rule reads where it was
-# traced (inside jnp's reductions it is left out, and the result stays float32).
-_READS_MORE: dict[str, Callable[[dict, list], bool]] = {
-    "convert_element_type": convert_may_round_a_reduction,
+
+
+def _convert_reads_more(params: dict, avals: list) -> bool | None:
+    """What ``convert_rule`` reads besides the operation: for a float32 value converted to 16
+    bits, whether it was traced inside jnp's reductions (there it is left out, and the result
+    stays float32); nothing (None) for any other convert."""
+    if convert_may_round_a_reduction(params, avals):
+        return compat.current_in_jnp_reduction()
+    return None
+
+
+# What a rule reads of an operation besides its primitive, parameters and operands, by primitive:
+# (parameters, arriving types) -> a part of the decision's key, read where the operation is bound.
+_READS_MORE: dict[str, Callable[[dict, list], Any]] = {
+    "convert_element_type": _convert_reads_more,
 }
 
 

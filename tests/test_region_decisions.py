@@ -237,6 +237,34 @@ def test_a_convert_to_16_bits_is_decided_where_it_was_traced(monkeypatch, jit):
     assert (y.dtype, total.dtype) == (BF16, F32)
 
 
+def test_a_users_convert_to_16_bits_is_decided_once(monkeypatch):
+    """Where a convert was traced is part of its decision's key, not a reason to decide it
+    again: the user's ``astype(bfloat16)`` of a float32 value runs its rule once."""
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})
+    ran = _count_rules(monkeypatch)
+    for _ in range(3):
+        with jamp.autocast():
+            y = (X * 2).astype(jnp.bfloat16)
+        assert y.dtype == BF16
+    assert ran.count("convert_element_type") == 1
+
+
+def test_jnps_calls_leave_no_dead_promotions_in_the_program():
+    """jnp promotes the bfloat16 matmul to float32 for the bias add, and the rules read through
+    that promotion (the add runs in bfloat16): the promotion is left out of the call's reused
+    rewrite once, rather than bound at every call and left for XLA."""
+
+    def dense(x, w, b):
+        with jamp.autocast():
+            h = jnp.dot(x, w) + b
+            return jnp.mean(jax.nn.relu(h) * h, axis=-1)
+
+    closed = jax.make_jaxpr(dense)(X, W, B)
+    live, _ = compat.dce_closed(closed)
+    assert len(live.eqns) == len(compat.open_and_consts(closed)[0].eqns)
+    chex.assert_trees_all_close(jax.jit(dense)(X, W, B), dense(X, W, B), rtol=1e-2)
+
+
 @pytest.mark.parametrize("square_first", [False, True])
 @pytest.mark.parametrize("jit", [False, True])
 def test_jnps_value_times_itself_is_a_square_as_under_the_transform(square_first, jit):
