@@ -468,7 +468,13 @@ class RegionTrace(compat.Trace):
                 for i, dtype in decision.casts:
                     cast = env.casts.get((invars[i], dtype))
                     if cast is None:
-                        cast = env.casts[(invars[i], dtype)] = compat.convert(args[i], dtype)
+                        source = env.known.get(invars[i])  # a constant: cast from its value
+                        cast = (
+                            source.cast(dtype)
+                            if source is not None
+                            else compat.convert(args[i], dtype)
+                        )
+                        env.casts[(invars[i], dtype)] = cast
                     args[i] = cast
         if decision.overrides:
             params = {**params, **decision.overrides}
@@ -817,7 +823,9 @@ def _decision_key(
         if bits is _UNSEEN:
             bits = parts[var] = _tag_bits(env, var)
         if bits is None:
-            return None
+            bits = _constant_part(env, var)
+            if bits is None:
+                return None
         key += (var.aval, aval, bits)
     if len(invars) > 1 and len(set(map(id, invars))) < len(invars):
         # the same value twice (``x * x`` is a square to rules/powers.py): which operands are
@@ -916,6 +924,16 @@ def _shared_states(policy: Policy) -> dict:
 
 _STATES_KEPT = 4096
 _CALLS_PER_CALLEE = 64  # rewrites kept per inline jit (least recently used dropped)
+
+
+def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
+    """A small constant operand's part of a decision key, its tags and its value (the rules cast
+    it from its value: a replay does too); None for what else makes ``_tag_bits`` None."""
+    source = env.known.get(var)
+    if source is None or var in env.upcast_of or any(var in f for f in env.facts.values()):
+        return None
+    constant = _constant_key(source)
+    return None if constant is None else (env.tag_bits(var), constant)
 
 
 def _constant_key(source: ConstSource) -> tuple | None:

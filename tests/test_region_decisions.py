@@ -110,9 +110,10 @@ def test_replayed_decisions_give_the_program_deciding_every_operation_gives(monk
     assert replayed == decided
 
 
-def test_a_softmax_shift_and_constants_are_decided_every_time(monkeypatch):
-    """Operands a tag cannot describe (a tracker's fact, a constant cast from its value) keep
-    the rule running: ±40,000 float16 logits stay finite however often the code runs."""
+def test_a_softmax_shift_is_decided_every_time_and_constants_by_value(monkeypatch):
+    """An operand a tag cannot describe (a tracker's fact) keeps the rule running, a constant is
+    keyed by its value (cast from it, saturating): ±40,000 float16 logits stay finite however
+    often the code runs."""
     ran = _count_rules(monkeypatch)
     logits = jnp.array([[40000.0, -40000.0, 0.0]] * 4)
     labels = jnp.array([0, 1, 2, 0])
@@ -124,6 +125,35 @@ def test_a_softmax_shift_and_constants_are_decided_every_time(monkeypatch):
         assert np.isfinite(np.asarray(loss, np.float32)).all()
         assert scaled.dtype == F16
     assert ran.count("sub") >= 3  # the shift x - max(x), once per call
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_an_operation_with_a_small_constant_is_decided_once_per_value(monkeypatch, jit):
+    """A rank-0 constant operand (eagerly, every scalar array is one) is part of the key by its
+    value: the rule runs once per value, and the replay casts the constant from its value as
+    the rule did, so the programs are those of deciding every operation."""
+
+    def scaled(v):
+        outs = []
+        with jamp.autocast(dtype=jnp.float16):
+            d = lax.dot(v, v)  # float16[]
+            for constant in (np.float32(3.0), np.float32(3.0), np.float32(1e4), np.float32(1e4)):
+                outs.append(lax.mul(d, lax.convert_element_type(constant, jnp.float16)))
+                outs.append(lax.mul(d, jnp.float32(constant)))
+        return outs
+
+    v = jnp.linspace(-1e-3, 2e-3, 16)
+    fn = jax.jit(scaled) if jit else scaled
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})
+    ran = _count_rules(monkeypatch)
+    replayed = fn(v)
+    assert ran.count("mul") <= 4  # one per constant value and operand type, not eight
+    with monkeypatch.context() as m:
+        _decide_every_time(m)
+        decided = (jax.jit(scaled) if jit else scaled)(v)
+    for a, b in zip(replayed, decided):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
 def test_decisions_are_kept_per_region_state(monkeypatch):
