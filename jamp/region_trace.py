@@ -196,12 +196,13 @@ class RegionEnv(Env):
     def accumulated(self, var: Any) -> bool:
         return True  # no lookahead in a region: a square runs in float32 (torch's pow)
 
-    def var_for(self, value: Any) -> tuple[Any, bool]:
-        """(the variable standing for ``value``, whether it is new to this region)."""
+    def var_for(self, value: Any, aval: Any = None) -> tuple[Any, bool]:
+        """(the variable standing for ``value``, whether it is new to this region); ``aval``:
+        its type where the caller has it (eagerly, ``jax.typeof`` of an array builds one)."""
         ref = self._vars.get(id(value))
         if ref is not None and ref() is value:
             return ref.var, False
-        var = compat.Var(compat.aval_of(value))
+        var = compat.Var(compat.aval_of(value) if aval is None else aval)
         self.remember(value, var)
         return var, True
 
@@ -387,10 +388,10 @@ class RegionTrace(compat.Trace):
             return compat.bind_on(self.parent, primitive, args, params, avals)
         env = self.env
         invars = []
-        for value in args:
-            var, new = env.var_for(value)
+        for value, aval in zip(args, avals):
+            var, new = env.var_for(value, aval)
             if new:
-                self._adopt_input(var, value)
+                self._adopt_input(var, value, aval)
             invars.append(var)
         decisions: dict | None = None
         key: tuple | None = None
@@ -567,9 +568,10 @@ class RegionTrace(compat.Trace):
         first: dict[int, int] = {}  # id(var) -> the first operand that is that value
         more_than_tags = False
         for i, value in enumerate(args):
-            var, new = env.var_for(value)
+            aval = compat.aval_of(value)
+            var, new = env.var_for(value, aval)
             if new:
-                self._adopt_input(var, value)
+                self._adopt_input(var, value, aval)
             bits = parts.get(var, _UNSEEN)
             if bits is _UNSEEN:
                 bits = parts[var] = _tag_bits(env, var)
@@ -588,7 +590,7 @@ class RegionTrace(compat.Trace):
             keys.append((bits, constant, first.setdefault(id(var), i)))
             sources.append(source)
             vars_.append(var)
-            avals.append(compat.aval_of(value))
+            avals.append(aval)
         if not more_than_tags:  # (no facts either)
             return tuple(keys), sources, (), vars_, avals
         facts = []
@@ -700,11 +702,10 @@ class RegionTrace(compat.Trace):
             tuple(compat.closed_out_avals(rewritten)),
         )
 
-    def _adopt_input(self, var: Any, value: Any) -> None:
+    def _adopt_input(self, var: Any, value: Any, aval: Any) -> None:
         """A value the region did not compute: a parameter or a batch, or a constant."""
         env = self.env
         env.input_view.add(var)
-        aval = compat.aval_of(value)
         if not compat.is_tracer(value) and (getattr(aval, "weak_type", False) or not aval.shape):
             env.known[var] = ConstSource(value)  # cast once, saturating, as the rewriter does
 
