@@ -928,13 +928,20 @@ _CALLS_PER_CALLEE = 64  # rewrites kept per inline jit (least recently used drop
 
 
 def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
-    """A small constant operand's part of a decision key, its tags and its value (the rules cast
-    it from its value: a replay does too); None for what else makes ``_tag_bits`` None."""
+    """A small host constant operand's part of a decision key, its tags and its value (the rules
+    cast it from its value: a replay does too); None for a device array (keying it by value would
+    wait for it and copy it to the host at every operation: an eager loop's scalar arrays) and
+    for what else makes ``_tag_bits`` None."""
     source = env.known.get(var)
     if source is None or var in env.upcast_of or any(var in f for f in env.facts.values()):
         return None
+    if not isinstance(source.base, _HOST_SCALARS):
+        return None
     constant = _constant_key(source)
     return None if constant is None else (env.tag_bits(var), constant)
+
+
+_HOST_SCALARS = (np.ndarray, np.generic, float, int, bool, complex)
 
 
 def _constant_key(source: ConstSource) -> tuple | None:
