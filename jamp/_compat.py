@@ -100,7 +100,7 @@ def aval_of(x: Any) -> ShapedArray:
     # A tracer's type is its ``aval`` (what ``jax.typeof`` returns for one, after a walk of the
     # tracer class's MRO): a region asks for every operand of every operation.
     if isinstance(x, _core.Tracer):
-        return x.aval
+        return x.aval  # type: ignore[return-value]  # (an array's tracer: a ShapedArray)
     return _core.typeof(x)
 
 

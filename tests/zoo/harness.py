@@ -7,7 +7,6 @@ it), and each function in :data:`CHECKS` asserts one property of the run against
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
 import os
