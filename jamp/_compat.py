@@ -344,17 +344,25 @@ def dce_closed(closed: Any) -> tuple[Any, list[Any]]:
     return dced, [c for c, u in zip(consts, used[: len(consts)]) if u]
 
 
-def without_dead_equations(closed: Any) -> Any:
-    """``closed`` less the equations none of its outputs needs, as a closed jaxpr with every
-    input and constant kept (``dce_closed`` without tracing again); ``closed`` itself where
-    nothing is dead."""
+def without_dead_converts(closed: Any) -> Any:
+    """``closed`` less the converts whose result nothing uses (``closed`` itself where there are
+    none). Written here rather than JAX's ``dce_jaxpr``, which would drop the program's own dead
+    code as well: a region's rewrite of a ``jnp`` function leaves out only the float32
+    promotions its rules read through, so its program keeps what ``autocast_transform``'s does."""
     jaxpr, consts = open_and_consts(closed)
-    used = [True] * len(jaxpr.outvars)
-    if _ClosedJaxpr is None:  # jax >= 0.12: the constants travel on the jaxpr
-        dced, _, _ = _pe.dce_jaxpr_consts(closed, used, instantiate=True)
-        return closed if len(dced.eqns) == len(jaxpr.eqns) else dced
-    dced, _, _ = _pe.dce_jaxpr_consts(jaxpr, used, instantiate=True)
-    return closed if len(dced.eqns) == len(jaxpr.eqns) else _ClosedJaxpr(dced, list(consts))
+    used = {v for v in jaxpr.outvars if isinstance(v, Var)}
+    kept = []
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.primitive.name == "convert_element_type" and not any(
+            v in used for v in eqn.outvars
+        ):
+            continue
+        kept.append(eqn)
+        used.update(v for v in eqn.invars if isinstance(v, Var))
+    if len(kept) == len(jaxpr.eqns):
+        return closed
+    pruned = jaxpr.replace(eqns=kept[::-1])
+    return pruned if _ClosedJaxpr is None else _ClosedJaxpr(pruned, list(consts))
 
 
 def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:

@@ -463,6 +463,7 @@ class RegionTrace(compat.Trace):
         casts (shared with every other operation through the cast cache), the same parameters,
         and the same tags on its outputs."""
         env = self.env
+        canonical = True  # (a constant cast on the host is not: bind canonicalizes it)
         if decision.casts:
             args, avals = list(args), None
             with compat.set_current_trace(self.parent):
@@ -476,10 +477,16 @@ class RegionTrace(compat.Trace):
                             else compat.convert(args[i], dtype)
                         )
                         env.casts[(invars[i], dtype)] = cast
+                    if isinstance(cast, _HOST_SCALARS):
+                        canonical = False
                     args[i] = cast
         if decision.overrides:
             params = {**params, **decision.overrides}
-        outs = compat.bind_on(self.parent, primitive, args, params, avals)
+        if canonical:
+            outs = compat.bind_on(self.parent, primitive, args, params, avals)
+        else:
+            with compat.set_current_trace(self.parent):
+                outs = primitive.bind(*args, **params)
         values = outs if primitive.multiple_results else (outs,)
         key_parts = env.key_parts
         for value, aval, bits in zip(values, decision.out_avals, decision.out_tags):
@@ -687,7 +694,7 @@ class RegionTrace(compat.Trace):
             return None
         # Left out once here rather than by XLA at every call: jnp's float32 promotions of a
         # 16-bit value that the rules read through (the 16-bit value is used instead).
-        rewritten = compat.without_dead_equations(rewritten)
+        rewritten = compat.without_dead_converts(rewritten)
         if any(out is False for out in found["outputs"]) or found["facts"] is None:
             return None
         invars = list(jaxpr.invars)

@@ -157,6 +157,18 @@ def test_an_operation_with_a_small_constant_is_decided_once_per_value(monkeypatc
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+def test_a_replayed_constant_cast_is_bound_as_jax_binds_it(monkeypatch):
+    """A replay that casts a constant on the host (numpy) binds through ``Primitive.bind``,
+    which canonicalizes it, as the rule's own bind does (jax 0.12 refuses a numpy constant
+    handed to a trace as it is). The program that first showed it, from the property tests: a
+    convolution, then a jitted ``h + 0.1 * jnp.sum(h)``, traced twice."""
+    from tests.test_properties import check_region_equals_transform
+
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})
+    for seed in (1, 1):
+        check_region_equals_transform((("conv1d",), ("jit", (("reduce", "sum", 0),))), seed)
+
+
 def test_decisions_are_kept_per_region_state(monkeypatch):
     """A decision under one region state (dtype, enabled) is not replayed under another."""
     outs = {}
