@@ -353,9 +353,7 @@ def without_dead_converts(closed: Any) -> Any:
     used = {v for v in jaxpr.outvars if isinstance(v, Var)}
     kept = []
     for eqn in reversed(jaxpr.eqns):
-        if eqn.primitive.name == "convert_element_type" and not any(
-            v in used for v in eqn.outvars
-        ):
+        if eqn.primitive.name == "convert_element_type" and not any(v in used for v in eqn.outvars):
             continue
         kept.append(eqn)
         used.update(v for v in eqn.invars if isinstance(v, Var))
