@@ -198,13 +198,17 @@ def _widest(dtypes: tuple, x64: bool) -> np.dtype:  # (the promotion context cos
         return np.dtype(jnp.result_type(*dtypes))
 
 
+# Values a rewrite-time cast handles with numpy, on the host (everything else is a device array).
+HOST_VALUES = (np.ndarray, np.generic, float, int, bool)
+
+
 def saturating_cast(value: Any, dtype: np.dtype) -> Any:
     """Cast a concrete value, clipping finite floats to the target's range (no overflow to inf).
 
     Runs at rewrite time: numpy for host values, eager JAX (never staged) for device arrays.
     """
     dtype = np.dtype(dtype)
-    on_host = isinstance(value, (np.ndarray, np.generic, float, int, bool))
+    on_host = isinstance(value, HOST_VALUES)
     xp = np if on_host else jnp
     with contextlib.nullcontext() if on_host else jax.ensure_compile_time_eval():
         src = xp.asarray(value)
@@ -1015,8 +1019,8 @@ def _rounds_reduction_result(step: Step) -> bool:
 
 def convert_may_round_a_reduction(params: dict[str, Any], avals: Sequence[Any]) -> bool:
     """Whether ``convert_rule`` reads where a convert was traced (not only its operand and
-    parameters): a float32 value converted to a 16-bit dtype. A region decides such a convert
-    every time rather than replaying a decision made elsewhere (region_trace.py)."""
+    parameters): a float32 value converted to a 16-bit dtype. A region keys such a convert's
+    decision by where it was traced as well (region_trace._READS_MORE)."""
     return np.dtype(params["new_dtype"]) in SIXTEEN_BIT and avals[0].dtype == F32
 
 

@@ -67,6 +67,7 @@ import numpy as np
 from . import _compat as compat
 from .interpreter import (
     F32,
+    HOST_VALUES,
     SCALED_FORMATS,
     ConstSource,
     Env,
@@ -477,7 +478,7 @@ class RegionTrace(compat.Trace):
                             else compat.convert(args[i], dtype)
                         )
                         env.casts[(invars[i], dtype)] = cast
-                    if isinstance(cast, _HOST_SCALARS):
+                    if isinstance(cast, HOST_VALUES):
                         canonical = False
                     args[i] = cast
         if decision.overrides:
@@ -942,13 +943,10 @@ def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
     source = env.known.get(var)
     if source is None or var in env.upcast_of or any(var in f for f in env.facts.values()):
         return None
-    if not isinstance(source.base, _HOST_SCALARS):
+    if not isinstance(source.base, HOST_VALUES):
         return None
     constant = _constant_key(source)
     return None if constant is None else (env.tag_bits(var), constant)
-
-
-_HOST_SCALARS = (np.ndarray, np.generic, float, int, bool, complex)
 
 
 def _constant_key(source: ConstSource) -> tuple | None:
