@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import core as _core
+from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src.interpreters import partial_eval as _pe
@@ -200,6 +201,171 @@ class _equation_context:  # noqa: N801 - used as a function
             result = self.user.__exit__(*exc)
         return result
 
+
+# --- Staging a rewritten equation directly (the transform's hot path) -------------------------
+# Re-binding an equation into a program being built (``jax.make_jaxpr``, ``jax.jit``) costs a
+# full ``bind``: canonicalize every operand, find the trace, convert operands, look up the
+# abstract evaluation, try constant folding and forwarding, under the equation's source and
+# context managers. For most equations none of that can change anything: a primitive without a
+# staging, forwarding or folding rule of its own, on tracers of that trace, in the context it was
+# traced in. Those are staged here as ``DynamicJaxprTrace.default_process_primitive`` stages them
+# (the same types, source info, context and equation), with the traced equation's output types
+# when the operand types and parameters are the same. Everything else returns None: bound.
+
+_PLAIN_PRIMITIVE = (
+    _core.Primitive.bind,
+    _core.Primitive.bind_with_trace,
+    _core.Primitive.is_high,
+    _core.Primitive.get_bind_params,
+)
+_HIGH_ORDER_NAMES = ("custom_lin", "call_hi_primitive_linearized", "call_hi_primitive")
+
+
+def _always(params: dict, avals: list) -> bool:
+    return True
+
+
+def _broadcast_changes_shape(params: dict, avals: list) -> bool:
+    return tuple(params["shape"]) != avals[0].shape  # (else its forwarding rule passes x on)
+
+
+# Primitives with a staging or forwarding rule that stages them as the default does (checked on
+# jax 0.10 and 0.12; tests/test_staging.py compares every program staged with one bound), and
+# when: (params, operand avals) -> bool.
+_STAGED_AS_DEFAULT: dict[Any, Callable[[dict, list], bool]] = {
+    _lax_internal.reshape_p: _always,
+    _lax_internal.broadcast_in_dim_p: _broadcast_changes_shape,
+}
+_stageable: dict[Any, Callable[[dict, list], bool] | None] = {}
+_name_stacks: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
+
+
+def _staging_condition(primitive: Any) -> Callable[[dict, list], bool] | None:
+    """When ``primitive`` may be staged directly (None: never); decided once per primitive."""
+    if primitive in _stageable:
+        return _stageable[primitive]
+    cls = type(primitive)
+    plain = (
+        (cls.bind, cls.bind_with_trace, cls.is_high, cls.get_bind_params) == _PLAIN_PRIMITIVE
+        and not getattr(primitive, "ref_allocating", False)
+        and primitive.name not in _HIGH_ORDER_NAMES
+    )
+    condition = _STAGED_AS_DEFAULT.get(primitive)
+    if condition is None and not (
+        primitive in _pe.custom_staging_rules
+        or primitive in _pe.forwarding_rules
+        or primitive in _pe.const_fold_rules
+    ):
+        condition = _always
+    _stageable[primitive] = condition = condition if plain else None
+    return condition
+
+
+def eqn_context_now() -> Any:
+    """The equation context (``JaxprEqnContext``) an operation bound now would get."""
+    return _core.current_jaxpr_eqn_context()
+
+
+def _staged_source_info(info: Any) -> Any:
+    """``info`` under the current name stack, as ``equation_context`` makes it current."""
+    current = _siu.current_name_stack()
+    key = (id(current), id(info.name_stack))
+    hit = _name_stacks.get(key)
+    if hit is None or hit[0] is not current or hit[1] is not info.name_stack:
+        if len(_name_stacks) > 4096:
+            _name_stacks.clear()
+        hit = _name_stacks[key] = (current, info.name_stack, current + info.name_stack)
+    return _siu.SourceInfo(info.traceback, hit[2])
+
+
+def _stage(
+    eqn: Any,
+    primitive: Any,
+    args: Sequence[Any],
+    params: dict,
+    same_types: bool,
+    outer_ctx: Any,
+    condition: Callable[[dict, list], bool],
+) -> list[Any] | None:
+    """Stage ``primitive`` on ``args`` under ``eqn``'s source info and context, or None."""
+    trace = _core.trace_ctx.trace
+    info = eqn.source_info
+    if (
+        type(trace) is not _pe.DynamicJaxprTrace
+        or eqn.ctx is not outer_ctx
+        or eqn.effects
+        or info.traceback is None
+        or any(isinstance(v, _JAXPR_TYPES) for v in params.values())
+    ):
+        return None
+    source_info = _staged_source_info(info)
+    tracers, any_tracer = [], False
+    for arg, atom in zip(args, eqn.invars):
+        if type(arg) is _pe.DynamicJaxprTracer:
+            if arg._trace is not trace:
+                return None
+            any_tracer = True
+        elif isinstance(arg, _core.Tracer) or not (
+            type(atom) is _core.Literal and arg is atom.val
+        ):
+            return None  # (a constant other than the jaxpr's own literal: bind canonicalizes)
+        else:
+            arg = trace.to_jaxpr_tracer(_dtypes.canonicalize_value(arg), source_info)
+        tracers.append(arg)
+    if not any_tracer:
+        return None  # (bind may fold it: eager_constant_folding)
+    avals = [t.aval for t in tracers]
+    if not condition(params, avals):
+        return None
+    if same_types and all(a == v.aval for a, v in zip(avals, eqn.invars)):
+        out_avals = [v.aval for v in eqn.outvars]
+    else:
+        out, effects = _pe._cached_abstract_eval(primitive, *avals, **params)
+        if effects:
+            return None
+        out_avals = list(out) if primitive.multiple_results else [out]
+    staged, outs = trace.make_eqn(
+        tracers, out_avals, primitive, params, _core.no_effects, source_info, eqn.ctx
+    )
+    trace.frame.add_eqn(staged)
+    return outs
+
+
+def stage_like(eqn: Any, args: Sequence[Any], params: dict | None, outer_ctx: Any) -> Any:
+    """Stage ``eqn``'s primitive on ``args`` (with ``params``, or the equation's own when None)
+    into the program being built, as binding it under ``equation_context(eqn)`` would: a list
+    of outputs, or None where only a bind can (then the caller binds). ``outer_ctx``:
+    ``eqn_context_now()`` where the caller's program is built (an equation traced in another
+    context, under a mesh or XLA metadata, is bound)."""
+    primitive = eqn.primitive
+    condition = _staging_condition(primitive)
+    if condition is None:
+        return None
+    same = params is None
+    return _stage(eqn, primitive, args, eqn.params if same else params, same, outer_ctx, condition)
+
+
+def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
+    """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, for a
+    tracer ``x`` of another dtype, where neither the forwarding nor the folding rule of
+    ``convert_element_type`` applies; None where only a bind can."""
+    if type(x) is not _pe.DynamicJaxprTracer or x.aval.dtype == dtype or x.get_const() is not None:
+        return None
+    params = {"new_dtype": dtype, "weak_type": False, "sharding": None}
+    outs = _stage(
+        _CastOf(eqn), _lax_internal.convert_element_type_p, (x,), params, False, outer_ctx, _always
+    )
+    return None if outs is None else outs[0]
+
+
+class _CastOf:
+    """A cast's view of the equation it is made for: its source and context, one operand."""
+
+    __slots__ = ("source_info", "ctx", "effects", "invars")
+
+    def __init__(self, eqn: Any) -> None:
+        self.source_info, self.ctx, self.effects = eqn.source_info, eqn.ctx, ()
+        self.invars = (None,)
 
 def bind_params(eqn: Any) -> dict[str, Any]:
     params = eqn.primitive.get_bind_params(eqn.params)

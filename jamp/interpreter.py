@@ -421,8 +421,14 @@ class Step:
         if key is not None and key in self.env.casts:
             return self.env.casts[key]
         source = self.env.source(atom)
-        with compat.equation_context(self.eqn):
-            out = source.cast(dtype) if source is not None else compat.convert(self.args[i], dtype)
+        out = None
+        if source is None and self.rewriter.outer_ctx is not None:
+            out = compat.stage_convert(self.eqn, self.args[i], dtype, self.rewriter.outer_ctx)
+        if out is None:
+            with compat.equation_context(self.eqn):
+                out = (
+                    source.cast(dtype) if source is not None else compat.convert(self.args[i], dtype)
+                )
         if key is not None:
             self.env.casts[key] = out
         if self.rewriter.recorder is not None:
@@ -435,6 +441,15 @@ class Step:
 
     def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
         self.bound_args = args  # what the primitive finally ran on (read by jamp.explain)
+        if self.rewriter.outer_ctx is not None:
+            staged = compat.stage_like(
+                self.eqn,
+                args,
+                {**self.eqn.params, **overrides} if overrides else None,
+                self.rewriter.outer_ctx,
+            )
+            if staged is not None:
+                return staged
         params = compat.bind_params(self.eqn)
         params.update(overrides)
         with compat.equation_context(self.eqn):
@@ -498,6 +513,9 @@ class Rewriter:
         # name stack is: consecutive operations of a region mostly share it).
         self._last_state: tuple[Any, RegionState | None] = (None, None)
         self._last_stack_state: tuple[Any, RegionState | None] = (None, None)  # (state_for's)
+        # The equation context of the program ``run`` binds into: an equation traced in the
+        # same one is staged directly (``compat.stage_like``); None outside ``run``.
+        self.outer_ctx: Any = None
 
     def child(self, state: RegionState) -> Rewriter:
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
@@ -598,6 +616,7 @@ class Rewriter:
                 for tag in hint.tags:
                     (env.cotangent_inputs if tag == "cotangent" else getattr(env, tag)).add(var)
         self._active.append(env)
+        outer_ctx, self.outer_ctx = self.outer_ctx, compat.eqn_context_now()
         try:
             for eqn in jaxpr.eqns:
                 step = Step(self, env, eqn, self.state_for(eqn))
@@ -608,6 +627,7 @@ class Rewriter:
                 track_derived(step, outs)
         finally:
             self._active.pop()
+            self.outer_ctx = outer_ctx
         if self._owns_scope_log and self.policy.rules:
             report_unmatched_rules(self, jaxpr)
         return [env.read(v) for v in jaxpr.outvars]

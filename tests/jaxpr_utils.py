@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 from typing import Any, Callable, Iterator
 
 import jax
@@ -47,3 +48,24 @@ def dtype_signatures(jaxpr: Any, keep: Callable[[str], bool]) -> collections.Cou
 
 def make_jaxpr(fn: Any, *args: Any) -> Any:
     return jax.make_jaxpr(fn)(*args)
+
+
+def program_record(closed: Any) -> tuple[str, list[tuple[Any, ...]]]:
+    """A program's text and, for every equation (sub-jaxprs included), what the text leaves out:
+    its name stack, source line and equation context (mesh, XLA metadata, compute type)."""
+    return str(closed), [
+        (e.primitive.name, str(e.source_info.name_stack), compat.source_line(e), e.ctx)
+        for e in iter_eqns(closed)
+    ]
+
+
+@contextlib.contextmanager
+def bound_only() -> Iterator[None]:
+    """jamp's rewrite with every equation bound, none staged directly (``compat.stage_like``):
+    the reference a directly staged program must equal."""
+    stage = compat._stage
+    compat._stage = lambda *args: None
+    try:
+        yield
+    finally:
+        compat._stage = stage

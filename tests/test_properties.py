@@ -24,7 +24,8 @@ the README's bias-add rule) where they decide it unambiguously, (8) ``jax.grad``
 ``jamp.autocast()`` region equals ``jax.grad`` of the function with the region inside it, (9) a
 ``jamp.autocast()`` region around the program decides every operation as ``autocast_transform``
 does (JAX's refusals of loop carries and cond branches a region made 16-bit aside: they carry
-jamp's note).
+jamp's note), (10) the rewrite's direct staging of equations builds the program, sources and
+contexts included, that binding every equation builds.
 
 Besides the random search, ``test_pinned_program`` replays minimal counterexamples hypothesis
 found (and a few programs mixing every feature), and ``test_each_op_after_a_matmul`` runs the cheap
@@ -49,7 +50,7 @@ from jax import lax
 
 import jamp
 from tests.hypothesis_profiles import examples
-from tests.jaxpr_utils import dtype_signatures
+from tests.jaxpr_utils import bound_only, dtype_signatures, program_record
 
 try:  # the public home of JAX's type checker; tests never import jax._src
     from jax.extend.core import check_jaxpr as _check_jaxpr
@@ -555,6 +556,17 @@ def check_region_equals_transform(program: tuple, seed: int) -> None:
     assert_close(got, want, TOL_SAME_PRECISION, "region vs autocast_transform")
 
 
+def check_staged_equals_bound(program: tuple, seed: int) -> None:
+    """(10) The transform's rewrite stages most equations straight into the program being built
+    (``compat.stage_like``) instead of binding them: the program, every equation's name stack,
+    source line and context included, is the one binding every equation gives."""
+    f, (x, w) = as_function(program), make_inputs(seed)
+    staged = program_record(jax.make_jaxpr(jamp.autocast_transform(f))(x, w))
+    with bound_only():
+        bound = program_record(jax.make_jaxpr(jamp.autocast_transform(f))(x, w))
+    assert staged == bound
+
+
 def _matmuls(jaxpr: Any) -> list[Any]:
     return [e for e in iter_eqns(jaxpr) if e.primitive.name in MATMUL_PRIMS]
 
@@ -668,6 +680,13 @@ def test_a_region_decides_as_the_transform(family, data):
     check_region_equals_transform(*_draw(data, family))
 
 
+@family_param
+@settings(max_examples=TRACE_ONLY, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_staging_directly_builds_the_program_binding_builds(family, data):
+    check_staged_equals_bound(*_draw(data, family))
+
+
 # --- pinned programs: counterexamples hypothesis found, and coverage it may not reach ----------
 # Derandomized search depends on the test code, so a counterexample found once may not be drawn
 # again after an edit; its minimal form is kept here and checked on every run.
@@ -679,6 +698,7 @@ CHECKS = {
     "backward_matmuls_lowered": check_backward_matmuls_lowered,
     "grad_inside_region": check_grad_inside_region,
     "region_equals_transform": check_region_equals_transform,
+    "staged_equals_bound": check_staged_equals_bound,
 }
 PINNED = [
     # jnp.full(shape, python_float) after a matmul: promoted to float32, unlike jnp.zeros/ones.
@@ -712,7 +732,7 @@ EACH_OP = [
     ("jit", (("reduce", "sum", 1),)), ("remat", (("unary", "exp"), ("matmul",))),
 ]
 CHEAP_CHECKS = ("type_checks", "output_dtype", "matmuls_lowered", "agrees_with_float32",
-                "region_equals_transform")
+                "region_equals_transform", "staged_equals_bound")
 
 
 @pytest.mark.parametrize("check", CHEAP_CHECKS)

@@ -1,0 +1,172 @@
+"""The transform's rewrite stages equations straight into the program being built.
+
+Inside ``jax.jit`` or ``jax.make_jaxpr``, ``autocast_transform`` re-emits the traced program
+into the caller's trace. Most equations are staged directly (``compat.stage_like``: the
+equation is added as JAX's own staging would add it, without a full ``bind``); the rest are
+bound. Either way the program must be the same, down to name stacks, source lines and equation
+contexts: these tests compare a staged program with the one binding every equation builds
+(``tests.jaxpr_utils.bound_only``), on Flax models, under named scopes, XLA metadata and a mesh,
+and check that staging does happen. Property (10) in test_properties.py checks random programs.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import flax.linen as nn
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.xla_metadata import set_xla_metadata
+
+import jamp
+from tests.jaxpr_utils import bound_only, program_record
+
+
+class Block(nn.Module):
+    """A pre-LN transformer block and a conv + BatchNorm head: attention (softmax, masks from
+    Python constants), layer norm, gelu, reshapes and broadcasts, a conv."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm()(x)
+        h = nn.MultiHeadDotProductAttention(num_heads=2)(h, h, mask=nn.make_causal_mask(x[..., 0]))
+        x = x + h
+        x = x + nn.Dense(16)(jax.nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))))
+        y = nn.Conv(8, (3,))(x)
+        y = nn.BatchNorm(use_running_average=True)(y)
+        return jnp.mean(nn.relu(y), axis=(1, 2))
+
+
+def _model():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, 16)), jnp.float32)
+    model = Block()
+    variables = model.init(jax.random.PRNGKey(0), x)
+    return (lambda v, x: model.apply(v, x)), (variables, x)
+
+
+def _both(make_program):
+    """``make_program()`` with equations staged directly, and with every one bound (called from
+    the same line: a program's source locations hold the whole Python stack; JAX's caches
+    cleared before each, or the second ``jax.jit`` of a function would return the first's)."""
+    records = []
+    for staging in (contextlib.nullcontext(), bound_only()):
+        jax.clear_caches()
+        with staging:
+            records.append(make_program())
+    return records
+
+
+def test_a_flax_models_program_is_the_one_binding_builds():
+    f, args = _model()
+    staged, bound = _both(lambda: program_record(jax.make_jaxpr(jamp.autocast_transform(f))(*args)))
+    assert staged == bound
+    assert any(name == "dot_general" for name, *_ in staged[1])
+
+
+def test_a_jitted_train_step_lowers_to_the_same_module():
+    """What XLA receives, op names (the name stacks) and source locations included."""
+    f, (variables, x) = _model()
+
+    def loss(v, x):
+        return jnp.sum(jamp.autocast_transform(f)(v, x) ** 2)
+
+    def lowered():
+        return jax.jit(jax.value_and_grad(loss)).lower(variables, x).as_text(debug_info=True)
+
+    staged, bound = _both(lowered)
+    assert staged == bound
+
+
+def test_the_callers_name_scopes_prefix_the_staged_equations():
+    w = jnp.ones((4, 4))
+
+    def f(x):
+        with jax.named_scope("inner"):
+            return jnp.tanh(x @ w) + 1.0
+
+    def outer(x):
+        with jax.named_scope("outer"):
+            return jamp.autocast_transform(f)(x)
+
+    staged, bound = _both(lambda: program_record(jax.make_jaxpr(outer)(jnp.ones((2, 4)))))
+    assert staged == bound
+    stacks = {stack for name, stack, *_ in staged[1] if name == "dot_general"}
+    assert stacks == {"outer/inner"}, stacks
+
+
+@pytest.mark.parametrize("where", ["inside", "outside"])
+def test_equations_under_xla_metadata_keep_their_context(where):
+    """An equation traced under another context than the caller's (here XLA metadata set inside
+    the function, or around the call) gets the context binding gives it."""
+    w = jnp.ones((4, 4))
+
+    def f(x):
+        with set_xla_metadata(fusion="a") if where == "inside" else contextlib.nullcontext():
+            y = x @ w
+        return jnp.tanh(y)
+
+    def call(x):
+        with set_xla_metadata(stage="b") if where == "outside" else contextlib.nullcontext():
+            return jamp.autocast_transform(f)(x)
+
+    staged, bound = _both(lambda: program_record(jax.make_jaxpr(call)(jnp.ones((2, 4)))))
+    assert staged == bound
+    contexts = {str(ctx.xla_metadata) for name, _, _, ctx in staged[1] if name == "dot_general"}
+    assert contexts == ({"{'fusion': 'a'}"} if where == "inside" else {"{'stage': 'b'}"})
+
+
+def test_a_program_traced_under_a_mesh_is_the_one_binding_builds():
+    mesh = jax.make_mesh((1,), ("data",))
+    f, args = _model()
+
+    def traced():
+        with jax.set_mesh(mesh):
+            return program_record(jax.make_jaxpr(jamp.autocast_transform(f))(*args))
+
+    staged, bound = _both(traced)
+    assert staged == bound
+
+
+class _CountBinds:
+    """Counts ``Primitive.bind`` calls (JAX's public primitive class) while active."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __enter__(self):
+        self.bind = jax.extend.core.Primitive.bind
+        counter = self
+
+        def counting(primitive, *args, **params):
+            counter.count += 1
+            return counter.bind(primitive, *args, **params)
+
+        jax.extend.core.Primitive.bind = counting
+        return self
+
+    def __exit__(self, *exc):
+        jax.extend.core.Primitive.bind = self.bind
+
+
+def test_the_rewrite_of_a_dense_stack_binds_nothing_itself():
+    """Tracing the transformed function binds what tracing the function binds (its own trace);
+    the rewrite then stages every equation and cast, binding none (with staging off it binds
+    one per equation and cast: the check can fail)."""
+    args = ([jnp.full((8, 8), 0.1 * i) for i in range(3)], jnp.ones((2, 8)))
+
+    def f(ws, x):
+        for w in ws:
+            x = jnp.tanh(x @ w) * x
+        return x
+
+    jax.make_jaxpr(jamp.autocast_transform(f))(*args)  # (jamp looks at each primitive once)
+    with _CountBinds() as plain:
+        jax.make_jaxpr(f)(*args)
+    with _CountBinds() as transformed:
+        jax.make_jaxpr(jamp.autocast_transform(f))(*args)
+    with bound_only(), _CountBinds() as bound:
+        jax.make_jaxpr(jamp.autocast_transform(f))(*args)
+    assert transformed.count == plain.count
+    assert bound.count > plain.count + 3 * 3  # three matmuls, tanhs and products at least
