@@ -305,9 +305,7 @@ def _stage(
             if arg._trace is not trace:
                 return None
             any_tracer = True
-        elif isinstance(arg, _core.Tracer) or not (
-            type(atom) is _core.Literal and arg is atom.val
-        ):
+        elif isinstance(arg, _core.Tracer) or not (type(atom) is _core.Literal and arg is atom.val):
             return None  # (a constant other than the jaxpr's own literal: bind canonicalizes)
         else:
             arg = trace.to_jaxpr_tracer(_dtypes.canonicalize_value(arg), source_info)
@@ -341,15 +339,16 @@ def stage_like(eqn: Any, args: Sequence[Any], params: dict | None, outer_ctx: An
     condition = _staging_condition(primitive)
     if condition is None:
         return None
-    same = params is None
-    return _stage(eqn, primitive, args, eqn.params if same else params, same, outer_ctx, condition)
+    if params is None:
+        return _stage(eqn, primitive, args, eqn.params, True, outer_ctx, condition)
+    return _stage(eqn, primitive, args, params, False, outer_ctx, condition)
 
 
 def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
     """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, for a
     tracer ``x`` of another dtype, where neither the forwarding nor the folding rule of
     ``convert_element_type`` applies; None where only a bind can."""
-    if type(x) is not _pe.DynamicJaxprTracer or x.aval.dtype == dtype or x.get_const() is not None:
+    if type(x) is not _pe.DynamicJaxprTracer or x.dtype == dtype or x.get_const() is not None:
         return None
     params = {"new_dtype": dtype, "weak_type": False, "sharding": None}
     outs = _stage(
@@ -366,6 +365,7 @@ class _CastOf:
     def __init__(self, eqn: Any) -> None:
         self.source_info, self.ctx, self.effects = eqn.source_info, eqn.ctx, ()
         self.invars = (None,)
+
 
 def bind_params(eqn: Any) -> dict[str, Any]:
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -772,7 +772,36 @@ def bind_on(
             return primitive.bind(*args, **params)
     if avals is None:
         avals = [_core.typeof(a) for a in args]
+    if type(trace) is _pe.DynamicJaxprTrace:
+        staged = _stage_now(trace, primitive, args, avals, params)
+        if staged is not None:
+            return staged if primitive.multiple_results else staged[0]
     return primitive.bind_with_trace(trace, args, avals, params)
+
+
+def _stage_now(
+    trace: Any, primitive: Any, args: Sequence[Any], avals: Sequence[Any], params: dict
+) -> list[Any] | None:
+    """An operation bound now (a region's) staged into ``trace`` as ``stage_like`` stages a
+    rewritten equation, under the current source info and context; None where only a bind can."""
+    condition = _staging_condition(primitive)
+    if (
+        condition is None
+        or not args  # (bind may fold it: eager_constant_folding)
+        or any(type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace for a in args)
+        or any(isinstance(v, _JAXPR_TYPES) for v in params.values())
+        or not condition(params, list(avals))
+    ):
+        return None
+    out, effects = _pe._cached_abstract_eval(primitive, *avals, **params)
+    if effects:
+        return None
+    out_avals = list(out) if primitive.multiple_results else [out]
+    staged, outs = trace.make_eqn(
+        list(args), out_avals, primitive, params, _core.no_effects, _siu.current()
+    )
+    trace.frame.add_eqn(staged)
+    return outs
 
 
 _PLAIN_BIND = _core.Primitive.bind

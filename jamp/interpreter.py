@@ -427,7 +427,9 @@ class Step:
         if out is None:
             with compat.equation_context(self.eqn):
                 out = (
-                    source.cast(dtype) if source is not None else compat.convert(self.args[i], dtype)
+                    source.cast(dtype)
+                    if source is not None
+                    else compat.convert(self.args[i], dtype)
                 )
         if key is not None:
             self.env.casts[key] = out
@@ -567,9 +569,12 @@ class Rewriter:
         """The state under the named scopes ``scopes`` (region markers, module paths)."""
         state = self._states.get(scopes)
         if state is None:
-            state = self.base
-            for name in scopes:
-                state = apply_marker(name, state) or state.enter_scope(name, self.policy.rules)
+            # from the enclosing scope's state (a model's modules share their parents' paths)
+            state = self.state_for_scopes(scopes[:-1]) if scopes else self.base
+            if scopes:
+                state = apply_marker(scopes[-1], state) or state.enter_scope(
+                    scopes[-1], self.policy.rules
+                )
                 self.scope_log.add(state.path)
             self._states[scopes] = state
         return state
@@ -941,8 +946,11 @@ def equalize_targets(step: Step) -> dict[int, np.dtype]:
     include) take the dtype of the others, unless every operand of the group adapts.
     float64 is never narrowed.
     """
+    floating = step.floating()
+    if len(floating) < 2:
+        return {}  # (most operations: nothing to agree with)
     groups: dict[Any, list[int]] = {}
-    for i in step.floating():
+    for i in floating:
         # A region binds each operation as it comes: the operands JAX's own rules (a JVP, a
         # transpose) combine must agree whatever the policy made of them, so they form one group.
         key = "region" if step.rewriter.region else np.dtype(step.traced_aval(i).dtype)

@@ -61,11 +61,12 @@ def program_record(closed: Any) -> tuple[str, list[tuple[Any, ...]]]:
 
 @contextlib.contextmanager
 def bound_only() -> Iterator[None]:
-    """jamp's rewrite with every equation bound, none staged directly (``compat.stage_like``):
-    the reference a directly staged program must equal."""
-    stage = compat._stage
-    compat._stage = lambda *args: None
+    """jamp with every equation bound, none staged directly (``compat.stage_like`` for the
+    transform's rewrite, ``compat.bind_on`` for a region's operations): the reference a directly
+    staged program must equal."""
+    stage, stage_now = compat._stage, compat._stage_now
+    compat._stage = compat._stage_now = lambda *args: None
     try:
         yield
     finally:
-        compat._stage = stage
+        compat._stage, compat._stage_now = stage, stage_now

@@ -1,10 +1,11 @@
-"""The transform's rewrite stages equations straight into the program being built.
+"""jamp stages equations straight into the program being built.
 
 Inside ``jax.jit`` or ``jax.make_jaxpr``, ``autocast_transform`` re-emits the traced program
 into the caller's trace. Most equations are staged directly (``compat.stage_like``: the
 equation is added as JAX's own staging would add it, without a full ``bind``); the rest are
 bound. Either way the program must be the same, down to name stacks, source lines and equation
-contexts: these tests compare a staged program with the one binding every equation builds
+contexts. A region's operations (``compat.bind_on``) are staged the same way. These tests
+compare a staged program with the one binding every equation builds
 (``tests.jaxpr_utils.bound_only``), on Flax models, under named scopes, XLA metadata and a mesh,
 and check that staging does happen. Property (10) in test_properties.py checks random programs.
 """
@@ -48,11 +49,11 @@ def _model():
 
 def _both(make_program):
     """``make_program()`` with equations staged directly, and with every one bound (called from
-    the same line: a program's source locations hold the whole Python stack; JAX's caches
-    cleared before each, or the second ``jax.jit`` of a function would return the first's)."""
+    the same line: a program's source locations hold the whole Python stack). Each call must
+    trace new function objects: a second ``jax.jit`` or ``make_jaxpr`` of the same function
+    would return the first one's program from JAX's cache."""
     records = []
     for staging in (contextlib.nullcontext(), bound_only()):
-        jax.clear_caches()
         with staging:
             records.append(make_program())
     return records
@@ -69,10 +70,10 @@ def test_a_jitted_train_step_lowers_to_the_same_module():
     """What XLA receives, op names (the name stacks) and source locations included."""
     f, (variables, x) = _model()
 
-    def loss(v, x):
-        return jnp.sum(jamp.autocast_transform(f)(v, x) ** 2)
-
     def lowered():
+        def loss(v, x):
+            return jnp.sum(jamp.autocast_transform(f)(v, x) ** 2)
+
         return jax.jit(jax.value_and_grad(loss)).lower(variables, x).as_text(debug_info=True)
 
     staged, bound = _both(lowered)
@@ -86,11 +87,14 @@ def test_the_callers_name_scopes_prefix_the_staged_equations():
         with jax.named_scope("inner"):
             return jnp.tanh(x @ w) + 1.0
 
-    def outer(x):
-        with jax.named_scope("outer"):
-            return jamp.autocast_transform(f)(x)
+    def record():
+        def outer(x):
+            with jax.named_scope("outer"):
+                return jamp.autocast_transform(f)(x)
 
-    staged, bound = _both(lambda: program_record(jax.make_jaxpr(outer)(jnp.ones((2, 4)))))
+        return program_record(jax.make_jaxpr(outer)(jnp.ones((2, 4))))
+
+    staged, bound = _both(record)
     assert staged == bound
     stacks = {stack for name, stack, *_ in staged[1] if name == "dot_general"}
     assert stacks == {"outer/inner"}, stacks
@@ -107,11 +111,14 @@ def test_equations_under_xla_metadata_keep_their_context(where):
             y = x @ w
         return jnp.tanh(y)
 
-    def call(x):
-        with set_xla_metadata(stage="b") if where == "outside" else contextlib.nullcontext():
-            return jamp.autocast_transform(f)(x)
+    def record():
+        def call(x):
+            with set_xla_metadata(stage="b") if where == "outside" else contextlib.nullcontext():
+                return jamp.autocast_transform(f)(x)
 
-    staged, bound = _both(lambda: program_record(jax.make_jaxpr(call)(jnp.ones((2, 4)))))
+        return program_record(jax.make_jaxpr(call)(jnp.ones((2, 4))))
+
+    staged, bound = _both(record)
     assert staged == bound
     contexts = {str(ctx.xla_metadata) for name, _, _, ctx in staged[1] if name == "dot_general"}
     assert contexts == ({"{'fusion': 'a'}"} if where == "inside" else {"{'stage': 'b'}"})
@@ -126,6 +133,25 @@ def test_a_program_traced_under_a_mesh_is_the_one_binding_builds():
             return program_record(jax.make_jaxpr(jamp.autocast_transform(f))(*args))
 
     staged, bound = _both(traced)
+    assert staged == bound
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["make_jaxpr", "jit"])
+def test_a_regions_program_is_the_one_binding_builds(jitted):
+    """A region stages the operations it decides (or replays) into the caller's program the
+    same way (``compat.bind_on``)."""
+    f, (variables, x) = _model()
+
+    def record():
+        def in_region(v, x):
+            with jax.named_scope("outer"), jamp.autocast():
+                return f(v, x)
+
+        if jitted:
+            return jax.jit(in_region).lower(variables, x).as_text(debug_info=True)
+        return program_record(jax.make_jaxpr(in_region)(variables, x))
+
+    staged, bound = _both(record)
     assert staged == bound
 
 
