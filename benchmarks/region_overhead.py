@@ -17,9 +17,10 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   pass instead of two).
 
 (a') The floor of the transform's rewrite (``floor``)
-  ``autocast_transform`` re-binds every equation of the traced program into a new trace. The
-  same ``make_jaxpr`` with the rules switched off (every equation bound as traced: an ablation)
-  gives what that re-binding alone costs against plain tracing, which no rule can go below.
+  ``autocast_transform`` re-emits every equation of the traced program into the caller's trace
+  (staged directly where it can, ``compat.stage_like``, else bound). The same ``make_jaxpr``
+  with the rules switched off (every equation re-emitted as traced: an ablation) gives what
+  that alone costs against plain tracing, which no rule can go below.
 
 (b) First call of a jitted train step (``compile``)
   ``jax.jit(step)`` with ``step`` = ``jax.value_and_grad(loss)`` + an optax SGD (momentum 0.9)
@@ -313,9 +314,9 @@ def profile_trace(blocks: int, top: int) -> None:
 
 @contextlib.contextmanager
 def rules_off() -> Any:
-    """An ablation, not a mode of jamp: ``autocast_transform``'s rewrite binds every equation
-    as it is traced (no rule runs, nothing is tracked). What it still costs is the floor of a
-    rewrite that re-binds the program into a new trace."""
+    """An ablation, not a mode of jamp: ``autocast_transform``'s rewrite re-emits every
+    equation as it is traced (``Step.bind``: staged or bound; no rule runs, nothing is tracked).
+    What it still costs is the floor of a rewrite that re-emits the program into a new trace."""
     from jamp import interpreter
 
     apply, track = interpreter.Rewriter.apply, interpreter.track_derived
@@ -353,8 +354,9 @@ def measure_floor(blocks: Sequence[int], reps: int) -> None:
                      fmt_spread(spread(ratios(t["transform, no rule"], t["plain"])), True)])
     print("## (a') The floor of `autocast_transform`'s rewrite\n\n"
           f"The transformer stack of (a); {reps} interleaved repetitions per size. 'no rule': the "
-          "rewrite re-binds every equation as traced, without running any rule (an ablation: "
-          "the floor of re-binding a program into a new trace).\n")
+          "rewrite re-emits every equation as traced (staged directly where it can, else bound), "
+          "without running any rule (an ablation: the floor of re-emitting a program into a "
+          "new trace).\n")
     print(markdown_table(["stack", "plain ms", "transform ms", "transform, no rule ms",
                           "transform / plain", "no rule / plain"], rows))
     print()
