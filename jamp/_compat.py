@@ -347,8 +347,16 @@ def stage_like(eqn: Any, args: Sequence[Any], params: dict | None, outer_ctx: An
 def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
     """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, for a
     tracer ``x`` of another dtype, where neither the forwarding nor the folding rule of
-    ``convert_element_type`` applies; None where only a bind can."""
-    if type(x) is not _pe.DynamicJaxprTracer or x.dtype == dtype or x.get_const() is not None:
+    ``convert_element_type`` applies, between floating dtypes (what ``convert`` does before it
+    binds is then nothing: no extended dtype, no complex part dropped); None where only a bind
+    can."""
+    if (
+        type(x) is not _pe.DynamicJaxprTracer
+        or x.dtype == dtype
+        or not _dtypes.issubdtype(x.dtype, np.floating)
+        or not _dtypes.issubdtype(dtype, np.floating)
+        or x.get_const() is not None
+    ):
         return None
     params = {"new_dtype": dtype, "weak_type": False, "sharding": None}
     outs = _stage(
