@@ -22,6 +22,13 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   with the rules switched off (every equation re-emitted as traced: an ablation) gives what
   that alone costs against plain tracing, which no rule can go below.
 
+(a'') Tracing with full collections shared out (``amortized``)
+  (a) forces a collection before every sample, so a side pays a full (generation-2) collection
+  only when its own survivors within one call cross the collector's threshold. Here each side
+  is traced several times in a row with no forced collection, the sides alternating by round,
+  so each pays the full collections its survivors trigger, as a process tracing many programs
+  does (``--amortized-calls``, ``--amortized-rounds``; plain and transform).
+
 (b) First call of a jitted train step (``compile``)
   ``jax.jit(step)`` with ``step`` = ``jax.value_and_grad(loss)`` + an optax SGD (momentum 0.9)
   update, ``loss = cross_entropy(forward(params, x), labels)`` (float32 log-softmax), traced,
@@ -63,10 +70,11 @@ Conventions (as in the other benchmarks)
 
 Usage::
 
-    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py            # all three
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py            # all but (a'')
     JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/region_overhead.py
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --quick    # smoke run
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts trace --profile
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts amortized --blocks 12 48
     # also: --blocks 12 24 48, --compile-blocks 4 12, --reps, --compile-reps, --eager-reps,
     #       --cold-reps, --caller-depths 0 8 16 (see rewrite_overhead.py), --top
 """
@@ -101,6 +109,7 @@ from common import (  # noqa: E402
     Transformer,
     count_converts,
     count_eqns,
+    FullGcTimer,
     cross_entropy,
     environment,
     hlo_op_counts,
@@ -359,6 +368,42 @@ def measure_floor(blocks: Sequence[int], reps: int) -> None:
           "new trace).\n")
     print(markdown_table(["stack", "plain ms", "transform ms", "transform, no rule ms",
                           "transform / plain", "no rule / plain"], rows))
+    print()
+
+
+# --- (a'') tracing with the collector's cost shared out over many calls ------------------------
+
+def measure_amortized(blocks: Sequence[int], calls: int, rounds: int) -> None:
+    """Each side traced ``calls`` times in a row with no collection forced before a call, the
+    sides alternating by round: a full collection is paid by the side whose survivors trigger
+    it, as in a process that traces many programs. (a) collects before every sample, so a side
+    whose survivors stay under the collector's threshold within one call never pays one."""
+    sides = ("plain", "transform")
+    rows = []
+    for n in blocks:
+        fns = floor_sides(*stack_case(n, d=D, heads=HEADS, seq=SEQ, batch=BATCH))
+        for side in sides:
+            fns[side]()
+        per_call: dict[str, list[float]] = {side: [] for side in sides}
+        full: dict[str, list[float]] = {side: [] for side in sides}
+        gc.collect()
+        for r in range(rounds):
+            for side in rotated(sides, r):
+                with FullGcTimer() as full_gc:
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        fns[side]()
+                    per_call[side].append((time.perf_counter() - start) / calls)
+                full[side].append(full_gc.seconds / calls)
+        rows.append([f"{n} blocks", *(f"{median(per_call[s]) * 1e3:.1f}" for s in sides),
+                     *(f"{median(full[s]) * 1e3:.1f}" for s in sides),
+                     fmt_spread(spread(ratios(per_call["transform"], per_call["plain"])), True)])
+    print("## (a'') Tracing with full collections shared out\n\n"
+          f"The transformer stack of (a); per side {rounds} rounds of {calls} calls in a row, no "
+          "collection forced between calls, sides alternating by round; mean ms per call, and "
+          "of it ms in full (generation-2) collections.\n")
+    print(markdown_table(["stack", "plain ms", "transform ms", "plain full-GC ms",
+                          "transform full-GC ms", "transform / plain"], rows))
     print()
 
 
@@ -629,7 +674,7 @@ def report_eager(results: dict[str, Any], reps: int, warmup: int, fresh_reps: in
 
 # --- entry point ---------------------------------------------------------------------------------
 
-PARTS = ("trace", "compile", "eager", "floor")
+PARTS = ("trace", "compile", "eager", "floor", "amortized")
 
 
 def main() -> None:
@@ -637,13 +682,18 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: small stacks, few repetitions")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--parts", nargs="+", choices=PARTS,
+                        default=[p for p in PARTS if p != "amortized"])
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="(a) stack depths (default 12 24 48; --quick: 4 8)")
     parser.add_argument("--reps", type=int, default=None, help="(a) repetitions (default 7)")
     parser.add_argument("--caller-depths", type=int, nargs="+", default=[0],
                         help="(a) sample every side at these Python stack depths "
                              "(see rewrite_overhead.py)")
+    parser.add_argument("--amortized-calls", type=int, default=6,
+                        help="(a'') calls in a row per side and round (default 6)")
+    parser.add_argument("--amortized-rounds", type=int, default=6,
+                        help="(a'') rounds per side (default 6)")
     parser.add_argument("--compile-blocks", type=int, nargs="+", default=None,
                         help="(b) stack depths (default 4 12; --quick: 2)")
     parser.add_argument("--compile-reps", type=int, default=None,
@@ -682,6 +732,8 @@ def main() -> None:
         report_compile(measure_compile(compile_blocks, compile_reps), compile_reps)
     if "floor" in args.parts:
         measure_floor(blocks, reps)
+    if "amortized" in args.parts:
+        measure_amortized(blocks, args.amortized_calls, args.amortized_rounds)
     if "eager" in args.parts:
         report_eager(measure_eager(eager_reps, eager_warmup, fresh_reps, cold_reps),
                      eager_reps, eager_warmup, fresh_reps, cold_reps)
