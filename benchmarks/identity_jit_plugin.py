@@ -199,11 +199,20 @@ def pytest_warning_recorded(warning_message: Any, when: str, nodeid: str, locati
 
 def _dump(finished: bool) -> None:
     out = os.environ.get("JAMP_IDENTITY_OUT")
-    if out:
-        with open(out + ".tmp", "w") as f:
-            json.dump({"patched": os.environ.get("JAMP_IDENTITY_PATCH") == "1", "form": FORM,
-                       "finished": finished, "counts": COUNTS, "outcomes": OUTCOMES}, f, indent=1)
-        os.replace(out + ".tmp", out)
+    if not out:
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is not None:
+        # Under xdist the controller gathers every outcome and writes the results; a worker
+        # writes only the jits it patched, beside them, for identity_policy.py to add up. (Both
+        # writing the one file raced: a run stopped with pytest's INTERNALERROR part way.)
+        out, data = f"{out}.counts-{worker}", {"counts": COUNTS}
+    else:
+        data = {"patched": os.environ.get("JAMP_IDENTITY_PATCH") == "1", "form": FORM,
+                "finished": finished, "counts": COUNTS, "outcomes": OUTCOMES}
+    with open(f"{out}.tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(f"{out}.tmp", out)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

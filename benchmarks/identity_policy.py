@@ -120,6 +120,8 @@ def run_file(args: argparse.Namespace, name: str, patched: bool,
         cmd += ["-k", args.select[name]]
     if args.workers:  # (after the file: the ids replace it as the last argument)
         cmd += ["-n", str(args.workers)]
+    for stale in out_dir.glob(f"{out.name}.counts-*"):
+        stale.unlink()
     start = time.time()
     log = out_dir / ("patched.log" if patched else "baseline.log")
     with open(log, "w") as f:
@@ -127,6 +129,10 @@ def run_file(args: argparse.Namespace, name: str, patched: bool,
     if not out.exists():
         raise SystemExit(f"{name}: pytest wrote no results (exit {proc.returncode}), see {log}")
     result = json.loads(out.read_text())
+    for part in sorted(out_dir.glob(f"{out.name}.counts-*")):  # xdist workers' patched jits
+        for key, value in json.loads(part.read_text())["counts"].items():
+            result["counts"][key] = result["counts"].get(key, 0) + value
+        part.unlink()
     result["seconds"] = round(time.time() - start, 1)
     out.write_text(json.dumps(result, indent=1))
     return result

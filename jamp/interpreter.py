@@ -1,5 +1,6 @@
-"""The rewriting evaluator: walks a jaxpr and re-binds every equation under the caller's trace,
-inserting casts where the policy says so.
+"""The rewriting evaluator: walks a jaxpr and re-emits every equation under the caller's trace,
+inserting casts where the policy says so (into a program being built, most equations are staged
+directly rather than bound: ``Step.bind``, ``_compat.stage_like``).
 
 Rules live in one registry, ``RULES`` (primitive name -> :class:`PrimitiveRules`), as in JAX's
 own interpreters, and every front end reads it: the rewriter (``autocast_transform``), the region
