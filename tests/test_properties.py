@@ -24,8 +24,8 @@ the README's bias-add rule) where they decide it unambiguously, (8) ``jax.grad``
 ``jamp.autocast()`` region equals ``jax.grad`` of the function with the region inside it, (9) a
 ``jamp.autocast()`` region around the program decides every operation as ``autocast_transform``
 does (JAX's refusals of loop carries and cond branches a region made 16-bit aside: they carry
-jamp's note), (10) the rewrite's direct staging of equations builds the program, sources and
-contexts included, that binding every equation builds.
+jamp's note), (10) staging equations directly (the transform's rewrite, a region's operations)
+builds the program, sources and contexts included, that binding every equation builds.
 
 Besides the random search, ``test_pinned_program`` replays minimal counterexamples hypothesis
 found (and a few programs mixing every feature), and ``test_each_op_after_a_matmul`` runs the cheap
@@ -37,6 +37,7 @@ example database, so failures reproduce run to run; ``fast`` in the fast loop: a
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from typing import Any, Iterator, Optional
 
@@ -557,14 +558,27 @@ def check_region_equals_transform(program: tuple, seed: int) -> None:
 
 
 def check_staged_equals_bound(program: tuple, seed: int) -> None:
-    """(10) The transform's rewrite stages most equations straight into the program being built
-    (``compat.stage_like``) instead of binding them: the program, every equation's name stack,
-    source line and context included, is the one binding every equation gives."""
+    """(10) The transform's rewrite and a region stage most equations straight into the program
+    being built (``compat.stage_like``, ``compat.bind_on``) instead of binding them: the program,
+    every equation's name stack, source line and context included, is the one binding every
+    equation gives."""
     f, (x, w) = as_function(program), make_inputs(seed)
-    staged = program_record(jax.make_jaxpr(jamp.autocast_transform(f))(x, w))
-    with bound_only():
-        bound = program_record(jax.make_jaxpr(jamp.autocast_transform(f))(x, w))
-    assert staged == bound
+
+    def in_region(x, w):
+        with jamp.autocast():
+            return f(x, w)
+
+    for form in (lambda: jamp.autocast_transform(f), lambda: lambda x, w: in_region(x, w)):
+        records = []
+        for staging in (contextlib.nullcontext(), bound_only()):
+            with staging:  # (a new function each time: JAX's trace cache would answer)
+                try:
+                    records.append(program_record(jax.make_jaxpr(form())(x, w)))
+                except TypeError as refused:  # JAX refused what a region made 16-bit, as in (9)
+                    notes = "".join(getattr(refused, "__notes__", ()))
+                    assert "inside a jamp.autocast region" in notes, refused
+                    records.append("refused")
+        assert records[0] == records[1]
 
 
 def _matmuls(jaxpr: Any) -> list[Any]:
