@@ -318,12 +318,28 @@ def _stage(
     if same_types and all(a == v.aval for a, v in zip(avals, eqn.invars)):
         out_avals = [v.aval for v in eqn.outvars]
     else:
-        out, effects = _pe._cached_abstract_eval(primitive, *avals, **params)
+        out_avals = None
+    return _add_equation(trace, tracers, primitive, params, source_info, eqn.ctx, out_avals)
+
+
+def _add_equation(
+    trace: Any,
+    tracers: list[Any],
+    primitive: Any,
+    params: dict,
+    source_info: Any,
+    ctx: Any,
+    out_avals: list[Any] | None = None,
+) -> list[Any] | None:
+    """Add ``primitive`` on ``tracers`` to ``trace``'s program as its default staging does, with
+    ``out_avals`` or its (cached) abstract evaluation; None for one with effects (bound)."""
+    if out_avals is None:
+        out, effects = _pe._cached_abstract_eval(primitive, *(t.aval for t in tracers), **params)
         if effects:
             return None
         out_avals = list(out) if primitive.multiple_results else [out]
     staged, outs = trace.make_eqn(
-        tracers, out_avals, primitive, params, _core.no_effects, source_info, eqn.ctx
+        tracers, out_avals, primitive, params, _core.no_effects, source_info, ctx
     )
     trace.frame.add_eqn(staged)
     return outs
@@ -773,8 +789,9 @@ def bind_on(
     """Bind ``primitive`` on ``trace`` (a region's parent) from a trace's ``process_primitive``:
     what ``primitive.bind`` under ``set_current_trace(trace)`` does, for operands that ``bind``
     has canonicalized already (``avals``: their types), without entering the trace context and
-    canonicalizing again (``Primitive.bind`` then calls ``bind_with_trace``, as here). A
-    primitive with a ``bind`` of its own is bound through it."""
+    canonicalizing again (``Primitive.bind`` then calls ``bind_with_trace``, as here), and
+    into a program being built staged directly where it can be (``_stage_now``). A primitive
+    with a ``bind`` of its own is bound through it."""
     if type(primitive).bind is not _PLAIN_BIND:
         with _core.set_current_trace(trace):
             return primitive.bind(*args, **params)
@@ -801,15 +818,7 @@ def _stage_now(
         or not condition(params, list(avals))
     ):
         return None
-    out, effects = _pe._cached_abstract_eval(primitive, *avals, **params)
-    if effects:
-        return None
-    out_avals = list(out) if primitive.multiple_results else [out]
-    staged, outs = trace.make_eqn(
-        list(args), out_avals, primitive, params, _core.no_effects, _siu.current()
-    )
-    trace.frame.add_eqn(staged)
-    return outs
+    return _add_equation(trace, list(args), primitive, params, _siu.current(), None)
 
 
 _PLAIN_BIND = _core.Primitive.bind
