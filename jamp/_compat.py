@@ -26,10 +26,17 @@ from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
 from jax._src import source_info_util as _siu
 from jax._src.interpreters import partial_eval as _pe
+from jax._src import api as _api
+from jax._src import pjit as _pjit
+from jax._src import sharding_impls as _sharding_impls
 from jax._src.lax import lax as _lax_internal
 
 Literal = _core.Literal
 Var = _core.Var
+# The trace of a program being built (``make_jaxpr``/``jit``) and its tracers (a tracer's
+# ``val`` is its Var there).
+ProgramTrace = _pe.DynamicJaxprTrace
+ProgramTracer = _pe.DynamicJaxprTracer
 DropVar = _core.DropVar
 Primitive = _core.Primitive
 ShapedArray = _core.ShapedArray
@@ -379,6 +386,30 @@ def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
         _CastOf(eqn), _lax_internal.convert_element_type_p, (x,), params, False, outer_ctx, _always
     )
     return None if outs is None else outs[0]
+
+
+def convert_now(x: Any, dtype: Any) -> Any:
+    """``convert(x, dtype)`` bound now (a region's cast, under the current source info and
+    context), staged directly into the current trace where ``stage_convert`` would stage it (a
+    tracer of a program being built, between floating dtypes, not a known constant), else
+    converted."""
+    trace = _core.trace_ctx.trace
+    dtype = np.dtype(dtype)
+    if (
+        type(trace) is _pe.DynamicJaxprTrace
+        and type(x) is _pe.DynamicJaxprTracer
+        and x.dtype != dtype
+        and _dtypes.issubdtype(x.dtype, np.floating)
+        and _dtypes.issubdtype(dtype, np.floating)
+        and x.get_const() is None
+    ):
+        params = {"new_dtype": dtype, "weak_type": False, "sharding": None}
+        outs = _stage_now(
+            trace, _lax_internal.convert_element_type_p, (x,), (x.aval,), params, _always
+        )
+        if outs is not None:
+            return outs[0]
+    return convert(x, dtype)
 
 
 class _CastOf:
@@ -798,18 +829,69 @@ def bind_on(
     if avals is None:
         avals = [_core.typeof(a) for a in args]
     if type(trace) is _pe.DynamicJaxprTrace:
-        staged = _stage_now(trace, primitive, args, avals, params)
+        if primitive is _jit_p:
+            staged = _inline_now(trace, primitive, args, avals, params)
+        else:
+            staged = _stage_now(trace, primitive, args, avals, params)
         if staged is not None:
             return staged if primitive.multiple_results else staged[0]
     return primitive.bind_with_trace(trace, args, avals, params)
 
 
-def _stage_now(
+def _inlines_when_staged(params: dict) -> bool:
+    """Whether JAX's staging rule of a jit (``pjit_staging_rule``, jax 0.10 and 0.12) inlines a
+    call with ``params`` into the program being traced (jnp's functions): inline (0.12: early,
+    by JAX), no shardings, layouts or compiler options."""
+    inline = params["inline"]
+    return (
+        (inline is _INLINE_EARLY if _INLINE_EARLY is not None else bool(inline))
+        and not params["compiler_options_kvs"]
+        and all(isinstance(i, _UnspecifiedValue) for i in params["in_shardings"])
+        and all(isinstance(o, _UnspecifiedValue) for o in params["out_shardings"])
+        and all(i is None for i in params["in_layouts"])
+        and all(o is None for o in params["out_layouts"])
+    )
+
+
+def _inline_now(
     trace: Any, primitive: Any, args: Sequence[Any], avals: Sequence[Any], params: dict
 ) -> list[Any] | None:
+    """A jit call bound now (a region's rewrite of a jnp function) inlined into ``trace`` as
+    JAX's ``process_primitive`` and the jit's staging rule inline it (constant operands made
+    constants of the program, ``pe.inline_jaxpr_into_trace`` under the current source info),
+    without the bind's dispatch; None where only a bind can (the rule would not inline, no
+    operand is a tracer of ``trace`` (JAX may fold it), one is a tracer of another trace)."""
+    own = False
+    for a in args:
+        if type(a) is _pe.DynamicJaxprTracer and a._trace is trace:
+            own = True
+        elif isinstance(a, _core.Tracer):
+            return None
+    if not own or not _inlines_when_staged(params):
+        return None
+    closed = params["jaxpr"]
+    trace.frame.is_high |= primitive.is_high(*avals, **params)  # (as process_primitive does)
+    source_info = _siu.current()
+    tracers = [
+        a if type(a) is _pe.DynamicJaxprTracer else trace.to_jaxpr_tracer(a, source_info)
+        for a in args
+    ]
+    outs = _pe.inline_jaxpr_into_trace(trace, source_info, closed.jaxpr, closed.consts, *tracers)
+    return [trace.to_jaxpr_tracer(x, source_info) for x in outs]
+
+
+def _stage_now(
+    trace: Any,
+    primitive: Any,
+    args: Sequence[Any],
+    avals: Sequence[Any],
+    params: dict,
+    condition: Callable[[dict, list], bool] | None = None,
+) -> list[Any] | None:
     """An operation bound now (a region's) staged into ``trace`` as ``stage_like`` stages a
-    rewritten equation, under the current source info and context; None where only a bind can."""
-    condition = _staging_condition(primitive)
+    rewritten equation, under the current source info and context; None where only a bind can.
+    ``condition``: when ``primitive`` may be staged (default: ``_staging_condition``)."""
+    condition = condition or _staging_condition(primitive)
     if (
         condition is None
         or not args  # (bind may fold it: eager_constant_folding)
@@ -822,6 +904,10 @@ def _stage_now(
 
 
 _PLAIN_BIND = _core.Primitive.bind
+_jit_p = _pjit.jit_p
+# jax 0.12's ``Inline.JAX_EARLY`` (the calls its staging rule inlines); None before (a bool).
+_INLINE_EARLY = getattr(getattr(_api, "Inline", None), "JAX_EARLY", None)
+_UnspecifiedValue = _sharding_impls.UnspecifiedValue
 
 
 # --- A differentiation started inside a region (``jax.grad`` called in ``with jamp.autocast():``)

@@ -430,7 +430,7 @@ class Step:
                 out = (
                     source.cast(dtype)
                     if source is not None
-                    else compat.convert(self.args[i], dtype)
+                    else compat.convert_now(self.args[i], dtype)
                 )
         if key is not None:
             self.env.casts[key] = out

@@ -160,6 +160,9 @@ def _program_view(avals: list) -> list:
     return [a.update(dtype=wide, weak_type=False) if f else a for a, f in zip(avals, is_floating)]
 
 
+ProgramTracer = compat.ProgramTracer
+
+
 class _ValueRef(weakref.ref):
     """A weak reference to a value a region has seen, with its variable and ``id`` (one object
     per value, as few as the garbage collector can be given: a region sees every value)."""
@@ -180,11 +183,14 @@ class _ValueRef(weakref.ref):
 class RegionEnv(Env):
     """The environment of one region: a variable per value that passed through it, the tags the
     rules read, and the casts already made. Entries go with their values (weak references), so an
-    eager loop inside one region does not keep every step's arrays alive."""
+    eager loop inside one region does not keep every step's arrays alive; a tracer of a program
+    being built is known by its variable in that program instead (it lives as long as the
+    program, which outlives the region: no reference or callback per value needed)."""
 
     def __init__(self) -> None:
         super().__init__(None)
         self._vars: dict[int, _ValueRef] = {}  # id(value) -> weak reference holding its Var
+        self._traced: dict[Any, Any] = {}  # a program tracer's variable there -> its Var here
         self._on_death = self._forget  # (one callback for every reference)
         self.casts: CastsByVar = CastsByVar()
         self._cotangent = set()
@@ -200,6 +206,14 @@ class RegionEnv(Env):
     def var_for(self, value: Any, aval: Any = None) -> tuple[Any, bool]:
         """(the variable standing for ``value``, whether it is new to this region); ``aval``:
         its type where the caller has it (eagerly, ``jax.typeof`` of an array builds one)."""
+        if type(value) is ProgramTracer and type(value.val) is compat.Var:
+            var = self._traced.get(value.val)
+            if var is not None:
+                return var, False
+            var = self._traced[value.val] = compat.Var(
+                compat.aval_of(value) if aval is None else aval
+            )
+            return var, True
         ref = self._vars.get(id(value))
         if ref is not None and ref() is value:
             return ref.var, False
@@ -208,6 +222,9 @@ class RegionEnv(Env):
         return var, True
 
     def remember(self, value: Any, var: Any) -> None:
+        if type(value) is ProgramTracer and type(value.val) is compat.Var:
+            self._traced[value.val] = var
+            return
         try:
             ref = _ValueRef(value, self._on_death, var)
         except TypeError:  # numpy values and Python scalars: a fresh variable each time
@@ -232,10 +249,15 @@ class RegionEnv(Env):
         """What this region knows about ``value``: its tags (bits, ``tag_bits``) and
         rewrite-time constant; None for a value it never saw; False where it knows what tags
         cannot say (jnp's float32 promotion of a 16-bit value: the rules read that value)."""
-        ref = self._vars.get(id(value))
-        if ref is None or ref() is not value:
-            return None
-        var = ref.var
+        if type(value) is ProgramTracer and type(value.val) is compat.Var:
+            var = self._traced.get(value.val)
+            if var is None:
+                return None
+        else:
+            ref = self._vars.get(id(value))
+            if ref is None or ref() is not value:
+                return None
+            var = ref.var
         if var in self.upcast_of:
             return False
         return self.tag_bits(var), self.known.get(var)
@@ -475,7 +497,7 @@ class RegionTrace(compat.Trace):
                         cast = (
                             source.cast(dtype)
                             if source is not None
-                            else compat.convert(args[i], dtype)
+                            else compat.convert_now(args[i], dtype)
                         )
                         env.casts[(invars[i], dtype)] = cast
                     if isinstance(cast, HOST_VALUES):

@@ -62,11 +62,11 @@ def program_record(closed: Any) -> tuple[str, list[tuple[Any, ...]]]:
 @contextlib.contextmanager
 def bound_only() -> Iterator[None]:
     """jamp with every equation bound, none staged directly (``compat.stage_like`` for the
-    transform's rewrite, ``compat.bind_on`` for a region's operations): the reference a directly
-    staged program must equal."""
-    stage, stage_now = compat._stage, compat._stage_now
-    compat._stage = compat._stage_now = lambda *args: None
+    transform's rewrite, ``compat.bind_on`` for a region's operations, its casts and its calls
+    of jnp functions): the reference a directly staged program must equal."""
+    stage, stage_now, inline_now = compat._stage, compat._stage_now, compat._inline_now
+    compat._stage = compat._stage_now = compat._inline_now = lambda *args: None
     try:
         yield
     finally:
-        compat._stage, compat._stage_now = stage, stage_now
+        compat._stage, compat._stage_now, compat._inline_now = stage, stage_now, inline_now

@@ -22,6 +22,7 @@ import pytest
 from jax.experimental.xla_metadata import set_xla_metadata
 
 import jamp
+from jamp import _compat as compat
 from tests.jaxpr_utils import bound_only, program_record
 
 
@@ -196,3 +197,60 @@ def test_the_rewrite_of_a_dense_stack_binds_nothing_itself():
         jax.make_jaxpr(jamp.autocast_transform(f))(*args)
     assert transformed.count == plain.count
     assert bound.count > plain.count + 3 * 3  # three matmuls, tanhs and products at least
+
+
+class _CountStagedByJax:
+    """Counts the operations JAX's own program trace receives through a bind
+    (``DynamicJaxprTrace.process_primitive``) while active: what was not staged directly.
+    (Patching ``Primitive.bind`` itself would change the path a region takes: ``bind_on``
+    binds a primitive with a ``bind`` of its own through it.)"""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def __enter__(self):
+        cls = compat.ProgramTrace
+        self.process = cls.process_primitive
+        counter = self
+
+        def counting(trace, primitive, tracers, params):
+            counter.names.append(primitive.name)
+            return counter.process(trace, primitive, tracers, params)
+
+        cls.process_primitive = counting
+        return self
+
+    def __exit__(self, *exc):
+        compat.ProgramTrace.process_primitive = self.process
+
+
+def test_a_region_stages_everything_it_passes_on():
+    """A region stages what its policy decided, its casts and its rewrites of jnp's functions
+    (inlined as JAX's staging rule inlines them) straight into the program being built: none
+    reaches JAX's program trace through a bind (with staging off, every operation, cast and
+    jnp call does: the check can fail)."""
+    args = ([jnp.full((8, 8), 0.1 * i) for i in range(3)], jnp.ones((2, 8)))
+
+    def f(ws, x):
+        for w in ws:
+            x = jnp.tanh(jax.lax.dot(x, w)) * x + 1.0  # (lax: decided by the region itself)
+        return jnp.mean(x @ ws[0], axis=-1)  # (jnp's matmul: its rewrite inlined)
+
+    def in_region(ws, x):
+        with jamp.autocast():
+            return f(ws, x)
+
+    jax.make_jaxpr(in_region)(*args)  # (decisions and jnp rewrites made once)
+    # (new functions below: JAX's trace cache would answer for one traced before)
+    with _CountStagedByJax() as plain:
+        jax.make_jaxpr(lambda *a: f(*a))(*args)
+    with _CountStagedByJax() as region:
+        program = jax.make_jaxpr(lambda *a: in_region(*a))(*args)
+    with bound_only(), _CountStagedByJax() as bound:
+        jax.make_jaxpr(lambda *a: in_region(*a))(*args)
+    casts = sum(e.primitive.name == "convert_element_type" for e in program.jaxpr.eqns)
+    assert casts >= 4 and "jit" in plain.names  # (the matmuls' operands at least; jnp's calls)
+    assert region.names == []
+    assert bound.names.count("dot_general") == 3
+    assert bound.names.count("convert_element_type") >= 3  # (the lax.dot operands' casts)
+    assert bound.names.count("jit") >= 3 * 2 + 2  # (jnp's *, + per layer, matmul and mean)
