@@ -846,10 +846,17 @@ def _inlines_when_staged(params: dict) -> bool:
     return (
         (inline is _INLINE_EARLY if _INLINE_EARLY is not None else bool(inline))
         and not params["compiler_options_kvs"]
-        and all(isinstance(i, _UnspecifiedValue) for i in params["in_shardings"])
-        and all(isinstance(o, _UnspecifiedValue) for o in params["out_shardings"])
-        and all(i is None for i in params["in_layouts"])
-        and all(o is None for o in params["out_layouts"])
+        and _all_unspecified(params["in_shardings"])
+        and _all_unspecified(params["out_shardings"])
+        and params["in_layouts"].count(None) == len(params["in_layouts"])
+        and params["out_layouts"].count(None) == len(params["out_layouts"])
+    )
+
+
+def _all_unspecified(shardings: tuple) -> bool:
+    # (JAX's one UNSPECIFIED counted in C, every call of jnp's functions; else by type)
+    return shardings.count(_UNSPECIFIED) == len(shardings) or all(
+        isinstance(s, _UnspecifiedValue) for s in shardings
     )
 
 
@@ -908,6 +915,7 @@ _jit_p = _pjit.jit_p
 # jax 0.12's ``Inline.JAX_EARLY`` (the calls its staging rule inlines); None before (a bool).
 _INLINE_EARLY = getattr(getattr(_api, "Inline", None), "JAX_EARLY", None)
 _UnspecifiedValue = _sharding_impls.UnspecifiedValue
+_UNSPECIFIED = _sharding_impls.UNSPECIFIED
 
 
 # --- A differentiation started inside a region (``jax.grad`` called in ``with jamp.autocast():``)
