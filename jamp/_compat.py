@@ -877,14 +877,20 @@ def _inline_now(
     if not own or not _inlines_when_staged(params):
         return None
     closed = params["jaxpr"]
-    trace.frame.is_high |= primitive.is_high(*avals, **params)  # (as process_primitive does)
+    # (what process_primitive asks the jit, ``jit_p.is_high``, on 0.10 and 0.12 alike)
+    trace.frame.is_high |= closed.jaxpr.is_high
     source_info = _siu.current()
     tracers = [
         a if type(a) is _pe.DynamicJaxprTracer else trace.to_jaxpr_tracer(a, source_info)
         for a in args
     ]
     outs = _pe.inline_jaxpr_into_trace(trace, source_info, closed.jaxpr, closed.consts, *tracers)
-    return [trace.to_jaxpr_tracer(x, source_info) for x in outs]
+    return [
+        x
+        if type(x) is _pe.DynamicJaxprTracer and x._trace is trace
+        else trace.to_jaxpr_tracer(x, source_info)
+        for x in outs
+    ]
 
 
 def _stage_now(
