@@ -21,14 +21,14 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax._src import api as _api
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
-from jax._src import source_info_util as _siu
-from jax._src.interpreters import partial_eval as _pe
-from jax._src import api as _api
 from jax._src import pjit as _pjit
 from jax._src import sharding_impls as _sharding_impls
+from jax._src import source_info_util as _siu
+from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 
 Literal = _core.Literal
