@@ -12,6 +12,7 @@ and check that staging does happen. Property (10) in test_properties.py checks r
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import flax.linen as nn
 import jax
@@ -254,3 +255,30 @@ def test_a_region_stages_everything_it_passes_on():
     assert bound.names.count("dot_general") == 3
     assert bound.names.count("convert_element_type") >= 3  # (the lax.dot operands' casts)
     assert bound.names.count("jit") >= 3 * 2 + 2  # (jnp's *, + per layer, matmul and mean)
+
+
+def test_a_regions_inlined_calls_keep_their_scopes_and_contexts():
+    """A jitted function JAX inlines (``inline=True``, as jnp's are) whose body has named scopes,
+    a literal and a folded constant, traced first under XLA metadata and then called inside a
+    region without it: its equations keep their scopes under the caller's and the context they
+    were traced in, as JAX's own inlining keeps them."""
+
+    @functools.partial(jax.jit, inline=True)
+    def scaled_tanh(x, w):
+        with jax.named_scope("inner"):
+            y = jnp.tanh(x @ w) * 2.0
+        return y + jnp.float32(1.0) * 0.5
+
+    args = (jnp.ones((2, 8)), jnp.ones((8, 8)))
+    with set_xla_metadata(stage="traced"):
+        jax.make_jaxpr(scaled_tanh)(*args)  # (the callee's jaxpr, cached under the metadata)
+
+    def record():
+        def f(x, w):
+            with jamp.autocast(), jax.named_scope("outer"):
+                return scaled_tanh(x, w)
+
+        return program_record(jax.make_jaxpr(f)(*args))
+
+    staged, bound = _both(record)
+    assert staged == bound
