@@ -258,10 +258,10 @@ def test_a_region_stages_everything_it_passes_on():
 
 
 def test_a_regions_inlined_calls_keep_their_scopes_and_contexts():
-    """A jitted function JAX inlines (``inline=True``, as jnp's are) whose body has named scopes,
-    a literal and a folded constant, traced first under XLA metadata and then called inside a
-    region without it: its equations keep their scopes under the caller's and the context they
-    were traced in, as JAX's own inlining keeps them."""
+    """A jitted function JAX inlines (``inline=True``, as jnp's are) with a named scope and
+    literals in its body, traced once under XLA metadata before a region calls it under a named
+    scope of its own: the region's inlining of its rewrite gives the program JAX's own inlining
+    gives (each equation's scopes under the caller's, its context, its literals)."""
 
     @functools.partial(jax.jit, inline=True)
     def scaled_tanh(x, w):
