@@ -368,11 +368,22 @@ def stage_like(eqn: Any, args: Sequence[Any], params: dict | None, outer_ctx: An
 
 
 def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
-    """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, for a
-    tracer ``x`` of another dtype, where neither the forwarding nor the folding rule of
-    ``convert_element_type`` applies, between floating dtypes (what ``convert`` does before it
-    binds is then nothing: no extended dtype, no complex part dropped); None where only a bind
-    can."""
+    """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, where
+    staging may add it directly (``_direct_cast_params``); None where only a bind can."""
+    params = _direct_cast_params(x, dtype)
+    if params is None:
+        return None
+    outs = _stage(
+        _CastOf(eqn), _lax_internal.convert_element_type_p, (x,), params, False, outer_ctx, _always
+    )
+    return None if outs is None else outs[0]
+
+
+def _direct_cast_params(x: Any, dtype: np.dtype) -> dict | None:
+    """The parameters of ``convert(x, dtype)`` where staging may add it directly: ``x`` a
+    tracer of a program being built and not a known constant (no folding rule applies), of
+    another floating dtype than ``dtype`` (no forwarding; what ``convert`` does before it binds
+    is then nothing: no extended dtype, no complex part dropped); else None."""
     if (
         type(x) is not _pe.DynamicJaxprTracer
         or x.dtype == dtype
@@ -381,29 +392,17 @@ def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
         or x.get_const() is not None
     ):
         return None
-    params = {"new_dtype": dtype, "weak_type": False, "sharding": None}
-    outs = _stage(
-        _CastOf(eqn), _lax_internal.convert_element_type_p, (x,), params, False, outer_ctx, _always
-    )
-    return None if outs is None else outs[0]
+    return {"new_dtype": dtype, "weak_type": False, "sharding": None}
 
 
 def convert_now(x: Any, dtype: Any) -> Any:
     """``convert(x, dtype)`` bound now (a region's cast, under the current source info and
-    context), staged directly into the current trace where ``stage_convert`` would stage it (a
-    tracer of a program being built, between floating dtypes, not a known constant), else
-    converted."""
+    context), staged directly into the current trace where ``stage_convert`` would stage it,
+    else converted."""
     trace = _core.trace_ctx.trace
     dtype = np.dtype(dtype)
-    if (
-        type(trace) is _pe.DynamicJaxprTrace
-        and type(x) is _pe.DynamicJaxprTracer
-        and x.dtype != dtype
-        and _dtypes.issubdtype(x.dtype, np.floating)
-        and _dtypes.issubdtype(dtype, np.floating)
-        and x.get_const() is None
-    ):
-        params = {"new_dtype": dtype, "weak_type": False, "sharding": None}
+    params = _direct_cast_params(x, dtype) if type(trace) is _pe.DynamicJaxprTrace else None
+    if params is not None:
         outs = _stage_now(
             trace, _lax_internal.convert_element_type_p, (x,), (x.aval,), params, _always
         )

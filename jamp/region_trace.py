@@ -206,20 +206,19 @@ class RegionEnv(Env):
     def var_for(self, value: Any, aval: Any = None) -> tuple[Any, bool]:
         """(the variable standing for ``value``, whether it is new to this region); ``aval``:
         its type where the caller has it (eagerly, ``jax.typeof`` of an array builds one)."""
-        if type(value) is ProgramTracer and type(value.val) is compat.Var:
-            var = self._traced.get(value.val)
-            if var is not None:
-                return var, False
-            var = self._traced[value.val] = compat.Var(
-                compat.aval_of(value) if aval is None else aval
-            )
-            return var, True
-        ref = self._vars.get(id(value))
-        if ref is not None and ref() is value:
-            return ref.var, False
+        var = self._seen(value)
+        if var is not None:
+            return var, False
         var = compat.Var(compat.aval_of(value) if aval is None else aval)
         self.remember(value, var)
         return var, True
+
+    def _seen(self, value: Any) -> Any:
+        """The variable of a value this region saw, else None."""
+        if type(value) is ProgramTracer and type(value.val) is compat.Var:
+            return self._traced.get(value.val)
+        ref = self._vars.get(id(value))
+        return ref.var if ref is not None and ref() is value else None
 
     def remember(self, value: Any, var: Any) -> None:
         if type(value) is ProgramTracer and type(value.val) is compat.Var:
@@ -249,15 +248,9 @@ class RegionEnv(Env):
         """What this region knows about ``value``: its tags (bits, ``tag_bits``) and
         rewrite-time constant; None for a value it never saw; False where it knows what tags
         cannot say (jnp's float32 promotion of a 16-bit value: the rules read that value)."""
-        if type(value) is ProgramTracer and type(value.val) is compat.Var:
-            var = self._traced.get(value.val)
-            if var is None:
-                return None
-        else:
-            ref = self._vars.get(id(value))
-            if ref is None or ref() is not value:
-                return None
-            var = ref.var
+        var = self._seen(value)
+        if var is None:
+            return None
         if var in self.upcast_of:
             return False
         return self.tag_bits(var), self.known.get(var)

@@ -521,6 +521,12 @@ def _contains(program: tuple, op: tuple) -> bool:
     return any(o == op or (o[0] in ("jit", "remat") and _contains(o[1], op)) for o in program)
 
 
+def _refused_in_region(err: TypeError) -> bool:
+    """Whether JAX refused a loop body or cond branches traced with an operand a region made
+    16-bit, with jamp's note saying so (docs/reference/dtypes.md, "Regions")."""
+    return "inside a jamp.autocast region" in "".join(getattr(err, "__notes__", ()))
+
+
 def check_region_equals_transform(program: tuple, seed: int) -> None:
     """(9) A ``jamp.autocast()`` region around the program (the torch form, inside a jit) decides
     every operation as ``autocast_transform`` does: the same (primitive, operand and result
@@ -544,9 +550,7 @@ def check_region_equals_transform(program: tuple, seed: int) -> None:
     try:
         got = jax.jit(in_region)(x, w)
     except TypeError as refused:
-        # JAX traced a loop body or cond branches with an operand the region made 16-bit and
-        # refused them; jamp's note says so (docs/reference/dtypes.md, "Regions")
-        if "inside a jamp.autocast region" in "".join(getattr(refused, "__notes__", ())):
+        if _refused_in_region(refused):
             return
         raise
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
@@ -575,8 +579,7 @@ def check_staged_equals_bound(program: tuple, seed: int) -> None:
                 try:
                     records.append(program_record(jax.make_jaxpr(form())(x, w)))
                 except TypeError as refused:  # JAX refused what a region made 16-bit, as in (9)
-                    notes = "".join(getattr(refused, "__notes__", ()))
-                    assert "inside a jamp.autocast region" in notes, refused
+                    assert _refused_in_region(refused), refused
                     records.append("refused")
         assert records[0] == records[1]
 
