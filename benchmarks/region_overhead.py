@@ -29,6 +29,12 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   so each pays the full collections its survivors trigger, as a process tracing many programs
   does (``--amortized-calls``, ``--amortized-rounds``; plain and transform).
 
+(a''') Where a region's trace spends its time (``attribution``, a diagnostic)
+  The largest stack of (a), hand bf16 and region only: every outermost bind each side's trace
+  handles is timed by its primitive or ``jnp`` function (``bind_timers``), and each trace split
+  into those binds, Flax's parameter check (``Scope.param``) and the rest; the binds where the
+  region spends more than hand bf16 come first (``--top`` rows).
+
 (b) First call of a jitted train step (``compile``)
   ``jax.jit(step)`` with ``step`` = ``jax.value_and_grad(loss)`` + an optax SGD (momentum 0.9)
   update, ``loss = cross_entropy(forward(params, x), labels)`` (float32 log-softmax), traced,
@@ -70,11 +76,12 @@ Conventions (as in the other benchmarks)
 
 Usage::
 
-    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py            # all but (a'')
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py   # all but (a''), (a''')
     JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/region_overhead.py
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --quick    # smoke run
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts trace --profile
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts amortized --blocks 12 48
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts attribution --blocks 24
     # also: --blocks 12 24 48, --compile-blocks 4 12, --reps, --compile-reps, --eager-reps,
     #       --cold-reps, --caller-depths 0 8 16 (see rewrite_overhead.py), --top
 """
@@ -368,6 +375,117 @@ def measure_floor(blocks: Sequence[int], reps: int) -> None:
           "new trace).\n")
     print(markdown_table(["stack", "plain ms", "transform ms", "transform, no rule ms",
                           "transform / plain", "no rule / plain"], rows))
+    print()
+
+
+# --- (a''') where a region's trace spends its time, against hand bf16's -------------------------
+
+
+@contextlib.contextmanager
+def bind_timers(acc: dict[str, float], calls: dict[str, int]) -> Any:
+    """A diagnostic, not a mode of jamp: times every outermost bind a trace handles (the region's
+    ``RegionTrace.process_primitive``, a jaxpr trace's ``process_primitive``) by its primitive, a
+    ``jnp`` function's call by its name, into ``acc``/``calls``; Flax's parameter check
+    (``Scope.param``: ``jax.eval_shape`` of the initializer) under "flax param" with the binds it
+    makes. Everything these do is counted once, in the outermost one."""
+    from flax.core import scope as flax_scope
+    from jax._src.interpreters import partial_eval
+
+    from jamp import region_trace
+
+    depth = [0]
+
+    def timed_bind(method: Callable) -> Callable:
+        def wrapper(self: Any, primitive: Any, args: Any, params: dict) -> Any:
+            if depth[0]:
+                return method(self, primitive, args, params)
+            name = (f"jnp {params.get('name', '?')}" if primitive.name in ("pjit", "jit")
+                    else primitive.name)
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return method(self, primitive, args, params)
+            finally:
+                depth[0] -= 1
+                acc[name] = acc.get(name, 0.0) + time.perf_counter() - start
+                calls[name] = calls.get(name, 0) + 1
+        return wrapper
+
+    def timed_param(method: Callable) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            depth[0] += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if not depth[0]:
+                    acc["flax param"] = acc.get("flax param", 0.0) + time.perf_counter() - start
+        return wrapper
+
+    patched = [(region_trace.RegionTrace, "process_primitive", timed_bind),
+               (partial_eval.DynamicJaxprTrace, "process_primitive", timed_bind),
+               (flax_scope.Scope, "param", timed_param)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patched]
+    for owner, name, wrap in patched:
+        setattr(owner, name, wrap(getattr(owner, name)))
+    try:
+        yield
+    finally:
+        for owner, name, method in saved:
+            setattr(owner, name, method)
+
+
+def measure_attribution(n_blocks: int, reps: int, top: int) -> None:
+    sides = ("hand bf16", "region")
+    fns = trace_sides(*stack_case(n_blocks, d=D, heads=HEADS, seq=SEQ, batch=BATCH),
+                      hand=Transformer(n_blocks, d=D, heads=HEADS, dtype=BF16))
+    samples: dict[str, list[tuple[float, dict, dict]]] = {side: [] for side in sides}
+    acc: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    with bind_timers(acc, calls):
+        for side in sides:
+            fns[side]()
+        for i in range(reps):
+            for side in rotated(sides, i):
+                acc.clear()
+                calls.clear()
+                t = timed(fns[side])[0]
+                samples[side].append((t, dict(acc), dict(calls)))
+
+    def part(side: str, key: str) -> float:
+        return median([s[1].get(key, 0.0) for s in samples[side]])
+
+    def count(side: str, key: str) -> int:
+        return samples[side][-1][2].get(key, 0)
+
+    totals = {side: median([s[0] for s in samples[side]]) for side in sides}
+    binds = {side: median([sum(v for k, v in s[1].items() if k != "flax param")
+                           for s in samples[side]]) for side in sides}
+    params = {side: part(side, "flax param") for side in sides}
+    print(f"## (a''') Where a region's trace spends its time, against hand bf16's\n\n"
+          f"The transformer stack of (a) at {n_blocks} blocks, {reps} interleaved repetitions, "
+          "medians. Every outermost bind a side's trace handles is timed (the region's "
+          "`RegionTrace.process_primitive`, with the staging it does on the program; hand "
+          "bf16's jaxpr trace's `process_primitive`), by primitive or `jnp` function; \"flax "
+          "param\" is Flax's parameter check (`Scope.param`: `jax.eval_shape` of the "
+          "initializer), \"rest\" the user-level Python around them (Flax, `jnp`). The timers "
+          "add about a microsecond a bind to both sides. A diagnostic (`bind_timers`).\n")
+    rows = [[side, f"{totals[side] * 1e3:.1f}", f"{binds[side] * 1e3:.1f}",
+             f"{params[side] * 1e3:.1f}",
+             f"{(totals[side] - binds[side] - params[side]) * 1e3:.1f}"] for side in sides]
+    print(markdown_table(["side", "trace ms", "binds ms", "flax param ms", "rest ms"], rows))
+    print()
+    keys = {k for side in sides for s in samples[side] for k in s[1] if k != "flax param"}
+    diffs = sorted(keys, key=lambda k: part("hand bf16", k) - part("region", k))
+    rows = []
+    for k in diffs[:top]:
+        h, r = part("hand bf16", k), part("region", k)
+        nh, nr = count("hand bf16", k), count("region", k)
+        rows.append([f"`{k}`", str(nh), f"{h * 1e3:.2f}", f"{h / max(nh, 1) * 1e6:.1f}", str(nr),
+                     f"{r * 1e3:.2f}", f"{r / max(nr, 1) * 1e6:.1f}", f"{(r - h) * 1e3:+.2f}"])
+    print(markdown_table(["bind", "hand binds", "hand ms", "hand µs each", "region binds",
+                          "region ms", "region µs each", "region − hand ms"], rows))
     print()
 
 
@@ -674,7 +792,7 @@ def report_eager(results: dict[str, Any], reps: int, warmup: int, fresh_reps: in
 
 # --- entry point ---------------------------------------------------------------------------------
 
-PARTS = ("trace", "compile", "eager", "floor", "amortized")
+PARTS = ("trace", "compile", "eager", "floor", "amortized", "attribution")
 
 
 def main() -> None:
@@ -683,7 +801,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: small stacks, few repetitions")
     parser.add_argument("--parts", nargs="+", choices=PARTS,
-                        default=[p for p in PARTS if p != "amortized"])
+                        default=[p for p in PARTS if p not in ("amortized", "attribution")])
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="(a) stack depths (default 12 24 48; --quick: 4 8)")
     parser.add_argument("--reps", type=int, default=None, help="(a) repetitions (default 7)")
@@ -734,6 +852,8 @@ def main() -> None:
         measure_floor(blocks, reps)
     if "amortized" in args.parts:
         measure_amortized(blocks, args.amortized_calls, args.amortized_rounds)
+    if "attribution" in args.parts:
+        measure_attribution(max(blocks), reps, args.top)
     if "eager" in args.parts:
         report_eager(measure_eager(eager_reps, eager_warmup, fresh_reps, cold_reps),
                      eager_reps, eager_warmup, fresh_reps, cold_reps)
