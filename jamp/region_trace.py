@@ -480,10 +480,18 @@ class RegionTrace(compat.Trace):
         and the same tags on its outputs."""
         env = self.env
         canonical = True  # (a constant cast on the host is not: bind canonicalizes it)
+        arriving = args
+        if decision.read_through:  # the 16-bit values the promotions were made from (Step)
+            args, avals = list(args), None
+            for i in decision.read_through:
+                args[i] = env.upcast_of[invars[i]]
         if decision.casts:
             args, avals = list(args), None
             with compat.set_current_trace(self.parent):
                 for i, dtype in decision.casts:
+                    if dtype == F32 and i in decision.read_through:
+                        args[i] = arriving[i]  # (the promotion itself: Step's float32 cast)
+                        continue
                     cast = env.casts.get((invars[i], dtype))
                     if cast is None:
                         source = env.known.get(invars[i])  # a constant: cast from its value
@@ -510,6 +518,9 @@ class RegionTrace(compat.Trace):
             env.remember(value, var)
             env.add_tags(var, bits)
             key_parts[var] = bits  # (what _tag_bits would find at its first use: tags only)
+        if decision.promotes:
+            env.upcast_of[var] = args[0]
+            key_parts[var] = None  # (more than tags: _promotion_part)
         return outs
 
     # -- jnp's functions: inline jits ----------------------------------------------------------
@@ -849,7 +860,9 @@ def _decision_key(
         if bits is None:
             bits = _constant_part(env, var)
             if bits is None:
-                return None
+                bits = _promotion_part(env, var)
+                if bits is None:
+                    return None
         key += (var.aval, aval, bits)
     if len(invars) > 1 and len(set(map(id, invars))) < len(invars):
         # the same value twice (``x * x`` is a square to rules/powers.py): which operands are
@@ -885,6 +898,10 @@ class Decision:
     overrides: dict
     out_avals: tuple
     out_tags: tuple
+    # The operands the rule read as the 16-bit values they are jnp's promotions of (``Step``),
+    # and whether output 0 is such a promotion of operand 0 (a convert: ``_track_lowered``).
+    read_through: tuple = ()
+    promotes: bool = False
 
 
 class RecordingStep(Step):
@@ -911,7 +928,7 @@ class RecordingStep(Step):
         """The replayable decision, or None: the rule bound more or other than the operation
         on its operands, some cast (float8's scaling, reduce_dtype's custom_vjp), or the outputs
         carry more than tags."""
-        if self.substituted or len(self.binds) != 1:
+        if len(self.binds) != 1:
             return None
         args, overrides, outs = self.binds[0]
         if len(outs) != len(returned) or any(a is not b for a, b in zip(outs, returned)):
@@ -924,13 +941,29 @@ class RecordingStep(Step):
             if dtype is None:
                 return None
             casts.append((j, dtype))
+        env: RegionEnv = self.env  # type: ignore[assignment]
+        promotes = len(outvars) == 1 and env.upcast_of.get(outvars[0]) is args[0]
         tags = []
         for var in outvars:
-            bits = _tag_bits(self.env, var)  # type: ignore[arg-type]  # (a RegionEnv)
+            if promotes:  # (its tags, and the promotion recorded as such: Decision.promotes)
+                bits = env.tag_bits(var) if _promotion_part(env, var) is not None else None
+            else:
+                bits = _tag_bits(env, var)
             if bits is None:
                 return None
             tags.append(bits)
-        return Decision(tuple(casts), overrides, tuple(v.aval for v in outvars), tuple(tags))
+        read_through: tuple[int, ...] = ()
+        if self.substituted:
+            upcast = env.upcast_of
+            read_through = tuple(i for i, v in enumerate(self.eqn.invars) if v in upcast)
+        return Decision(
+            tuple(casts),
+            overrides,
+            tuple(v.aval for v in outvars),
+            tuple(tags),
+            read_through,
+            promotes,
+        )
 
 
 # Custom-derivative calls staged to their equation (_staged_jaxpr): key -> (closed jaxpr, what
@@ -962,6 +995,16 @@ def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
         return None
     constant = _constant_key(source)
     return None if constant is None else (env.tag_bits(var), constant)
+
+
+def _promotion_part(env: RegionEnv, var: Any) -> tuple | None:
+    """The key part of an operand that is jnp's float32 promotion of a value the policy made
+    16-bit (``Env.upcast_of``), which a rule reads as that value (``Step``): its tags and the
+    type of the value read; None where the region knows more of it (a constant, a fact)."""
+    source = env.upcast_of.get(var)
+    if source is None or var in env.known or any(var in f for f in env.facts.values()):
+        return None
+    return env.tag_bits(var), "read as", compat.aval_of(source)
 
 
 def _constant_key(source: ConstSource) -> tuple | None:

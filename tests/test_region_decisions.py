@@ -5,6 +5,7 @@ region deciding every operation (``_decide_every_time``), on programs where the 
 on more than the operand types (a bias add against a residual add, a softmax's shift, constants).
 """
 
+import functools
 import gc
 import weakref
 
@@ -31,6 +32,12 @@ B = jnp.linspace(-1.0, 1.0, 16)
 def _decide_every_time(monkeypatch):
     """Every operation decided by its rule, as before issue 33's decisions."""
     monkeypatch.setattr(region_trace, "_decision_key", lambda *args: None)
+
+
+def _fresh(fn):
+    """``fn`` as a new function object: ``jax.make_jaxpr`` and ``jax.jit`` share a trace cache
+    keyed by the function, so tracing the same object again would not trace (nor decide)."""
+    return lambda *args: fn(*args)
 
 
 def _count_rules(monkeypatch):
@@ -103,10 +110,11 @@ def test_replayed_decisions_give_the_program_deciding_every_operation_gives(monk
         return -logp.astype(jnp.float32).mean() + square
 
     programs = [(forward, (variables, X)), (jax.grad(loss), (variables, X))]
-    replayed = [str(jax.make_jaxpr(f)(*a)) for f, a in programs for _ in range(2)][1::2]
+    # (a new function object every time: make_jaxpr shares jax.jit's trace cache)
+    replayed = [str(jax.make_jaxpr(_fresh(f))(*a)) for f, a in programs for _ in range(2)][1::2]
     with monkeypatch.context() as m:
         _decide_every_time(m)
-        decided = [str(jax.make_jaxpr(f)(*a)) for f, a in programs]
+        decided = [str(jax.make_jaxpr(_fresh(f))(*a)) for f, a in programs]
     assert replayed == decided
 
 
@@ -262,6 +270,48 @@ def test_a_value_times_itself_is_not_replayed_as_a_product_of_two(monkeypatch, s
         else:
             product, square = lax.mul(h, g), lax.mul(h, h)
     assert (product.dtype, square.dtype) == (BF16, F32)
+
+
+def reads_promotions(x, w, b, dtype):
+    """Operations on a float32 promotion of a value the policy made 16-bit (as Flax's
+    ``promote_dtype`` makes before a Dense layer), which the rules read as that 16-bit value: a
+    matmul (no cast back down), an fp32-table op (the promotion itself), a bias add and a square."""
+    with jamp.autocast(dtype=dtype):
+        h = lax.dot(x, w)
+        up = lax.convert_element_type(h, jnp.float32)
+        bias = lax.broadcast_in_dim(b, h.shape, (1,))
+        return lax.dot(up, w), lax.exp(up), lax.add(up, bias), lax.mul(up, up)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("jit", [False, True])
+def test_operations_reading_a_promotion_replay_what_their_rule_decided(monkeypatch, jit, dtype):
+    """The promotion and the operations that read through it are decided once (issue 33: the
+    attention's output projection of every block took the rule's path) and replayed as deciding
+    again would: the same program, the same values and dtypes."""
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})
+    ran = _count_rules(monkeypatch)
+    args = (X, W, B)
+
+    def run(*args):
+        program = _fresh(functools.partial(reads_promotions, dtype=dtype))
+        return jax.jit(program)(*args) if jit else program(*args)
+
+    def program():
+        return str(jax.make_jaxpr(_fresh(functools.partial(reads_promotions, dtype=dtype)))(*args))
+
+    first = run(*args)
+    assert ran.count("convert_element_type") == 1 and ran.count("dot_general") == 2
+    ran.clear()
+    replayed_program, replayed = program(), run(*args)
+    assert ran == []
+    assert [np.dtype(o.dtype) for o in replayed] == [np.dtype(dtype), F32, np.dtype(dtype), F32]
+    with monkeypatch.context() as m:
+        _decide_every_time(m)
+        decided_program, decided = program(), run(*args)
+    assert "exp" in ran and replayed_program == decided_program
+    chex.assert_trees_all_close(replayed, decided)
+    chex.assert_trees_all_close(first, decided)
 
 
 @pytest.mark.parametrize("jit", [False, True])
