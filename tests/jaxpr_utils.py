@@ -60,6 +60,21 @@ def program_record(closed: Any) -> tuple[str, list[tuple[Any, ...]]]:
 
 
 @contextlib.contextmanager
+def fresh_region_caches() -> Iterator[None]:
+    """Regions with none of the decisions and ``jnp`` rewrites kept by earlier regions (they are
+    kept per policy for the process): a program traced under a changed jamp (``bound_only``)
+    then decides and walks everything itself rather than reusing what another condition made."""
+    from jamp import region_trace
+
+    saved = region_trace._CALLS, region_trace._DECISIONS
+    region_trace._CALLS, region_trace._DECISIONS = {}, {}
+    try:
+        yield
+    finally:
+        region_trace._CALLS, region_trace._DECISIONS = saved
+
+
+@contextlib.contextmanager
 def bound_only() -> Iterator[None]:
     """jamp with every equation bound, none staged directly (``compat.stage_like`` for the
     transform's rewrite, ``compat.bind_on`` for a region's operations, its casts and its calls

@@ -51,7 +51,7 @@ from jax import lax
 
 import jamp
 from tests.hypothesis_profiles import examples
-from tests.jaxpr_utils import bound_only, dtype_signatures, program_record
+from tests.jaxpr_utils import bound_only, dtype_signatures, fresh_region_caches, program_record
 
 try:  # the public home of JAX's type checker; tests never import jax._src
     from jax.extend.core import check_jaxpr as _check_jaxpr
@@ -575,7 +575,9 @@ def check_staged_equals_bound(program: tuple, seed: int) -> None:
     for form in (lambda: jamp.autocast_transform(f), lambda: lambda x, w: in_region(x, w)):
         records = []
         for staging in (contextlib.nullcontext(), bound_only()):
-            with staging:  # (a new function each time: JAX's trace cache would answer)
+            # (a new function each time: JAX's trace cache would answer; and no decisions or
+            # jnp rewrites kept from the other condition)
+            with fresh_region_caches(), staging:
                 try:
                     records.append(program_record(jax.make_jaxpr(form())(x, w)))
                 except TypeError as refused:  # JAX refused what a region made 16-bit, as in (9)

@@ -821,10 +821,13 @@ def test_flax_nn_scan_partial_evaluation_is_not_taken_for_differentiation():
     chex.assert_trees_all_close(out, expected, atol=2e-2)
 
 
-def test_jnp_functions_in_a_region_pass_jax_enable_checks():
+def test_jnp_functions_in_a_region_pass_jax_enable_checks(monkeypatch):
     """jnp's functions are jits JAX inlines, which the region evaluated with JAX's eval_jaxpr:
     under ``jax_enable_checks`` that asserts every value has the type it was traced with, which
     the policy changes by design (AssertionError for any jnp.matmul in a bfloat16 region)."""
+    from jamp import region_trace
+
+    monkeypatch.setattr(region_trace, "_CALLS", {})  # (walked here, not reused from other tests)
     with jax.enable_checks(True):
         with jamp.autocast():
             assert jnp.matmul(X, W).dtype == BF16

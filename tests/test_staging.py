@@ -24,7 +24,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 import jamp
 from jamp import _compat as compat
-from tests.jaxpr_utils import bound_only, program_record
+from tests.jaxpr_utils import bound_only, fresh_region_caches, program_record
 
 
 class Block(nn.Module):
@@ -53,10 +53,11 @@ def _both(make_program):
     """``make_program()`` with equations staged directly, and with every one bound (called from
     the same line: a program's source locations hold the whole Python stack). Each call must
     trace new function objects: a second ``jax.jit`` or ``make_jaxpr`` of the same function
-    would return the first one's program from JAX's cache."""
+    would return the first one's program from JAX's cache; and a region's kept decisions and
+    jnp rewrites start afresh under each (``fresh_region_caches``)."""
     records = []
     for staging in (contextlib.nullcontext(), bound_only()):
-        with staging:
+        with fresh_region_caches(), staging:
             records.append(make_program())
     return records
 
