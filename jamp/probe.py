@@ -170,8 +170,8 @@ _MAX_PROGRAMS = 16
 def trace_program(
     fn: Callable, policy: Policy, grad: Any, args: tuple, kwargs: dict, caller: str
 ) -> tuple[Program, list[Any]]:
-    """The checked program for this call (cached on fn, policy, grad and the argument avals),
-    and the call's array leaves to run it on."""
+    """The checked program for this call (cached on fn, policy, grad, the argument avals and
+    JAX's trace context), and the call's array leaves to run it on."""
     from .transform import autocast_transform
 
     if not callable(fn):
@@ -192,7 +192,8 @@ def trace_program(
             f"{getattr(fn, '__name__', 'fn')} was given {len(args)} positional ones"
         )
     try:
-        key = (fn, policy, argnums, in_tree, avals, static_key(static))
+        # (JAX's trace context too: x64, matmul precision, a region's state change the program)
+        key = (fn, policy, argnums, in_tree, avals, static_key(static), compat.trace_context())
         hash(key)
     except TypeError:
         key = None

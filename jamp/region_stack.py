@@ -13,11 +13,18 @@ import re
 import threading
 from collections.abc import Iterator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .policy import RegionState
 
+# The region state the queries answer, as part of JAX's jit cache key while it is pushed: a
+# jitted function whose Python reads ``is_autocast_enabled()`` (or the dtype) at trace time is
+# traced again under another state, as torch re-runs Python under autocast, instead of JAX
+# answering with the program it traced under another state (inside ``autocast_transform`` and
+# outside it, in a disabled region and in an enabled one). Public API, made once at import.
+STATE_KEY = jax.make_user_context(None)
 _MARKER = re.compile(r"^jamp\.autocast\[(on|off)(?::(\w+))?\]$")
 _CAST_INPUTS = re.compile(r"^jamp_cast_inputs_(\w+)$")
 _tls = threading.local()
@@ -73,7 +80,8 @@ def entered(enabled: bool, dtype: np.dtype) -> Iterator[None]:
     stack = _stack()
     stack.append((enabled, dtype))
     try:
-        yield
+        with STATE_KEY((bool(enabled), np.dtype(dtype))):
+            yield
     finally:
         stack.pop()
 

@@ -78,3 +78,22 @@ def test_no_16_bit_equations_under_a_float32_policy():
     ranges = jamp.value_ranges(layer, jnp.eye(2), jnp.ones((1, 2)),
                                policy=jamp.Policy(jnp.float32))
     assert ranges.entries == () and "none" in str(ranges)
+
+
+def test_a_checked_program_is_traced_again_under_another_jax_trace_context():
+    """The checked program is kept per function, policy and argument types, and per JAX trace
+    context (matmul precision, x64, an enclosing region's state): a call under another context
+    traces the function again instead of measuring the program traced under the first."""
+    traced = []
+
+    def f(w, x):
+        traced.append(jax.config.jax_default_matmul_precision)
+        return x @ w
+
+    w, x = jnp.eye(4), jnp.ones((2, 4))
+    jamp.value_ranges(f, w, x, policy=F16)
+    jamp.value_ranges(f, w, x, policy=F16)
+    assert len(traced) == 1  # kept
+    with jax.default_matmul_precision("highest"):
+        jamp.value_ranges(f, w, x, policy=F16)
+    assert traced[1:] == ["highest"]

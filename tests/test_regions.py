@@ -108,6 +108,41 @@ def test_is_autocast_enabled_and_get_autocast_dtype_at_trace_time():
     assert not jamp.is_autocast_enabled()
 
 
+@pytest.mark.parametrize("transform_first", [False, True])
+def test_a_jitted_function_reading_the_queries_is_traced_per_state(transform_first):
+    """A jitted function whose Python asks ``is_autocast_enabled()`` at trace time sees the state
+    it is called under, in whatever order: JAX caches a jit's trace, so the state is part of its
+    cache key (before, the program traced inside a transform answered outside it, and back)."""
+
+    @jax.jit
+    def scale(a):
+        if jamp.is_autocast_enabled():
+            return a * 2.0 if jamp.get_autocast_dtype() == F16 else a * 3.0
+        return a * 5.0
+
+    def transformed(a):
+        with jamp.autocast(enabled=False):
+            off = scale(a)
+        with jamp.autocast(dtype=F16):
+            half = scale(a)
+        return scale(a), off, half
+
+    def outside():
+        return scale(A)
+
+    def inside():
+        return jamp.autocast_transform(transformed)(A)
+
+    order = (inside, outside) if transform_first else (outside, inside)
+    results = {fn.__name__: fn() for fn in order}
+    np.testing.assert_array_equal(results["outside"], A * 5.0)
+    for got, factor in zip(results["inside"], (3.0, 5.0, 2.0)):
+        np.testing.assert_array_equal(got, A * factor)
+    with jamp.autocast():  # the region form too
+        np.testing.assert_array_equal(scale(A), A * 3.0)
+    np.testing.assert_array_equal(scale(A), A * 5.0)
+
+
 def test_region_outside_a_transform_takes_effect():
     with jamp.autocast():
         assert (A @ A).dtype == BF16
