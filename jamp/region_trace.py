@@ -832,13 +832,16 @@ def _decision_scope(state: RegionState) -> Any:
 def _tag_bits(env: RegionEnv, var: Any) -> int | None:
     """The tags of ``var`` as bits (``_TAG_BITS``); None where the region knows more about it
     than tags say (a constant the rules cast from its value, jnp's float32 promotion of a
-    lowered value, a tracker's fact): an operation reading such a value is decided every time."""
-    if var in env.known or var in env.upcast_of:
+    lowered value, a tracker's fact): an operation reading such a value is decided every time
+    unless another part keys it (``_constant_part``, ``_promotion_part``)."""
+    if var in env.known or var in env.upcast_of or _has_fact(env, var):
         return None
-    for facts in env.facts.values():
-        if var in facts:
-            return None
     return env.tag_bits(var)
+
+
+def _has_fact(env: RegionEnv, var: Any) -> bool:
+    """Whether a tracker knows something of ``var`` (a softmax's max: rules/softmax.py)."""
+    return any(var in facts for facts in env.facts.values())
 
 
 def _decision_key(
@@ -989,7 +992,7 @@ def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
     wait for it and copy it to the host at every operation: an eager loop's scalar arrays) and
     for what else makes ``_tag_bits`` None."""
     source = env.known.get(var)
-    if source is None or var in env.upcast_of or any(var in f for f in env.facts.values()):
+    if source is None or var in env.upcast_of or _has_fact(env, var):
         return None
     if not isinstance(source.base, HOST_VALUES):
         return None
@@ -1002,7 +1005,7 @@ def _promotion_part(env: RegionEnv, var: Any) -> tuple | None:
     16-bit (``Env.upcast_of``), which a rule reads as that value (``Step``): its tags and the
     type of the value read; None where the region knows more of it (a constant, a fact)."""
     source = env.upcast_of.get(var)
-    if source is None or var in env.known or any(var in f for f in env.facts.values()):
+    if source is None or var in env.known or _has_fact(env, var):
         return None
     return env.tag_bits(var), "read as", compat.aval_of(source)
 

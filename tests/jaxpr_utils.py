@@ -59,6 +59,12 @@ def program_record(closed: Any) -> tuple[str, list[tuple[Any, ...]]]:
     ]
 
 
+def fresh(fn: Callable) -> Callable:
+    """``fn`` as a new function object: ``jax.make_jaxpr`` and ``jax.jit`` share a trace cache
+    keyed by the function, so tracing the same object again would not trace (nor decide)."""
+    return lambda *args: fn(*args)
+
+
 @contextlib.contextmanager
 def fresh_region_caches() -> Iterator[None]:
     """Regions with none of the decisions and ``jnp`` rewrites kept by earlier regions (they are

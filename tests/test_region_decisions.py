@@ -22,6 +22,7 @@ import jamp
 from jamp import _compat as compat
 from jamp import region_trace
 from jamp.interpreter import Rewriter
+from tests.jaxpr_utils import fresh
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 X = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
@@ -34,12 +35,6 @@ def _decide_every_time(monkeypatch):
     walked afresh too: their kept rewrites were made while decisions were replayed)."""
     monkeypatch.setattr(region_trace, "_decision_key", lambda *args: None)
     monkeypatch.setattr(region_trace, "_CALLS", {})
-
-
-def _fresh(fn):
-    """``fn`` as a new function object: ``jax.make_jaxpr`` and ``jax.jit`` share a trace cache
-    keyed by the function, so tracing the same object again would not trace (nor decide)."""
-    return lambda *args: fn(*args)
 
 
 def _count_rules(monkeypatch):
@@ -83,7 +78,7 @@ def test_an_operation_is_decided_by_its_operands_tags_not_only_their_types(monke
     assert "add" not in ran and "dot_general" not in ran
     with monkeypatch.context() as m:
         _decide_every_time(m)
-        chex.assert_trees_all_close((jax.jit(_fresh(mixed_adds)) if jit else mixed_adds)(*args), outs)
+        chex.assert_trees_all_close((jax.jit(fresh(mixed_adds)) if jit else mixed_adds)(*args), outs)
 
 
 class Block(nn.Module):
@@ -113,10 +108,10 @@ def test_replayed_decisions_give_the_program_deciding_every_operation_gives(monk
 
     programs = [(forward, (variables, X)), (jax.grad(loss), (variables, X))]
     # (a new function object every time: make_jaxpr shares jax.jit's trace cache)
-    replayed = [str(jax.make_jaxpr(_fresh(f))(*a)) for f, a in programs for _ in range(2)][1::2]
+    replayed = [str(jax.make_jaxpr(fresh(f))(*a)) for f, a in programs for _ in range(2)][1::2]
     with monkeypatch.context() as m:
         _decide_every_time(m)
-        decided = [str(jax.make_jaxpr(_fresh(f))(*a)) for f, a in programs]
+        decided = [str(jax.make_jaxpr(fresh(f))(*a)) for f, a in programs]
     assert replayed == decided
 
 
@@ -161,7 +156,7 @@ def test_an_operation_with_a_small_constant_is_decided_once_per_value(monkeypatc
     assert ran.count("mul") == 3  # one per numpy value and one for the device array, not five
     with monkeypatch.context() as m:
         _decide_every_time(m)
-        decided = (jax.jit(_fresh(scaled)) if jit else scaled)(v)
+        decided = (jax.jit(fresh(scaled)) if jit else scaled)(v)
     for a, b in zip(replayed, decided):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
@@ -296,11 +291,11 @@ def test_operations_reading_a_promotion_replay_what_their_rule_decided(monkeypat
     args = (X, W, B)
 
     def run(*args):
-        program = _fresh(functools.partial(reads_promotions, dtype=dtype))
+        program = fresh(functools.partial(reads_promotions, dtype=dtype))
         return jax.jit(program)(*args) if jit else program(*args)
 
     def program():
-        return str(jax.make_jaxpr(_fresh(functools.partial(reads_promotions, dtype=dtype)))(*args))
+        return str(jax.make_jaxpr(fresh(functools.partial(reads_promotions, dtype=dtype)))(*args))
 
     first = run(*args)
     assert ran.count("convert_element_type") == 1 and ran.count("dot_general") == 2

@@ -15,7 +15,7 @@ from jax import lax
 
 import jamp
 from jamp import _compat as compat
-from tests.jaxpr_utils import dtype_signatures, eqns_named, iter_eqns, operand_dtypes
+from tests.jaxpr_utils import dtype_signatures, eqns_named, fresh, iter_eqns, operand_dtypes
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 KEY = jax.random.PRNGKey(0)
@@ -914,10 +914,10 @@ def test_an_inline_jit_is_walked_once_per_types_state_and_operand_knowledge(monk
     # The same decisions (and values) as the walk op by op. A new function object every time:
     # jax.jit and make_jaxpr share a trace cache keyed by the function.
     for jitted in (False, True):
-        expected = (jax.jit(lambda *a: f(*a)) if jitted else f)(X, x16, W, B)
+        expected = (jax.jit(fresh(f)) if jitted else f)(X, x16, W, B)
         with monkeypatch.context() as m:
             _op_by_op(m)
-            walked = (jax.jit(lambda *a: f(*a)) if jitted else f)(X, x16, W, B)
+            walked = (jax.jit(fresh(f)) if jitted else f)(X, x16, W, B)
             chex.assert_trees_all_close(walked, expected)
     # Every operation in the same dtypes. (The programs differ in their casts: op by op, the
     # region's cast cache shares one cast of x among the calls, and jnp's float32 promotions the
@@ -926,9 +926,9 @@ def test_an_inline_jit_is_walked_once_per_types_state_and_operand_knowledge(monk
     def decided(name):  # (jax 0.12 binds a reused rewrite as a call: its equations count)
         return name not in ("convert_element_type", "jit", "pjit")
 
-    reused = dtype_signatures(jax.make_jaxpr(lambda *a: f(*a))(X, x16, W, B), decided)
+    reused = dtype_signatures(jax.make_jaxpr(fresh(f))(X, x16, W, B), decided)
     _op_by_op(monkeypatch)
-    walked = dtype_signatures(jax.make_jaxpr(lambda *a: f(*a))(X, x16, W, B), decided)
+    walked = dtype_signatures(jax.make_jaxpr(fresh(f))(X, x16, W, B), decided)
     assert walked == reused and reused[("dot_general", ("bfloat16",) * 2, ("bfloat16",))] == 4
 
 

@@ -24,7 +24,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 import jamp
 from jamp import _compat as compat
-from tests.jaxpr_utils import bound_only, fresh_region_caches, program_record
+from tests.jaxpr_utils import bound_only, fresh, fresh_region_caches, program_record
 
 
 class Block(nn.Module):
@@ -193,7 +193,7 @@ def test_the_rewrite_of_a_dense_stack_binds_nothing_itself():
     # (jamp looks at each primitive once; jnp's functions are traced once per autocast state,
     # part of JAX's jit cache key: region_stack.STATE_KEY)
     jax.make_jaxpr(jamp.autocast_transform(f))(*args)
-    jax.make_jaxpr(lambda *a: f(*a))(*args)
+    jax.make_jaxpr(fresh(f))(*args)
     with _CountBinds() as plain:
         jax.make_jaxpr(f)(*args)
     with _CountBinds() as transformed:
@@ -248,11 +248,11 @@ def test_a_region_stages_everything_it_passes_on():
     jax.make_jaxpr(in_region)(*args)  # (decisions and jnp rewrites made once)
     # (new functions below: JAX's trace cache would answer for one traced before)
     with _CountStagedByJax() as plain:
-        jax.make_jaxpr(lambda *a: f(*a))(*args)
+        jax.make_jaxpr(fresh(f))(*args)
     with _CountStagedByJax() as region:
-        program = jax.make_jaxpr(lambda *a: in_region(*a))(*args)
+        program = jax.make_jaxpr(fresh(in_region))(*args)
     with bound_only(), _CountStagedByJax() as bound:
-        jax.make_jaxpr(lambda *a: in_region(*a))(*args)
+        jax.make_jaxpr(fresh(in_region))(*args)
     casts = sum(e.primitive.name == "convert_element_type" for e in program.jaxpr.eqns)
     assert casts >= 4 and "jit" in plain.names  # (the matmuls' operands at least; jnp's calls)
     assert region.names == []
