@@ -341,7 +341,7 @@ def _add_equation(
     """Add ``primitive`` on ``tracers`` to ``trace``'s program as its default staging does, with
     ``out_avals`` or its (cached) abstract evaluation; None for one with effects (bound)."""
     if out_avals is None:
-        out, effects = _pe._cached_abstract_eval(primitive, *(t.aval for t in tracers), **params)
+        out, effects = _pe._cached_abstract_eval(primitive, *[t.aval for t in tracers], **params)
         if effects:
             return None
         out_avals = list(out) if primitive.multiple_results else [out]
@@ -904,13 +904,16 @@ def _stage_now(
     rewritten equation, under the current source info and context; None where only a bind can.
     ``condition``: when ``primitive`` may be staged (default: ``_staging_condition``)."""
     condition = condition or _staging_condition(primitive)
-    if (
-        condition is None
-        or not args  # (bind may fold it: eager_constant_folding)
-        or any(type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace for a in args)
-        or any(isinstance(v, _JAXPR_TYPES) for v in params.values())
-        or not condition(params, list(avals))
-    ):
+    if condition is None or not args:  # (no operand: bind may fold it, eager_constant_folding)
+        return None
+    # (loops, not any() of generators: a region asks for every operation)
+    for a in args:
+        if type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace:
+            return None
+    for v in params.values():
+        if isinstance(v, _JAXPR_TYPES):
+            return None
+    if not condition(params, list(avals)):
         return None
     return _add_equation(trace, list(args), primitive, params, _siu.current(), None)
 

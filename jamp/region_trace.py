@@ -392,9 +392,7 @@ class RegionTrace(compat.Trace):
         state = self.rewriter.current_state()
         programs = carries_programs(primitive, params)
         avals = [compat.aval_of(a) for a in args]
-        if not programs and not (
-            state.enabled and any(is_float(getattr(a, "dtype", np.int32)) for a in avals)
-        ):
+        if not programs and not (state.enabled and _any_floating(avals)):
             # nothing for the policy to change: no floating operand, or autocast off
             return compat.bind_on(self.parent, primitive, args, params, avals)
         if compat.decided_above(*self.entry_depths):
@@ -841,7 +839,17 @@ def _tag_bits(env: RegionEnv, var: Any) -> int | None:
 
 def _has_fact(env: RegionEnv, var: Any) -> bool:
     """Whether a tracker knows something of ``var`` (a softmax's max: rules/softmax.py)."""
-    return any(var in facts for facts in env.facts.values())
+    for facts in env.facts.values():  # (a loop, not any() of a generator: asked per operand)
+        if var in facts:
+            return True
+    return False
+
+
+def _any_floating(avals: list) -> bool:
+    for aval in avals:  # (as _has_fact)
+        if is_float(getattr(aval, "dtype", np.int32)):
+            return True
+    return False
 
 
 def _decision_key(
@@ -1084,10 +1092,29 @@ _REFUSAL_NOTES = (
 )
 
 
+# One object per distinct policy: every `jamp.autocast()` makes a new, equal Policy, and JAX compares
+# the jit-cache context (REGION_KEY's value) of every cached trace it looks up with ``==`` unless
+# it is the same object (a dataclass comparison of every field, ~1000 a trace of a small model);
+# the policy-keyed tables here find it by identity too.
+_CANONICAL: dict[Policy, Policy] = {}
+_CANONICAL_KEPT = 256
+
+
+def _canonical(policy: Policy) -> Policy:
+    """The first policy equal to ``policy`` that a region used."""
+    found = _CANONICAL.get(policy)
+    if found is None:
+        if len(_CANONICAL) > _CANONICAL_KEPT:  # (a new policy every step: equal ones compare)
+            _CANONICAL.clear()
+        found = _CANONICAL[policy] = policy
+    return found
+
+
 @contextlib.contextmanager
 def pushed(policy: Policy) -> Iterator[None]:
     """Make a region trace the current trace for the block (one per thread: regions nested in
     it, in any transformation below it, leave markers that it reads)."""
+    policy = _canonical(policy)
     trace = RegionTrace(compat.current_trace(), policy)
     _tls.depth = getattr(_tls, "depth", 0) + 1
     try:

@@ -15,6 +15,7 @@ from jax import lax
 
 import jamp
 from jamp import _compat as compat
+from jamp import region_trace
 from tests.jaxpr_utils import dtype_signatures, eqns_named, fresh, iter_eqns, operand_dtypes
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
@@ -359,6 +360,30 @@ def test_already_jitted_callee_follows_the_region():
         with jamp.autocast(enabled=False):
             assert matmul(X, W).dtype == F32
     assert matmul(X, W).dtype == F32  # the cached float32 program is still what runs outside
+
+
+def test_a_jitted_callee_is_traced_once_for_regions_of_equal_policies():
+    traced = []
+
+    @jax.jit
+    def matmul(x, w):
+        traced.append(x.dtype)
+        return x @ w
+
+    for _ in range(3):  # every `jamp.autocast()` makes a new, equal Policy
+        with jamp.autocast():
+            assert matmul(X, W).dtype == BF16
+    assert len(traced) == 1
+    with jamp.autocast(jnp.float16):
+        assert matmul(X, W).dtype == jnp.float16
+    with jamp.autocast(jamp.Policy(fp32=("tanh",))):  # other tables: traced again
+        assert matmul(X, W).dtype == BF16
+    assert len(traced) == 3
+    # The regions key JAX's caches by one object per distinct policy (found by identity).
+    assert region_trace._canonical(jamp.Policy()) is region_trace._canonical(jamp.Policy())
+    assert region_trace._canonical(jamp.Policy(jnp.float16)) is not region_trace._canonical(
+        jamp.Policy()
+    )
 
 
 def test_control_flow_bodies_follow_the_region():

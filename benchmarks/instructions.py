@@ -1,0 +1,210 @@
+"""The sides of ``region_overhead.py`` counted in CPU instructions, where wall time cannot tell.
+
+On a shared virtual machine (this project's: 2 cores) the same trace takes 180 ms in one minute and
+320 ms in the next, and the time the hypervisor takes away counts as the process's own CPU time, so
+neither wall time nor ``time.thread_time`` separates a 5% difference from noise without very many
+samples. The instructions a process executes do not depend on that: counted by valgrind's callgrind
+(a CPU simulator), the same trace gives the same count to within 0.1%. Instructions are not time
+(a cache miss costs more than an add), so this is a diagnostic beside ``region_overhead.py``'s
+timings, never a replacement for them: it says how much more work each side does, exactly, and
+lets a change to jamp's per-operation code be judged by one run.
+
+What is counted, per side (the sides of ``region_overhead.py``, (a), (a') and (c)):
+
+- tracing the transformer stack (``make_jaxpr``) at each ``--blocks``: "plain" (float32), "hand
+  bf16" (the model written in bfloat16), "region" (``with jamp.autocast():``), "transform"
+  (``jamp.autocast_transform``) and "transform, no rule" (the ablation of (a'): every equation
+  re-emitted as traced, the floor of a rewrite that re-emits the program);
+- an eager forward step of the digits CNN (``--eager``): "plain", "hand bf16", "region".
+
+Each side runs in its own process under ``valgrind --tool=callgrind --instr-atstart=no``: the
+process builds the side and runs it twice uncounted (imports, JAX's caches, jamp's decisions: the
+steady state of (a)), then this script switches counting on (``callgrind_control -i on``), the
+process runs the side ``--calls`` times, and counting goes off. Fresh function objects every call,
+as in (a). The garbage collector stays on (its work is counted). Processes run two at a time.
+
+Needs valgrind (``apt-get install valgrind``); about a minute per side and size.
+
+Usage::
+
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py
+    JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/instructions.py --blocks 4 12 --eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import gc
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+TRACE_SIDES = ("plain", "hand bf16", "region", "transform", "transform, no rule")
+EAGER_SIDES = ("plain", "hand bf16", "region")
+# (numerator, denominator, goal of issue 33 or None)
+TRACE_RATIOS = (
+    ("region", "hand bf16", 1.1),
+    ("transform", "plain", 1.1),
+    ("transform, no rule", "plain", None),
+    ("region", "plain", None),
+    ("hand bf16", "plain", None),
+)
+EAGER_RATIOS = (("region", "plain", 1.2), ("region", "hand bf16", None))
+
+
+def side_callable(kind: str, side: str, blocks: int) -> Callable[[], object]:
+    """What one call of ``side`` runs (in the counted process)."""
+    import jax
+    import region_overhead as ro
+    from common import BF16, Transformer
+    from rewrite_overhead import stack_case
+
+    if kind == "eager":
+        new, args = ro.eager_case("forward")
+        fn = new(side)
+        return lambda: jax.block_until_ready(fn(*args))
+    make_fn, args = stack_case(blocks, d=ro.D, heads=ro.HEADS, seq=ro.SEQ, batch=ro.BATCH)
+    if side == "transform, no rule":
+        transform = ro.floor_sides(make_fn, args)["transform, no rule"]
+        return transform
+    sides = ro.trace_sides(make_fn, args,
+                           hand=Transformer(blocks, d=ro.D, heads=ro.HEADS, dtype=BF16))
+    return sides[side]
+
+
+def child(kind: str, side: str, blocks: int, calls: int, signals: str) -> None:
+    """The counted process: warm up, then run ``calls`` calls between the parent's switches."""
+    fn = side_callable(kind, side, blocks)
+    for _ in range(2):
+        fn()
+    gc.collect()  # (as region_overhead.py's samples start: no garbage of the warm-up counted)
+
+    def signal(name: str) -> None:
+        open(os.path.join(signals, name), "w").close()
+
+    def wait(name: str) -> None:
+        while not os.path.exists(os.path.join(signals, name)):
+            time.sleep(0.05)
+
+    signal("ready")
+    wait("counting")
+    for _ in range(calls):
+        fn()
+    signal("done")
+    wait("stopped")
+
+
+def count(kind: str, side: str, blocks: int, calls: int) -> int:
+    """Instructions of ``calls`` calls of ``side``, counted by callgrind in a new process."""
+    with tempfile.TemporaryDirectory() as signals:
+        out = os.path.join(signals, "callgrind.out")
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                   f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
+                   "--child", kind, side, str(blocks), str(calls), signals]
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True)
+
+        def wait(name: str) -> None:
+            while not os.path.exists(os.path.join(signals, name)):
+                if process.poll() is not None:
+                    raise RuntimeError(f"{kind} {side!r} exited early:\n{process.stderr.read()}")
+                time.sleep(0.2)
+
+        def switch(on: bool) -> None:
+            subprocess.run(["callgrind_control", "-i", "on" if on else "off", str(process.pid)],
+                           check=True, capture_output=True)
+
+        wait("ready")
+        switch(True)
+        open(os.path.join(signals, "counting"), "w").close()
+        wait("done")
+        switch(False)
+        open(os.path.join(signals, "stopped"), "w").close()
+        process.communicate()
+        with open(out) as f:
+            totals = [line for line in f if line.startswith("totals:")]
+        return int(totals[0].split()[1])
+
+
+def run_all(jobs: list[tuple[str, str, int]], calls: int, eager_calls: int) -> dict:
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {pool.submit(count, kind, side, blocks,
+                               eager_calls if kind == "eager" else calls): (kind, side, blocks)
+                   for kind, side, blocks in jobs}
+        for future in concurrent.futures.as_completed(futures):
+            results[futures[future]] = future.result()
+    return results
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--blocks", type=int, nargs="+", default=[4, 12],
+                        help="stack depths of the traced transformer (default 4 12)")
+    parser.add_argument("--calls", type=int, default=2, help="counted traces per side (default 2)")
+    parser.add_argument("--eager", action="store_true", help="also the eager digits CNN forward")
+    parser.add_argument("--eager-calls", type=int, default=10,
+                        help="counted eager forward calls per side (default 10)")
+    parser.add_argument("--sides", nargs="+", choices=TRACE_SIDES, default=TRACE_SIDES,
+                        help="traced sides to count (default: all; the ratios need theirs)")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)  # the counted process
+    args = parser.parse_args()
+    if args.child:
+        kind, side, blocks, calls, signals = args.child
+        child(kind, side, int(blocks), int(calls), signals)
+        return
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        sys.exit("instructions.py needs valgrind (apt-get install valgrind)")
+    from common import environment
+
+    started = time.perf_counter()
+    jobs = [("trace", side, n) for n in args.blocks for side in args.sides]
+    if args.eager:
+        jobs += [("eager", side, 0) for side in EAGER_SIDES]
+    results = run_all(jobs, args.calls, args.eager_calls)
+    print(f"# jamp: instructions per side (callgrind)\n\n{environment()}\n")
+    print(f"## Tracing the transformer stack (`make_jaxpr`), {args.calls} counted traces a side\n")
+    sides = [s for s in TRACE_SIDES if s in args.sides]
+    ratios = [(a, b, goal) for a, b, goal in TRACE_RATIOS if a in sides and b in sides]
+    rows = []
+    for n in args.blocks:
+        ir = {side: results["trace", side, n] / args.calls for side in sides}
+        rows.append([f"{n} blocks", *(f"{ir[s] / 1e6:.1f}" for s in sides),
+                     *(f"{ir[a] / ir[b]:.3f}x" for a, b, _ in ratios)])
+    print(table(["stack", *(f"{s} (M instr.)" for s in sides),
+                 *(f"{a} / {b}" for a, b, _ in ratios)], rows))
+    print()
+    for a, b, goal in ratios:
+        if goal is not None:
+            worst = max(results["trace", a, n] / results["trace", b, n] for n in args.blocks)
+            print(f"- {a} / {b} in instructions, worst size {worst:.3f}x (issue 33's goal in "
+                  f"time: <= {goal}x)")
+    if args.eager:
+        ir = {side: results["eager", side, 0] / args.eager_calls for side in EAGER_SIDES}
+        print(f"\n## Eager forward of the digits CNN, {args.eager_calls} counted calls a side\n")
+        print(table([*(f"{s} (M instr.)" for s in EAGER_SIDES),
+                     *(f"{a} / {b}" for a, b, _ in EAGER_RATIOS)],
+                    [[*(f"{ir[s] / 1e6:.2f}" for s in EAGER_SIDES),
+                      *(f"{ir[a] / ir[b]:.3f}x" for a, b, _ in EAGER_RATIOS)]]))
+        print("\n(The eager counts include XLA's execution of the operations; bfloat16 is "
+              "emulated on this CPU.)")
+    print(f"\n{time.perf_counter() - started:.0f} s in all.")
+
+
+if __name__ == "__main__":
+    main()
