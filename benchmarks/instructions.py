@@ -58,6 +58,9 @@ TRACE_RATIOS = (
     ("region", "plain", None),
     ("hand bf16", "plain", None),
 )
+# The eager sides run their operations on one thread: counted, XLA's thread pool makes the count
+# of a run vary by a few percent (threads waiting for work).
+EAGER_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 EAGER_RATIOS = (("region", "plain", 1.2), ("region", "hand bf16", None))
 
 
@@ -110,8 +113,11 @@ def count(kind: str, side: str, blocks: int, calls: int) -> int:
         command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
                    f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
                    "--child", kind, side, str(blocks), str(calls), signals]
+        env = dict(os.environ, PYTHONHASHSEED="0")  # (the same dict and set layouts every run)
+        if kind == "eager":  # (XLA's worker threads would add a varying count of their own)
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + EAGER_XLA_FLAGS).strip()
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   text=True)
+                                   text=True, env=env)
 
         def wait(name: str) -> None:
             while not os.path.exists(os.path.join(signals, name)):
@@ -154,8 +160,9 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--blocks", type=int, nargs="+", default=[4, 12],
-                        help="stack depths of the traced transformer (default 4 12)")
+    parser.add_argument("--blocks", type=int, nargs="*", default=[4, 12],
+                        help="stack depths of the traced transformer (default 4 12; none: "
+                             "eager only)")
     parser.add_argument("--calls", type=int, default=2, help="counted traces per side (default 2)")
     parser.add_argument("--eager", action="store_true", help="also the eager digits CNN forward")
     parser.add_argument("--eager-calls", type=int, default=10,
@@ -178,6 +185,14 @@ def main() -> None:
         jobs += [("eager", side, 0) for side in EAGER_SIDES]
     results = run_all(jobs, args.calls, args.eager_calls)
     print(f"# jamp: instructions per side (callgrind)\n\n{environment()}\n")
+    if args.blocks:
+        report_traces(results, args)
+    if args.eager:
+        report_eager(results, args)
+    print(f"\n{time.perf_counter() - started:.0f} s in all.")
+
+
+def report_traces(results: dict, args: argparse.Namespace) -> None:
     print(f"## Tracing the transformer stack (`make_jaxpr`), {args.calls} counted traces a side\n")
     sides = [s for s in TRACE_SIDES if s in args.sides]
     ratios = [(a, b, goal) for a, b, goal in TRACE_RATIOS if a in sides and b in sides]
@@ -194,16 +209,17 @@ def main() -> None:
             worst = max(results["trace", a, n] / results["trace", b, n] for n in args.blocks)
             print(f"- {a} / {b} in instructions, worst size {worst:.3f}x (issue 33's goal in "
                   f"time: <= {goal}x)")
-    if args.eager:
-        ir = {side: results["eager", side, 0] / args.eager_calls for side in EAGER_SIDES}
-        print(f"\n## Eager forward of the digits CNN, {args.eager_calls} counted calls a side\n")
-        print(table([*(f"{s} (M instr.)" for s in EAGER_SIDES),
-                     *(f"{a} / {b}" for a, b, _ in EAGER_RATIOS)],
-                    [[*(f"{ir[s] / 1e6:.2f}" for s in EAGER_SIDES),
-                      *(f"{ir[a] / ir[b]:.3f}x" for a, b, _ in EAGER_RATIOS)]]))
-        print("\n(The eager counts include XLA's execution of the operations; bfloat16 is "
-              "emulated on this CPU.)")
-    print(f"\n{time.perf_counter() - started:.0f} s in all.")
+
+
+def report_eager(results: dict, args: argparse.Namespace) -> None:
+    ir = {side: results["eager", side, 0] / args.eager_calls for side in EAGER_SIDES}
+    print(f"\n## Eager forward of the digits CNN, {args.eager_calls} counted calls a side\n")
+    print(table([*(f"{s} (M instr.)" for s in EAGER_SIDES),
+                 *(f"{a} / {b}" for a, b, _ in EAGER_RATIOS)],
+                [[*(f"{ir[s] / 1e6:.2f}" for s in EAGER_SIDES),
+                  *(f"{ir[a] / ir[b]:.3f}x" for a, b, _ in EAGER_RATIOS)]]))
+    print("\n(The eager counts include XLA's execution of the operations, on one thread; "
+          "bfloat16 is emulated on this CPU.)")
 
 
 if __name__ == "__main__":
