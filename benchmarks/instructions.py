@@ -21,7 +21,11 @@ Each side runs in its own process under ``valgrind --tool=callgrind --instr-atst
 process builds the side and runs it twice uncounted (imports, JAX's caches, jamp's decisions: the
 steady state of (a)), then this script switches counting on (``callgrind_control -i on``), the
 process runs the side ``--calls`` times, and counting goes off. Fresh function objects every call,
-as in (a). The garbage collector stays on (its work is counted). Processes run two at a time.
+as in (a). The garbage collector stays on (its work is counted), after a ``gc.collect()`` that
+ends the warm-up, as (a) collects before every sample. ``PYTHONHASHSEED=0`` gives every run the
+same dictionary and set layouts, and the eager sides run XLA on one thread (``XLA_FLAGS``): the
+counts of two runs of a side then agree to within 0.1-0.2% (without them, eager counts varied by
+2-5%). Processes run two at a time.
 
 Needs valgrind (``apt-get install valgrind``); about a minute per side and size.
 
@@ -77,8 +81,7 @@ def side_callable(kind: str, side: str, blocks: int) -> Callable[[], object]:
         return lambda: jax.block_until_ready(fn(*args))
     make_fn, args = stack_case(blocks, d=ro.D, heads=ro.HEADS, seq=ro.SEQ, batch=ro.BATCH)
     if side == "transform, no rule":
-        transform = ro.floor_sides(make_fn, args)["transform, no rule"]
-        return transform
+        return ro.floor_sides(make_fn, args)["transform, no rule"]
     sides = ro.trace_sides(make_fn, args,
                            hand=Transformer(blocks, d=ro.D, heads=ro.HEADS, dtype=BF16))
     return sides[side]
