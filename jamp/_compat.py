@@ -86,6 +86,14 @@ def is_jaxpr_like(value: Any) -> bool:
     return isinstance(value, _JAXPR_TYPES)
 
 
+def _has_jaxpr_param(params: dict) -> bool:
+    """Whether a parameter is a jaxpr (such an equation is bound, never staged directly)."""
+    for value in params.values():  # (a loop, not any() of a generator: asked per operation)
+        if isinstance(value, _JAXPR_TYPES):
+            return True
+    return False
+
+
 def open_and_consts(closed: Any) -> tuple[Any, list[Any]]:
     """(jaxpr with .constvars/.invars/.eqns/.outvars, consts binding its constvars)."""
     if _ClosedJaxpr is not None and isinstance(closed, _ClosedJaxpr):
@@ -302,7 +310,7 @@ def _stage(
         or eqn.ctx is not outer_ctx
         or eqn.effects
         or info.traceback is None
-        or any(isinstance(v, _JAXPR_TYPES) for v in params.values())
+        or _has_jaxpr_param(params)
     ):
         return None
     source_info = _staged_source_info(info)
@@ -906,14 +914,11 @@ def _stage_now(
     condition = condition or _staging_condition(primitive)
     if condition is None or not args:  # (no operand: bind may fold it, eager_constant_folding)
         return None
-    # (loops, not any() of generators: a region asks for every operation)
+    # (a loop, not any() of a generator: a region asks for every operation)
     for a in args:
         if type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace:
             return None
-    for v in params.values():
-        if isinstance(v, _JAXPR_TYPES):
-            return None
-    if not condition(params, list(avals)):
+    if _has_jaxpr_param(params) or not condition(params, list(avals)):
         return None
     return _add_equation(trace, list(args), primitive, params, _siu.current(), None)
 

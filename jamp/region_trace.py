@@ -846,6 +846,7 @@ def _has_fact(env: RegionEnv, var: Any) -> bool:
 
 
 def _any_floating(avals: list) -> bool:
+    """Whether an operand is floating (else the policy has nothing to change)."""
     for aval in avals:  # (as _has_fact)
         if is_float(getattr(aval, "dtype", np.int32)):
             return True
