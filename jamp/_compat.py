@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 from jax._src import api as _api
+from jax._src import array as _array
 from jax._src import core as _core
 from jax._src import dtypes as _dtypes
 from jax._src import linear_util as _lu
@@ -37,6 +38,7 @@ Var = _core.Var
 # ``val`` is its Var there).
 ProgramTrace = _pe.DynamicJaxprTrace
 ProgramTracer = _pe.DynamicJaxprTracer
+_ArrayImpl = _array.ArrayImpl
 DropVar = _core.DropVar
 Primitive = _core.Primitive
 ShapedArray = _core.ShapedArray
@@ -403,20 +405,38 @@ def _direct_cast_params(x: Any, dtype: np.dtype) -> dict | None:
     return {"new_dtype": dtype, "weak_type": False, "sharding": None}
 
 
-def convert_now(x: Any, dtype: Any) -> Any:
+def convert_now(x: Any, dtype: Any, aval: Any = None) -> Any:
     """``convert(x, dtype)`` bound now (a region's cast, under the current source info and
     context), staged directly into the current trace where ``stage_convert`` would stage it,
-    else converted."""
+    eagerly bound directly for an array of another floating dtype (``aval``: its type, where
+    the caller has it), else converted."""
     trace = _core.trace_ctx.trace
     dtype = np.dtype(dtype)
-    params = _direct_cast_params(x, dtype) if type(trace) is _pe.DynamicJaxprTrace else None
-    if params is not None:
-        outs = _stage_now(
-            trace, _lax_internal.convert_element_type_p, (x,), (x.aval,), params, _always
+    if type(trace) is _pe.DynamicJaxprTrace:
+        params = _direct_cast_params(x, dtype)
+        if params is not None:
+            outs = _stage_now(
+                trace, _lax_internal.convert_element_type_p, (x,), (x.aval,), params, _always
+            )
+            if outs is not None:
+                return outs[0]
+    elif type(trace) is _core.EvalTrace and type(x) is _ArrayImpl and _float_to_float(x, dtype):
+        # (what ``convert`` binds for it, after ~20 calls of checks that then do nothing)
+        return _lax_internal.convert_element_type_p.bind_with_trace(
+            trace,
+            (x,),
+            (x.aval if aval is None else aval,),
+            {"new_dtype": dtype, "weak_type": False, "sharding": None},
         )
-        if outs is not None:
-            return outs[0]
     return convert(x, dtype)
+
+
+def _float_to_float(x: Any, dtype: np.dtype) -> bool:
+    return (
+        x.dtype != dtype
+        and _dtypes.issubdtype(x.dtype, np.floating)
+        and _dtypes.issubdtype(dtype, np.floating)
+    )
 
 
 class _CastOf:

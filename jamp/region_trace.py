@@ -213,6 +213,16 @@ class RegionEnv(Env):
         self.remember(value, var)
         return var, True
 
+    def aval_of(self, value: Any) -> Any:
+        """``value``'s type: eagerly, for an array this region saw, its variable's (``jax.typeof``
+        of an array builds a new type, ~10 calls, for every operand of every operation)."""
+        if isinstance(value, compat.Tracer):
+            return value.aval
+        ref = self._vars.get(id(value))
+        if ref is not None and ref() is value:
+            return ref.var.aval
+        return compat.aval_of(value)
+
     def _seen(self, value: Any) -> Any:
         """The variable of a value this region saw, else None."""
         if type(value) is ProgramTracer and type(value.val) is compat.Var:
@@ -391,7 +401,8 @@ class RegionTrace(compat.Trace):
             return self._inline_call(primitive, args, params)
         state = self.rewriter.current_state()
         programs = carries_programs(primitive, params)
-        avals = [compat.aval_of(a) for a in args]
+        aval_of = self.env.aval_of
+        avals = [aval_of(a) for a in args]
         if not programs and not (state.enabled and _any_floating(avals)):
             # nothing for the policy to change: no floating operand, or autocast off
             return compat.bind_on(self.parent, primitive, args, params, avals)
@@ -496,7 +507,7 @@ class RegionTrace(compat.Trace):
                         cast = (
                             source.cast(dtype)
                             if source is not None
-                            else compat.convert_now(args[i], dtype)
+                            else compat.convert_now(args[i], dtype, env.aval_of(args[i]))
                         )
                         env.casts[(invars[i], dtype)] = cast
                     if isinstance(cast, HOST_VALUES):
@@ -558,6 +569,13 @@ class RegionTrace(compat.Trace):
             outs = compat.bind_on(
                 self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
             )
+        return self._adopt_call_outputs(rewrite, outs, in_vars)
+
+    def _adopt_call_outputs(
+        self, rewrite: CallRewrite, outs: list[Any], in_vars: list[Any]
+    ) -> list[Any]:
+        """What the walk of a call (``rewrite``) knew about its outputs, for the values ``outs``
+        the call returned: a variable, tags and facts each, as op by op."""
         env = self.env
         out_vars: list[Any] = []
         for value, aval, known_out, j in zip(
@@ -600,7 +618,7 @@ class RegionTrace(compat.Trace):
         first: dict[int, int] = {}  # id(var) -> the first operand that is that value
         more_than_tags = False
         for i, value in enumerate(args):
-            aval = compat.aval_of(value)
+            aval = env.aval_of(value)
             var, new = env.var_for(value, aval)
             if new:
                 self._adopt_input(var, value, aval)
@@ -783,6 +801,10 @@ class RegionTrace(compat.Trace):
             # Where the parent would run the body itself (eagerly, under
             # jax.ensure_compile_time_eval) no rule of the call can apply: the body runs in the
             # region op by op, with concrete values where it had them (it may branch on them).
+            if compat.is_eager(self.parent):
+                outs = self._eager_body(primitive, subfuns, args, params)
+                if outs is not None:
+                    return outs
             with compat.set_current_trace(self):
                 return subfuns[0].call_wrapped(*args)
         closed = self._staged_jaxpr(primitive, subfuns, args, params)
@@ -790,6 +812,63 @@ class RegionTrace(compat.Trace):
         state = self.rewriter.current_state()
         with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
             return self.rewriter.child(state).run(jaxpr, consts, list(args))
+
+    def _eager_body(
+        self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict
+    ) -> list[Any] | None:
+        """Eagerly, the body of one of JAX's own ``custom_jvp`` functions (``jax.nn.relu``,
+        ``softplus``...) runs as a ``jnp`` function does in a region (:meth:`_inline_call`):
+        walked once per body, operand types, region state and operand knowledge, then one
+        compiled call, rather than op by op through JAX's Python dispatch at every call. None
+        where it runs op by op instead: a user's function (it may print, or branch on its
+        operands' values, which eager code allows), a ``custom_vjp`` call, ``'@file:line'``
+        rules, an operand the walk would read more of than a key holds."""
+        fun = subfuns[0]
+        if self.rewriter.line_rules or not _is_jax_function(getattr(fun, "f", None)):
+            return None
+        known = self._operand_knowledge(args)
+        if known is None:
+            return None
+        knowledge, sources, facts, in_vars, avals = known
+        body = self._body_jaxpr(primitive, subfuns, avals, params)
+        if body is None:
+            return None
+        # (the body is traced: its output stores are filled, so it runs from its jaxpr now)
+        rewrite = self._call_rewrite(
+            body, self.rewriter.current_state(), knowledge, sources, facts, avals
+        )
+        if rewrite is None:
+            jaxpr, consts = compat.open_and_consts(body)
+            with compat.set_current_trace(self):
+                return compat.eval_jaxpr_retyped(jaxpr, consts, args)
+        return self._adopt_call_outputs(rewrite, rewrite.run_eagerly(args), in_vars)
+
+    def _body_jaxpr(
+        self, primitive: Any, subfuns: tuple, avals: list, params: dict
+    ) -> Any:
+        """A ``custom_jvp`` call's body traced to a jaxpr, once per function, rule and operand
+        types (filling the body's output stores as tracing it does); None for a call that
+        cannot be keyed (a ``custom_vjp``'s) or a body that cannot be traced."""
+        key = compat.custom_call_key(primitive, subfuns, avals, params)
+        if key is None:
+            return None
+        key = ("body", *key)
+        try:
+            cached = _STAGED.get(key)
+        except TypeError:  # a parameter that cannot be hashed
+            return None
+        if cached is not None:
+            closed, stored = cached
+            compat.fill_stores(subfuns[0], stored)
+            return closed
+        try:
+            closed = compat.trace_to_closed(subfuns[0].call_wrapped, avals)
+        except Exception:  # (raised again op by op on the values, where the error belongs)
+            return None
+        if len(_STAGED) > _STAGED_KEPT:
+            _STAGED.clear()
+        _STAGED[key] = (closed, compat.filled_stores(subfuns[0]))
+        return closed
 
     def _staged_jaxpr(
         self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict
@@ -816,6 +895,13 @@ class RegionTrace(compat.Trace):
                 _STAGED.clear()
             _STAGED[key] = (closed, compat.filled_stores(subfuns[0]))
         return closed
+
+
+def _is_jax_function(fn: Any) -> bool:
+    """Whether ``fn`` is defined in JAX itself (``jax.nn``'s functions: pure, and the same for
+    any operand values of one type)."""
+    module = getattr(fn, "__module__", None) or ""
+    return module == "jax" or module.startswith("jax.")
 
 
 def _decision_scope(state: RegionState) -> Any:

@@ -386,6 +386,68 @@ def test_a_jitted_callee_is_traced_once_for_regions_of_equal_policies():
     )
 
 
+@jax.custom_jvp
+def _users_relu(x):
+    return jnp.maximum(x, 0)
+
+
+_users_relu.defjvp(lambda p, t: (_users_relu(p[0]), jnp.where(p[0] > 0, t[0], 0)))
+
+
+def test_jax_custom_jvp_functions_run_eagerly_as_one_rewritten_call():
+    """Eagerly, jax.nn's custom_jvp functions (relu) run their body walked once per operand type
+    and region state, as a jnp function does; the decisions are those of the body op by op (a
+    user's function with the same body, which runs op by op) and of the same region under jit."""
+
+    def net(x, w):
+        h = x @ w  # bfloat16
+        return jax.nn.relu(h), jax.nn.relu(x), jax.nn.relu(h) @ w, jax.nn.relu(x) + 1
+
+    def users(x, w):
+        h = x @ w
+        return _users_relu(h), _users_relu(x), _users_relu(h) @ w, _users_relu(x) + 1
+
+    def bodies():
+        return {k for k in region_trace._STAGED if k[0] == "body"}
+
+    before = bodies()
+    eager = in_region(net)(X, W)
+    added = bodies() - before
+    assert len(added) == 2  # relu of a bfloat16 and of a float32 operand
+    for _ in range(2):
+        again = in_region(net)(X, W)
+    assert bodies() - before == added  # walked once: the later calls reuse the rewrite
+    for got, want in zip(eager, again):
+        chex.assert_trees_all_equal(got, want)
+    for got, op_by_op, jitted in zip(eager, in_region(users)(X, W), jax.jit(in_region(net))(X, W)):
+        assert got.dtype == op_by_op.dtype == jitted.dtype
+        np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(op_by_op, F32))
+        np.testing.assert_allclose(np.asarray(got, F32), np.asarray(jitted, F32), rtol=1e-2)
+
+
+def test_a_users_custom_jvp_function_runs_op_by_op_eagerly():
+    """A user's custom_jvp function may branch on its operands' values or have effects in
+    Python: eagerly in a region it runs as JAX runs it, every call, op by op."""
+    calls = []
+
+    @jax.custom_jvp
+    def clipped(x):
+        calls.append(1)
+        if float(jnp.max(x)) > 100.0:  # reads the value: eager code may
+            return jnp.clip(x, -100.0, 100.0)
+        return x * 2
+
+    clipped.defjvp(lambda p, t: (clipped(p[0]), t[0] * 2))
+    with jamp.autocast():
+        small = clipped(X @ W)
+        large = clipped((X @ W) * 1e4)
+    assert len(calls) == 2
+    assert small.dtype == large.dtype == BF16
+    np.testing.assert_allclose(np.asarray(small, F32), np.asarray((X @ W).astype(BF16) * 2, F32),
+                               rtol=2e-2, atol=2e-2)
+    assert float(jnp.max(jnp.abs(large.astype(F32)))) <= 100.0
+
+
 def test_control_flow_bodies_follow_the_region():
     with jamp.autocast():
         c = lax.cond(True, lambda x: x @ W, lambda x: x @ W * 2, X)
