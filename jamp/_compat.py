@@ -1090,6 +1090,19 @@ def _deeper(name: str) -> Iterator[None]:
 
 
 def _routed(plain: Callable[..., Any], above: Callable[[Any], Any]) -> Callable[..., Any]:
+    """``plain`` (a JAX method) handing operations to ``above`` first; made once per pair (an
+    eager loop enters a region, and routes again, every step)."""
+    key = (plain, above)
+    routed = _routed_made.get(key)
+    if routed is None:
+        routed = _routed_made[key] = _make_routed(plain, above)
+    return routed
+
+
+_routed_made: dict[tuple[Any, Any], Callable[..., Any]] = {}
+
+
+def _make_routed(plain: Callable[..., Any], above: Callable[[Any], Any]) -> Callable[..., Any]:
     def process(self: Any, primitive: Any, *rest: Any, **params: Any) -> Any:
         # What the region above binds on this trace, and what JAX binds while it differentiates
         # that (on a differentiation trace below: a nested grad's), is differentiated as it is.
@@ -1123,6 +1136,7 @@ def routing_depths() -> tuple[int, int]:
     return _depth("plain"), _depth("backward")
 
 
+@functools.cache  # (once per JAX function: a region marks it again at every entry)
 def _marked(backward_pass: Callable[..., Any]) -> Callable[..., Any]:
     def marked(*args: Any, **kwargs: Any) -> Any:
         with _deeper("backward"):

@@ -170,7 +170,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         """The policy of an outermost region: the one given, else the default tables in
         ``dtype`` (the default policy's bfloat16 without one)."""
         if self.policy is None:
-            self.policy = resolve_policy(None, self.dtype, where="jamp.autocast")
+            self.policy = _default_policy(self.dtype)
         return self.policy
 
 
@@ -204,3 +204,8 @@ def _region_dtype(value: Any, name: str) -> np.dtype | None:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"jamp.autocast({name}=...) must be a floating dtype, got {dtype.name}")
     return dtype
+
+
+@functools.cache  # (a Policy is immutable: every `jamp.autocast()` of one dtype shares it)
+def _default_policy(dtype: np.dtype | None) -> Policy:
+    return resolve_policy(None, dtype, where="jamp.autocast")
