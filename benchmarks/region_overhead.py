@@ -58,8 +58,14 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   update, the forward region/transformed as above). Measured: steady state (after warm-up
   calls), the first call of a new function object in a warm process (``transform`` traces,
   rewrites and compiles again; the region has nothing to cache), and the first call in a fresh
-  process (a subprocess per sample: JAX's per-primitive executables are cold too). No goal was
-  set; the issue asks for the numbers.
+  process (a subprocess per sample: JAX's per-primitive executables are cold too). Goal (issue
+  33): region <= 1.2x plain float32 eager.
+
+(c') The floor of an eager region (``eager-floor``, not run by default)
+  The forward of (c) with a fourth side, the region passing every operation through to JAX
+  unchanged (``region_passes_through``, an ablation): what being the current trace costs eagerly
+  before the policy decides anything (JAX runs a ``jnp`` call's Python ``jit`` path, not its C++
+  fast path, under any trace but its own eager one).
 
 Conventions (as in the other benchmarks)
   Garbage collector on; a ``gc.collect()`` before every sample and the time of full (generation-2)
@@ -82,6 +88,7 @@ Usage::
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts trace --profile
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts amortized --blocks 12 48
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts attribution --blocks 24
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts eager-floor
     # also: --blocks 12 24 48, --compile-blocks 4 12, --reps, --compile-reps, --eager-reps,
     #       --cold-reps, --caller-depths 0 8 16 (see rewrite_overhead.py), --top
 """
@@ -703,6 +710,57 @@ def eager_case(mode: str) -> tuple[Callable[[str], Callable], tuple]:
     return new, ((variables, opt_state, x, y) if train else (variables, x))
 
 
+@contextlib.contextmanager
+def region_passes_through() -> Any:
+    """An ablation, not a mode of jamp: the region stays the current trace, but every operation
+    it is handed (a primitive, a ``jnp`` function's jit) is bound on its parent unchanged. What
+    that still costs eagerly (JAX's Python ``jit`` path for every ``jnp`` call, the bind's
+    redirection) is the floor of an eager region that decides anything at all."""
+    from jamp import _compat as compat
+    from jamp import region_trace
+
+    cls = region_trace.RegionTrace
+    saved = cls.process_primitive
+    cls.process_primitive = lambda self, primitive, args, params: compat.bind_on(
+        self.parent, primitive, args, params)
+    try:
+        yield
+    finally:
+        cls.process_primitive = saved
+
+
+def measure_eager_floor(reps: int, warmup: int) -> None:
+    """(c') The eager forward of (c): plain float32, hand bf16, the region, and the region with
+    every operation passed through (``region_passes_through``), interleaved."""
+    new, args = eager_case("forward")
+    sides = ("plain", "hand bf16", "region", "region, passed through")
+    fns = {side: new("region" if side == "region, passed through" else side) for side in sides}
+
+    def call(side: str) -> float:
+        if side != "region, passed through":
+            return timed(functools.partial(call_once, fns[side], args))[0]
+        with region_passes_through():
+            return timed(functools.partial(call_once, fns[side], args))[0]
+
+    for _ in range(warmup):
+        for side in sides:
+            call(side)
+    t: dict[str, list[float]] = {side: [] for side in sides}
+    for i in range(reps):
+        for side in rotated(sides, i):
+            t[side].append(call(side))
+    print("## (c') The floor of an eager region\n\n"
+          f"The forward of (c), {reps} interleaved calls per side after {warmup} warm-up calls. "
+          "'passed through': the region is the current trace but binds every operation on its "
+          "parent unchanged, in float32 (an ablation: what being a trace costs eagerly, before "
+          "any decision).\n")
+    print(markdown_table(
+        ["side", "ms", "/ plain float32"],
+        [[side, f"{median(t[side]) * 1e3:.2f}",
+          fmt_spread(spread(ratios(t[side], t["plain"])), side != "plain")] for side in sides]))
+    print()
+
+
 def call_once(fn: Callable, args: tuple) -> float:
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
@@ -792,7 +850,7 @@ def report_eager(results: dict[str, Any], reps: int, warmup: int, fresh_reps: in
 
 # --- entry point ---------------------------------------------------------------------------------
 
-PARTS = ("trace", "compile", "eager", "floor", "amortized", "attribution")
+PARTS = ("trace", "compile", "eager", "floor", "amortized", "attribution", "eager-floor")
 
 
 def main() -> None:
@@ -801,7 +859,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: small stacks, few repetitions")
     parser.add_argument("--parts", nargs="+", choices=PARTS,
-                        default=[p for p in PARTS if p not in ("amortized", "attribution")])
+                        default=[p for p in PARTS
+                                 if p not in ("amortized", "attribution", "eager-floor")])
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="(a) stack depths (default 12 24 48; --quick: 4 8)")
     parser.add_argument("--reps", type=int, default=None, help="(a) repetitions (default 7)")
@@ -857,6 +916,8 @@ def main() -> None:
     if "eager" in args.parts:
         report_eager(measure_eager(eager_reps, eager_warmup, fresh_reps, cold_reps),
                      eager_reps, eager_warmup, fresh_reps, cold_reps)
+    if "eager-floor" in args.parts:
+        measure_eager_floor(eager_reps, eager_warmup)
     if args.profile:
         profile_trace(max(blocks), args.top)
     print(f"Load average at the end: {load()}; {time.perf_counter() - started:.0f} s in all.")
