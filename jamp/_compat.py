@@ -1331,6 +1331,14 @@ def fill_stores(fun: Any, values: list[tuple[int, Any]]) -> None:
         fun.stores[i].store(value)
 
 
+def empty_stores(fun: Any) -> None:
+    """Empty ``fun``'s filled output stores (a trace of it that failed after it returned), so
+    that it can be called again."""
+    for st in fun.stores:
+        if _filled(st):
+            st.reset()
+
+
 @contextlib.contextmanager
 def staged_once(subfuns: Sequence[Any]) -> Iterator[None]:
     """For a custom-derivative call a region stages to its equation: JAX reads each function's

@@ -864,6 +864,7 @@ class RegionTrace(compat.Trace):
         try:
             closed = compat.trace_to_closed(subfuns[0].call_wrapped, avals)
         except Exception:  # (raised again op by op on the values, where the error belongs)
+            compat.empty_stores(subfuns[0])
             return None
         if len(_STAGED) > _STAGED_KEPT:
             _STAGED.clear()

@@ -448,6 +448,24 @@ def test_a_users_custom_jvp_function_runs_op_by_op_eagerly():
     assert float(jnp.max(jnp.abs(large.astype(F32)))) <= 100.0
 
 
+def test_a_jax_custom_jvp_body_that_cannot_be_traced_runs_op_by_op_eagerly():
+    """Were one of JAX's own custom_jvp functions to read its operand's value, tracing its body
+    fails; eagerly the region then runs it op by op, as JAX does (the failed trace leaves the
+    function callable again)."""
+
+    def doubled_if_positive(x):
+        return x * 2 if float(jnp.max(x)) > 0 else x
+
+    doubled_if_positive.__module__ = "jax._src.nn.functions"  # (as if it were jax.nn's)
+    f = jax.custom_jvp(doubled_if_positive)
+    f.defjvp(lambda p, t: (f(p[0]), t[0] * 2))
+    with jamp.autocast():
+        out = f(X @ W)
+        want = (X @ W) * 2
+    assert out.dtype == want.dtype == BF16
+    np.testing.assert_array_equal(np.asarray(out, F32), np.asarray(want, F32))
+
+
 def test_control_flow_bodies_follow_the_region():
     with jamp.autocast():
         c = lax.cond(True, lambda x: x @ W, lambda x: x @ W * 2, X)
