@@ -122,7 +122,7 @@ def aval_of(x: Any) -> ShapedArray:
     if isinstance(x, _core.Tracer):
         return x.aval  # type: ignore[return-value]  # (an array's tracer: a ShapedArray)
     if type(x) is _ArrayImpl and not isinstance(x.sharding, _NamedSharding):
-        return x.aval  # type: ignore[no-any-return]
+        return x.aval
     return _core.typeof(x)
 
 

@@ -843,9 +843,7 @@ class RegionTrace(compat.Trace):
                 return compat.eval_jaxpr_retyped(jaxpr, consts, args)
         return self._adopt_call_outputs(rewrite, rewrite.run_eagerly(args), in_vars)
 
-    def _body_jaxpr(
-        self, primitive: Any, subfuns: tuple, avals: list, params: dict
-    ) -> Any:
+    def _body_jaxpr(self, primitive: Any, subfuns: tuple, avals: list, params: dict) -> Any:
         """A ``custom_jvp`` call's body traced to a jaxpr, once per function, rule and operand
         types (filling the body's output stores as tracing it does); None for a call that
         cannot be keyed (a ``custom_vjp``'s) or a body that cannot be traced."""
