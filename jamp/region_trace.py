@@ -214,8 +214,8 @@ class RegionEnv(Env):
         return var, True
 
     def aval_of(self, value: Any) -> Any:
-        """``value``'s type: eagerly, for an array this region saw, its variable's (``jax.typeof``
-        of an array builds a new type, ~10 calls, for every operand of every operation)."""
+        """``value``'s type: eagerly, for an array this region saw, its variable's (for an array
+        sharded over a mesh ``jax.typeof`` builds a new type, ~10 calls, at every operand)."""
         if isinstance(value, compat.Tracer):
             return value.aval
         ref = self._vars.get(id(value))
