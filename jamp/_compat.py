@@ -400,20 +400,17 @@ def _direct_cast_params(x: Any, dtype: np.dtype) -> dict | None:
     is then nothing: no extended dtype, no complex part dropped); else None."""
     if (
         type(x) is not _pe.DynamicJaxprTracer
-        or x.dtype == dtype
-        or not _dtypes.issubdtype(x.dtype, np.floating)
-        or not _dtypes.issubdtype(dtype, np.floating)
+        or not _float_to_float(x, dtype)
         or x.get_const() is not None
     ):
         return None
     return {"new_dtype": dtype, "weak_type": False, "sharding": None}
 
 
-def convert_now(x: Any, dtype: Any, aval: Any = None) -> Any:
+def convert_now(x: Any, dtype: Any) -> Any:
     """``convert(x, dtype)`` bound now (a region's cast, under the current source info and
     context), staged directly into the current trace where ``stage_convert`` would stage it,
-    eagerly bound directly for an array of another floating dtype (``aval``: its type, where
-    the caller has it), else converted."""
+    eagerly bound directly for an array of another floating dtype, else converted."""
     trace = _core.trace_ctx.trace
     dtype = np.dtype(dtype)
     if type(trace) is _pe.DynamicJaxprTrace:
@@ -429,13 +426,14 @@ def convert_now(x: Any, dtype: Any, aval: Any = None) -> Any:
         return _lax_internal.convert_element_type_p.bind_with_trace(
             trace,
             (x,),
-            (x.aval if aval is None else aval,),
+            (x.aval,),
             {"new_dtype": dtype, "weak_type": False, "sharding": None},
         )
     return convert(x, dtype)
 
 
 def _float_to_float(x: Any, dtype: np.dtype) -> bool:
+    """Whether ``x`` is of another floating dtype than ``dtype``, itself floating."""
     return (
         x.dtype != dtype
         and _dtypes.issubdtype(x.dtype, np.floating)

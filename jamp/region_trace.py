@@ -213,16 +213,6 @@ class RegionEnv(Env):
         self.remember(value, var)
         return var, True
 
-    def aval_of(self, value: Any) -> Any:
-        """``value``'s type: eagerly, for an array this region saw, its variable's (for an array
-        sharded over a mesh ``jax.typeof`` builds a new type, ~10 calls, at every operand)."""
-        if isinstance(value, compat.Tracer):
-            return value.aval
-        ref = self._vars.get(id(value))
-        if ref is not None and ref() is value:
-            return ref.var.aval
-        return compat.aval_of(value)
-
     def _seen(self, value: Any) -> Any:
         """The variable of a value this region saw, else None."""
         if type(value) is ProgramTracer and type(value.val) is compat.Var:
@@ -401,8 +391,7 @@ class RegionTrace(compat.Trace):
             return self._inline_call(primitive, args, params)
         state = self.rewriter.current_state()
         programs = carries_programs(primitive, params)
-        aval_of = self.env.aval_of
-        avals = [aval_of(a) for a in args]
+        avals = [compat.aval_of(a) for a in args]
         if not programs and not (state.enabled and _any_floating(avals)):
             # nothing for the policy to change: no floating operand, or autocast off
             return compat.bind_on(self.parent, primitive, args, params, avals)
@@ -507,7 +496,7 @@ class RegionTrace(compat.Trace):
                         cast = (
                             source.cast(dtype)
                             if source is not None
-                            else compat.convert_now(args[i], dtype, env.aval_of(args[i]))
+                            else compat.convert_now(args[i], dtype)
                         )
                         env.casts[(invars[i], dtype)] = cast
                     if isinstance(cast, HOST_VALUES):
@@ -618,7 +607,7 @@ class RegionTrace(compat.Trace):
         first: dict[int, int] = {}  # id(var) -> the first operand that is that value
         more_than_tags = False
         for i, value in enumerate(args):
-            aval = env.aval_of(value)
+            aval = compat.aval_of(value)
             var, new = env.var_for(value, aval)
             if new:
                 self._adopt_input(var, value, aval)
@@ -845,29 +834,19 @@ class RegionTrace(compat.Trace):
 
     def _body_jaxpr(self, primitive: Any, subfuns: tuple, avals: list, params: dict) -> Any:
         """A ``custom_jvp`` call's body traced to a jaxpr, once per function, rule and operand
-        types (filling the body's output stores as tracing it does); None for a call that
-        cannot be keyed (a ``custom_vjp``'s) or a body that cannot be traced."""
+        types (:func:`_traced_once`); None for a call that cannot be keyed (a ``custom_vjp``'s)
+        or a body that cannot be traced."""
         key = compat.custom_call_key(primitive, subfuns, avals, params)
         if key is None:
             return None
-        key = ("body", *key)
+        fun = subfuns[0]
         try:
-            cached = _STAGED.get(key)
-        except TypeError:  # a parameter that cannot be hashed
-            return None
-        if cached is not None:
-            closed, stored = cached
-            compat.fill_stores(subfuns[0], stored)
-            return closed
-        try:
-            closed = compat.trace_to_closed(subfuns[0].call_wrapped, avals)
+            return _traced_once(
+                ("body", *key), fun, lambda: compat.trace_to_closed(fun.call_wrapped, avals)
+            )
         except Exception:  # (raised again op by op on the values, where the error belongs)
-            compat.empty_stores(subfuns[0])
+            compat.empty_stores(fun)
             return None
-        if len(_STAGED) > _STAGED_KEPT:
-            _STAGED.clear()
-        _STAGED[key] = (closed, compat.filled_stores(subfuns[0]))
-        return closed
 
     def _staged_jaxpr(
         self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict
@@ -876,24 +855,35 @@ class RegionTrace(compat.Trace):
         types, so that an eager ``jax.grad`` step calling ``jax.nn.relu`` in a region rewrites
         the same equation (cached: rules/custom_ad.py) rather than a new one at every call."""
         avals = [compat.aval_of(a) for a in args]
-        key = compat.custom_call_key(primitive, subfuns, avals, params)
-        try:
-            cached = _STAGED.get(key) if key is not None else None
-        except TypeError:  # a parameter or a function's argument that cannot be hashed
-            cached, key = None, None
-        if cached is not None:
-            closed, stored = cached
-            compat.fill_stores(subfuns[0], stored)  # what tracing it again would have filled
-            return closed
-        closed = compat.trace_to_closed(
-            lambda *xs: compat.bind_custom(primitive, subfuns, xs, params), avals
+        return _traced_once(
+            compat.custom_call_key(primitive, subfuns, avals, params),
+            subfuns[0],
+            lambda: compat.trace_to_closed(
+                lambda *xs: compat.bind_custom(primitive, subfuns, xs, params), avals
+            ),
         )
-        consts = compat.open_and_consts(closed)[1]
-        if key is not None and not any(compat.is_tracer(c) for c in consts):
-            if len(_STAGED) > _STAGED_KEPT:
-                _STAGED.clear()
-            _STAGED[key] = (closed, compat.filled_stores(subfuns[0]))
+
+
+def _traced_once(key: tuple | None, fun: Any, trace: Callable[[], Any]) -> Any:
+    """``trace()``, a closed jaxpr of a trace that calls ``fun`` (a ``WrappedFun``), made once per
+    ``key`` (``_STAGED``): later, the same jaxpr, with ``fun``'s output stores filled as tracing
+    it again would fill them. Traced every time for a key that is None or cannot be hashed, and
+    for a jaxpr closing over a tracer."""
+    try:
+        cached = _STAGED.get(key) if key is not None else None
+    except TypeError:  # a parameter or a function's argument that cannot be hashed
+        cached, key = None, None
+    if cached is not None:
+        closed, stored = cached
+        compat.fill_stores(fun, stored)
         return closed
+    closed = trace()
+    consts = compat.open_and_consts(closed)[1]
+    if key is not None and not any(compat.is_tracer(c) for c in consts):
+        if len(_STAGED) > _STAGED_KEPT:
+            _STAGED.clear()
+        _STAGED[key] = (closed, compat.filled_stores(fun))
+    return closed
 
 
 def _is_jax_function(fn: Any) -> bool:
