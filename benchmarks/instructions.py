@@ -13,8 +13,10 @@ What is counted, per side (the sides of ``region_overhead.py``, (a), (a') and (c
 
 - tracing the transformer stack (``make_jaxpr``) at each ``--blocks``: "plain" (float32), "hand
   bf16" (the model written in bfloat16), "region" (``with jamp.autocast():``), "transform"
-  (``jamp.autocast_transform``) and "transform, no rule" (the ablation of (a'): every equation
-  re-emitted as traced, the floor of a rewrite that re-emits the program);
+  (``jamp.autocast_transform``), "transform, no rule" (the ablation of (a'): every equation
+  re-emitted as traced, the floor of a rewrite that re-emits the program), and the second pass
+  alone, from a program traced beforehand: "rewrite alone" (``jamp.autocast_jaxpr``) and
+  "re-emitted by JAX" (``make_jaxpr`` of JAX's own interpreter, ``jaxpr_as_fun``);
 - an eager forward step of the digits CNN (``--eager``): "plain", "hand bf16", "region", counted
   in Python function calls instead (below).
 
@@ -60,13 +62,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-TRACE_SIDES = ("plain", "hand bf16", "region", "transform", "transform, no rule")
+TRACE_SIDES = ("plain", "hand bf16", "region", "transform", "transform, no rule",
+               "rewrite alone", "re-emitted by JAX")
+FLOOR_ONLY = ("transform, no rule", "rewrite alone", "re-emitted by JAX")  # (a')'s own sides
 EAGER_SIDES = ("plain", "hand bf16", "region")
 # (numerator, denominator, goal of issue 33 or None)
 TRACE_RATIOS = (
     ("region", "hand bf16", 1.1),
     ("transform", "plain", 1.1),
     ("transform, no rule", "plain", None),
+    ("rewrite alone", "plain", None),
+    ("re-emitted by JAX", "plain", None),
     ("region", "plain", None),
     ("hand bf16", "plain", None),
 )
@@ -81,8 +87,8 @@ def side_callable(kind: str, side: str, blocks: int) -> Callable[[], object]:
     from rewrite_overhead import stack_case
 
     make_fn, args = stack_case(blocks, d=ro.D, heads=ro.HEADS, seq=ro.SEQ, batch=ro.BATCH)
-    if side == "transform, no rule":
-        return ro.floor_sides(make_fn, args)["transform, no rule"]
+    if side in FLOOR_ONLY:
+        return ro.floor_sides(make_fn, args)[side]
     sides = ro.trace_sides(make_fn, args,
                            hand=Transformer(blocks, d=ro.D, heads=ro.HEADS, dtype=BF16))
     return sides[side]
