@@ -594,16 +594,21 @@ def dce_closed(closed: Any) -> tuple[Any, list[Any]]:
     return dced, [c for c, u in zip(consts, used[: len(consts)]) if u]
 
 
+# What a region's rewrite of a jnp function may leave unused: jnp's float32 promotions that its
+# rules read through, and 16-bit squares a sum read recomputed in float32 (region_trace.py).
+_LEFT_BY_REGIONS = frozenset({"convert_element_type", "square", "integer_pow", "mul"})
+
+
 def without_dead_converts(closed: Any) -> Any:
-    """``closed`` less the converts whose result nothing uses (``closed`` itself where there are
-    none). Written here rather than JAX's ``dce_jaxpr``, which would drop the program's own dead
-    code as well: a region's rewrite of a ``jnp`` function leaves out only the float32
-    promotions its rules read through, so its program keeps what ``autocast_transform``'s does."""
+    """``closed`` less the converts and squares whose result nothing uses (``closed`` itself
+    where there are none). Written here rather than JAX's ``dce_jaxpr``, which would drop the
+    program's own dead code as well: a region's rewrite of a ``jnp`` function leaves out only
+    what its rules left unused, so its program keeps what ``autocast_transform``'s does."""
     jaxpr, consts = open_and_consts(closed)
     used = {v for v in jaxpr.outvars if isinstance(v, Var)}
     kept = []
     for eqn in reversed(jaxpr.eqns):
-        if eqn.primitive.name == "convert_element_type" and not any(v in used for v in eqn.outvars):
+        if eqn.primitive.name in _LEFT_BY_REGIONS and not any(v in used for v in eqn.outvars):
             continue
         kept.append(eqn)
         used.update(v for v in eqn.invars if isinstance(v, Var))

@@ -66,6 +66,8 @@ import numpy as np
 
 from . import _compat as compat
 from .interpreter import (
+    ACCUMULATED_THROUGH,
+    ACCUMULATING,
     F32,
     HOST_VALUES,
     SCALED_FORMATS,
@@ -180,6 +182,30 @@ class _ValueRef(weakref.ref):
         super().__init__(value, callback)  # type: ignore[call-arg]  # (weakref.ref's own)
 
 
+@dataclasses.dataclass
+class LazySquare:
+    """A square of a 16-bit value that a region ran in that dtype (rules/powers.py: float32 only
+    where its result is summed, which a region learns later), and how to recompute it in
+    float32: the square (``primitive`` with ``params`` on ``operand``, twice for ``x * x``), then
+    the shape ops and converts (``chain``) that led from it to the value a sum reads."""
+
+    operand: Any
+    primitive: Any
+    params: dict
+    arity: int
+    chain: tuple = ()
+    summed: Any = None  # the recomputed value, made once
+
+    def then(self, primitive: Any, params: dict) -> LazySquare:
+        return LazySquare(
+            self.operand,
+            self.primitive,
+            self.params,
+            self.arity,
+            (*self.chain, (primitive, params)),
+        )
+
+
 class RegionEnv(Env):
     """The environment of one region: a variable per value that passed through it, the tags the
     rules read, and the casts already made. Entries go with their values (weak references), so an
@@ -199,9 +225,17 @@ class RegionEnv(Env):
         # Per variable, its tags as a decision key reads them (``_tag_bits``), found at its first
         # use as an operand: a value's tags are all set by the operation that made it.
         self.key_parts: dict[Any, int | None] = {}
+        # Squares of 16-bit values run in their dtype, each with what recomputes it in float32
+        # where a sum reads it (:class:`LazySquare`), also through reshapes and converts.
+        self.lazy_squares: dict[Any, LazySquare] = {}
+        self._deferred: Any = None  # the equation whose rule asked ``summed_result`` last
 
-    def accumulated(self, var: Any) -> bool:
-        return True  # no lookahead in a region: a square runs in float32 (torch's pow)
+    def summed_result(self, eqn: Any) -> bool:
+        """A region cannot look ahead: a square runs in the dtype it arrives in, as under the
+        transform when its result is not summed, and ``process_primitive`` keeps what
+        recomputes it in float32 for a sum that reads it later (``lazy_squares``)."""
+        self._deferred = eqn
+        return False
 
     def var_for(self, value: Any, aval: Any = None) -> tuple[Any, bool]:
         """(the variable standing for ``value``, whether it is new to this region); ``aval``:
@@ -243,6 +277,7 @@ class RegionEnv(Env):
         for facts in self.facts.values():
             facts.pop(var, None)
         self.casts.forget(var)
+        self.lazy_squares.pop(var, None)
 
     def knowledge_of(self, value: Any) -> tuple[int, ConstSource | None] | None | bool:
         """What this region knows about ``value``: its tags (bits, ``tag_bits``) and
@@ -407,6 +442,9 @@ class RegionTrace(compat.Trace):
             if new:
                 self._adopt_input(var, value, aval)
             invars.append(var)
+        if env.lazy_squares and (programs or primitive.name in ACCUMULATING):
+            # a sum of a square (or a program that may sum it) reads it in float32
+            args, invars, avals = self._squares_summed(args, invars, avals)
         decisions: dict | None = None
         key: tuple | None = None
         if not programs:
@@ -428,6 +466,7 @@ class RegionTrace(compat.Trace):
                 outs = list(self.rewriter.apply(step))
         finally:
             env.values = {}
+            deferred, env._deferred = env._deferred is eqn, None
             if step.substituted:  # the seeded casts would keep the promoted values alive
                 for var in invars:
                     if var in env.upcast_of:
@@ -437,6 +476,14 @@ class RegionTrace(compat.Trace):
         outvars = eqn.set_outputs(outs)
         for value, var in zip(outs, outvars):
             env.remember(value, var)
+        if deferred:  # a square: run as it arrived, recomputed in float32 if a sum reads it
+            key = None  # (decided every time: a replay would not record it)
+            if _is_sixteen_bit(avals[0]) and _is_sixteen_bit(outvars[0].aval):
+                env.lazy_squares[outvars[0]] = LazySquare(args[0], primitive, params, len(args))
+        elif env.lazy_squares and primitive.name in ACCUMULATED_THROUGH:
+            lazy = env.lazy_squares.get(invars[0])
+            if lazy is not None and len(outvars) == 1:  # (a reshape or convert on its way)
+                env.lazy_squares[outvars[0]] = lazy.then(primitive, params)
         track_derived(step, outs)
         compute = state.value_dtype
         env.lowered.update(
@@ -449,6 +496,62 @@ class RegionTrace(compat.Trace):
                     decisions.clear()
                 decisions[key] = decision
         return outs if primitive.multiple_results else outs[0]
+
+    # -- squares recomputed in float32 where a sum reads them -----------------------------------
+
+    def _squares_summed(
+        self, args: Sequence[Any], invars: list, avals: list, which: Sequence[bool] | None = None
+    ) -> tuple[list, list, list]:
+        """The operands, with each square the region ran in 16 bits (``lazy_squares``; only
+        those flagged in ``which``, where given) replaced by its float32 recomputation."""
+        env = self.env
+        args, invars, avals = list(args), list(invars), list(avals)
+        for i, var in enumerate(invars):
+            lazy = env.lazy_squares.get(var)
+            if lazy is None or (which is not None and not which[i]):
+                continue
+            if lazy.summed is None:
+                with compat.set_current_trace(self.parent):
+                    x = compat.convert_now(lazy.operand, F32)
+                    value = lazy.primitive.bind(*[x] * lazy.arity, **lazy.params)
+                    for primitive, params in lazy.chain:
+                        if (
+                            primitive.name == "convert_element_type"
+                            and np.dtype(params["new_dtype"]) == compat.aval_of(value).dtype
+                        ):
+                            continue  # (a cast to float32 of what is float32 now)
+                        value = primitive.bind(value, **params)
+                lazy.summed = value
+            args[i] = lazy.summed
+            avals[i] = compat.aval_of(lazy.summed)
+            invars[i], new = env.var_for(lazy.summed, avals[i])  # (a computed value: no tags)
+        return args, invars, avals
+
+    def _call_squares_summed(self, jaxpr: Any, args: Sequence[Any]) -> Sequence[Any]:
+        """``args`` of a call to ``jaxpr`` (a ``jnp`` function), each 16-bit square that the
+        callee sums, or returns (reshaped, converted) to a caller that may, recomputed in
+        float32 first."""
+        env = self.env
+        invars = [env._seen(a) for a in args]
+        lazy = [v is not None and v in env.lazy_squares for v in invars]
+        if not any(lazy):
+            return args
+        which = [f and _reaches_a_sum(jaxpr, i) for i, f in enumerate(lazy)]
+        if not any(which):
+            return args
+        avals = [compat.aval_of(a) for a in args]
+        return self._squares_summed(args, invars, avals, which)[0]
+
+    def _all_squares_summed(self, args: Sequence[Any]) -> Sequence[Any]:
+        """``args`` with every 16-bit square recomputed in float32 (a custom derivative's or a
+        ``shard_map``'s operands: what the body does with them is not looked at)."""
+        env = self.env
+        if not env.lazy_squares:
+            return args
+        invars = [env._seen(a) for a in args]
+        if not any(v is not None and v in env.lazy_squares for v in invars):
+            return args
+        return self._squares_summed(args, invars, [compat.aval_of(a) for a in args])[0]
 
     # -- decisions made once per signature ------------------------------------------------------
 
@@ -542,6 +645,8 @@ class RegionTrace(compat.Trace):
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
+        if self.env.lazy_squares:
+            args = self._call_squares_summed(params["jaxpr"].jaxpr, args)
         state = self.rewriter.current_state()
         known = self._operand_knowledge(args)
         rewrite = None
@@ -714,6 +819,9 @@ class RegionTrace(compat.Trace):
                     sub.env.facts.setdefault(name, {})[in_vars[i]] = in_vars[j]
                 with compat.set_current_trace(sub):
                     outs = compat.eval_jaxpr_retyped(jaxpr, consts, operands)
+                # a square the callee returns leaves it in float32: the caller may sum it, and
+                # the rewrite it keeps cannot say what recomputes it (jnp.square: torch's pow)
+                outs = list(sub._all_squares_summed(outs))
                 found["outputs"] = [sub.env.knowledge_of(x) for x in outs]
                 found["facts"] = _output_facts(sub.env, in_vars, outs)
             finally:
@@ -757,12 +865,12 @@ class RegionTrace(compat.Trace):
     def process_custom_jvp_call(
         self, primitive: Any, fun: Any, jvp: Any, tracers: Sequence[Any], /, **params: Any
     ) -> Any:
-        return self._staged(primitive, (fun, jvp), tracers, params)
+        return self._staged(primitive, (fun, jvp), self._all_squares_summed(tracers), params)
 
     def process_custom_vjp_call(
         self, primitive: Any, fun: Any, fwd: Any, bwd: Any, tracers: Sequence[Any], /, **params: Any
     ) -> Any:
-        return self._staged(primitive, (fun, fwd, bwd), tracers, params)
+        return self._staged(primitive, (fun, fwd, bwd), self._all_squares_summed(tracers), params)
 
     # -- shard_map: the body runs on the mesh ---------------------------------------------------
 
@@ -777,6 +885,7 @@ class RegionTrace(compat.Trace):
             if state.dtype != policy.compute_dtype:  # a nested `dtype=` region at the call
                 policy = policy.replace(compute_dtype=state.dtype)
             fun = compat.wrap_traced_fun(fun, lambda: pushed(policy))
+        args = self._all_squares_summed(args)
         with compat.set_current_trace(self.parent):
             return self.parent.process_shard_map(primitive, fun, args, **params)
 
@@ -907,9 +1016,29 @@ def _tag_bits(env: RegionEnv, var: Any) -> int | None:
     than tags say (a constant the rules cast from its value, jnp's float32 promotion of a
     lowered value, a tracker's fact): an operation reading such a value is decided every time
     unless another part keys it (``_constant_part``, ``_promotion_part``)."""
-    if var in env.known or var in env.upcast_of or _has_fact(env, var):
+    if var in env.known or var in env.upcast_of or _has_fact(env, var) or var in env.lazy_squares:
         return None
     return env.tag_bits(var)
+
+
+def _is_sixteen_bit(aval: Any) -> bool:
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and is_float(dtype) and np.dtype(dtype).itemsize < 4
+
+
+def _reaches_a_sum(jaxpr: Any, i: int) -> bool:
+    """Whether ``jaxpr``'s operand ``i`` reaches, through reshapes and converts only, a sum, a
+    primitive carrying a program (which may sum it), or an output (the caller may sum that)."""
+    reached = {jaxpr.invars[i]}
+    for eqn in jaxpr.eqns:
+        if not any(isinstance(v, compat.Var) and v in reached for v in eqn.invars):
+            continue
+        name = eqn.primitive.name
+        if name in ACCUMULATING or carries_programs(eqn.primitive, eqn.params):
+            return True
+        if name in ACCUMULATED_THROUGH:
+            reached.update(eqn.outvars)
+    return any(isinstance(v, compat.Var) and v in reached for v in jaxpr.outvars)
 
 
 def _has_fact(env: RegionEnv, var: Any) -> bool:

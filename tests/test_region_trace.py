@@ -585,14 +585,71 @@ def test_decorator_on_a_plain_function_and_inside_a_region():
         assert jax.jit(half)(X, W).dtype == F16
 
 
-def test_squares_run_in_float32_in_a_region():
-    """A region cannot see whether a square is summed later (autocast_transform can): squares
-    of a 16-bit value run in float32, torch's rule for pow (docs/reference/dtypes.md)."""
+def test_a_square_in_a_region_runs_in_float32_only_where_a_sum_reads_it():
+    """A square of a 16-bit value runs in that dtype; where a sum reads it (also reshaped or
+    converted on the way), the region recomputes it in float32 from its operand, as the
+    transform decides looking ahead (docs/reference/dtypes.md, "Squares")."""
     with jamp.autocast():
         h = X @ W
-        assert (h**2).dtype == F32 and jnp.square(h).dtype == F32
-    gelu = jamp.autocast_transform(lambda x: (x @ W) ** 3)(X)
-    assert gelu.dtype == BF16  # not summed: the transform keeps the cube in bfloat16
+        assert (h**2).dtype == BF16 and (h**3).dtype == BF16 and lax.mul(h, h).dtype == BF16
+        assert jax.nn.gelu(h).dtype == BF16  # its x ** 3 feeds a product, not a sum
+        assert jnp.square(h).dtype == F32  # a jnp function returning its square: a sum may
+        summed = [
+            jnp.sum(h**2),
+            lax.reduce_sum(h**2, (0, 1)),
+            jnp.sum((h**2).reshape(-1).astype(jnp.float32)),
+            jnp.sum(lax.mul(h, h)),
+        ]
+    exact = np.sum(np.asarray(h, np.float32) ** 2)  # h's float32 squares, summed
+    for value in summed:
+        assert value.dtype == F32
+        np.testing.assert_allclose(value, exact, rtol=1e-6)
+    rounded = np.sum(np.asarray(h**2, np.float32))  # (bfloat16 squares would give this)
+    assert abs(rounded - exact) > 1e-5 * exact
+    transformed = jamp.autocast_transform(lambda x: jax.nn.gelu(x @ W))(X)
+    assert transformed.dtype == BF16
+
+
+@pytest.mark.parametrize(
+    "fn, summed",
+    [
+        (lambda h: h**2, False),
+        (lambda h: jnp.sum(h**2), True),
+        (lambda h: jnp.mean(jnp.square(h), axis=-1), True),
+        (lambda h: jnp.mean(h**2) - jnp.mean(h) ** 2, True),
+        (lambda h: jax.nn.gelu(h), False),
+        # jnp.cumsum is a jit call: the region recomputes a square for any call that may sum
+        # it; the transform does not look into the call and keeps it bfloat16
+        (lambda h: jnp.sum(jnp.cumsum(h**2, axis=0)), True),
+        (lambda h: (lambda s: jnp.sum(s) + jnp.max(s * 2))(h**2), True),
+    ],
+    ids=["square", "sum", "mean-square", "variance", "gelu", "cumsum", "summed-and-not"],
+)
+def test_a_jitted_region_squares_as_the_transform_decides(fn, summed):
+    """Under ``jax.jit`` a region's program squares in float32 where the transform does (a sum
+    reads the square) and in bfloat16 where it does not, and computes the same values (the
+    16-bit square that no other operation reads is left for XLA to drop)."""
+
+    def in_region(x):
+        with jamp.autocast():
+            return fn(x @ W)
+
+    def float32_squares(fn):
+        return [
+            e
+            for e in jax.make_jaxpr(fn)(X).jaxpr.eqns
+            if e.primitive.name in ("square", "integer_pow")
+            and e.outvars[0].aval.dtype == F32
+            and not isinstance(e.outvars[0], compat.DropVar)
+        ]
+
+    transformed = jamp.autocast_transform(lambda x: fn(x @ W))
+    assert bool(float32_squares(in_region)) == summed
+    if summed and float32_squares(transformed):
+        assert len(float32_squares(in_region)) == len(float32_squares(transformed))
+    region = jax.jit(in_region)(X)
+    assert region.dtype == transformed(X).dtype
+    chex.assert_trees_all_close(region, transformed(X), rtol=2e-2)
 
 
 def test_eager_loop_reuses_the_rewritten_jitted_callee():

@@ -21,7 +21,7 @@ from ..interpreter import CATEGORY_RULES, Step, default_rule, fp32_rule, registe
 
 
 def _summed(step: Step) -> bool:
-    return step.env.accumulated(step.eqn.outvars[0])
+    return step.env.summed_result(step.eqn)
 
 
 @register("square", "integer_pow")
