@@ -45,8 +45,12 @@ docs/reference/dtypes.md, "Regions"):
   as arriving and the float32 type as traced, and decide as the rewriter does (a bias add stays
   16-bit). The convert itself is bound and left for XLA to drop.
 - ``jnp``'s reductions round their float32 result back to a 16-bit input's dtype; in a region the
-  result stays float32, as the fp32 table (and torch) say. Squares run in float32 whether or not
-  their result is summed later (the rewriter looks ahead; a region cannot).
+  result stays float32, as the fp32 table (and torch) say.
+
+Squares are float32 where a sum reads them (rules/powers.py). The rewriter looks ahead; a region
+cannot, so it runs a square of a 16-bit value in that dtype and keeps what computed it
+(:class:`LazySquare`): a sum that reads it later, through reshapes and converts, reads it
+recomputed in float32 from its operand instead, as does a call that may sum it.
 """
 
 from __future__ import annotations
