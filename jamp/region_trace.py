@@ -482,7 +482,8 @@ class RegionTrace(compat.Trace):
             env.remember(value, var)
         if deferred:  # a square: run as it arrived, recomputed in float32 if a sum reads it
             key = None  # (decided every time: a replay would not record it)
-            if _is_sixteen_bit(avals[0]) and _is_sixteen_bit(outvars[0].aval):
+            # (what the rule read: a float32 promotion of a 16-bit value reads as that value)
+            if _is_sixteen_bit(compat.aval_of(step.args[0])) and _is_sixteen_bit(outvars[0].aval):
                 env.lazy_squares[outvars[0]] = LazySquare(args[0], primitive, params, len(args))
         elif env.lazy_squares and primitive.name in ACCUMULATED_THROUGH:
             lazy = env.lazy_squares.get(invars[0])

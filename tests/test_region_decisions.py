@@ -255,6 +255,21 @@ def test_an_eager_region_forgets_the_values_that_died():
     assert alive < 30  # (50 steps make hundreds of values)
 
 
+def test_an_eager_region_forgets_the_squares_that_died():
+    """A square's recomputation record (and the operand it holds) goes with the square: a long
+    eager loop summing squares in one region keeps none of them."""
+    with jamp.autocast():
+        trace = compat.current_trace()
+        y, total = X, 0.0
+        for _ in range(50):
+            y = jnp.tanh(y @ W)
+            total = total + jnp.sum(y**2)  # (a 16-bit square, recomputed in float32)
+        gc.collect()
+        kept = len(trace.env.lazy_squares)
+    assert total.dtype == F32
+    assert kept < 3
+
+
 @pytest.mark.parametrize("square_first", [False, True])
 def test_a_value_times_itself_is_not_replayed_as_a_product_of_two(monkeypatch, square_first):
     """``x * x`` is a square (summed in float32); ``x * y`` with the same types and tags is

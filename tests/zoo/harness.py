@@ -661,7 +661,8 @@ def check_grad_inside_region(run: ZooRun) -> None:
 
 def table_decisions(fn: Callable, args: tuple, policy: jamp.Policy) -> collections.Counter:
     """(primitive, operand dtypes, result dtypes) of every lower- and fp32-table equation of the
-    program ``fn(*args)`` traces to, sub-jaxprs included, counted."""
+    program ``fn(*args)`` traces to that the program uses (what XLA runs: a region leaves unused
+    the 16-bit square a sum reads recomputed in float32), sub-jaxprs included, counted."""
     flat, tree = jax.tree.flatten(fresh_copy(args))
     at = [i for i, x in enumerate(flat) if isinstance(x, (jax.Array, np.ndarray))]
 
@@ -671,8 +672,8 @@ def table_decisions(fn: Callable, args: tuple, policy: jamp.Policy) -> collectio
             leaves[i] = x
         return fn(*jax.tree.unflatten(tree, leaves))
 
-    closed = jax.make_jaxpr(traced)(*(flat[i] for i in at))
-    return dtype_signatures(closed, (policy.lower | policy.fp32).__contains__)
+    live, _ = jamp._compat.dce_closed(jax.make_jaxpr(traced)(*(flat[i] for i in at)))
+    return dtype_signatures(live, (policy.lower | policy.fp32).__contains__)
 
 
 def check_explain_share(run: ZooRun) -> None:
