@@ -5,9 +5,10 @@ variance ``E[x^2] - E[x]^2`` (Haiku's ``BatchNorm``, ``jnp.mean(x**2) - jnp.mean
 squares; rounded to bfloat16 first, ``E[x^2]`` can come out below ``E[x]^2`` (computed in float32)
 and ``rsqrt(var + eps)`` is NaN. So ``square`` and ``integer_pow`` are in the fp32 table, but
 apply it only where their result is summed (``Env.summed_result``: a ``reduce_sum``, ``cumsum``
-or ``psum`` reached through reshapes and converts; a region, which cannot look ahead, recomputes a
-square in float32 where a sum reads it: region_trace.LazySquare); elsewhere they run in the dtype their operand
-arrives in, so the tanh-approximate ``gelu(x @ w)`` (``x**3``, an ``integer_pow``) stays bfloat16.
+or ``psum`` reached through reshapes and converts; a region, which cannot look ahead, recomputes
+a square in float32 where a sum reads it: region_trace.LazySquare); elsewhere they run in the
+dtype their operand arrives in, so the tanh-approximate ``gelu(x @ w)`` (``x**3``, an
+``integer_pow``) stays bfloat16.
 A ``mul`` of a value by itself is a square spelled ``x * x`` and is treated the same.
 Removing the names from ``Policy.fp32`` makes them ordinary ops again.
 """
