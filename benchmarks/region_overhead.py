@@ -46,6 +46,11 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   parameters everywhere. Model: the transformer stack at 4 and 12 blocks (same widths as (a)).
   Goal: region/hand <= 1.02x.
 
+(b') What a train step keeps for its backward pass (``residuals``)
+  The bytes of the values ``jax.vjp`` of the loss keeps (the leaves of its VJP function, found
+  by ``jax.eval_shape``: nothing runs), per side of (b), on a 4-block stack at d=256, seq 256,
+  batch 8: how much of a step's activation memory each form keeps, and in which dtype.
+
 (c) Eager steps of the digits CNN (``eager``)
   The CNN of ``examples/digits.py`` (conv-BN-relu x2, max-pool, dense 64, dense 10; batch 64 of
   8x8x1), called without ``jax.jit``: "region" runs the forward inside ``with jamp.autocast():``
@@ -112,6 +117,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -557,6 +563,49 @@ def measure_amortized(blocks: Sequence[int], calls: int, rounds: int) -> None:
     print()
 
 
+# --- (b') what a train step keeps for its backward pass ------------------------------------------
+
+RESIDUAL_SIDES = ("f32", "hand bf16", "region", "transform")
+
+
+def residual_bytes(loss: Callable, *args: Any) -> tuple[int, int]:
+    """(bytes, of them float32) of the values ``jax.vjp(loss, *args)`` keeps for the backward
+    pass, as a jitted step computes them: the leaves of the VJP function, abstractly evaluated
+    (``jax.eval_shape``: nothing runs; the parameters themselves are leaves too, as in any
+    step)."""
+    leaves = jax.tree.leaves(jax.eval_shape(lambda *a: jax.vjp(loss, *a)[1], *args))
+    sizes = [(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize, np.dtype(x.dtype)) for x in leaves]
+    return sum(n for n, _ in sizes), sum(n for n, d in sizes if d == np.float32)
+
+
+def measure_residuals(n_blocks: int, d: int, seq: int, batch: int) -> None:
+    """(b') The values the train step's backward pass reads, per side: the same losses as (b)."""
+    model = Transformer(n_blocks, d=d, heads=HEADS)
+    hand = Transformer(n_blocks, d=d, heads=HEADS, dtype=BF16)
+    x = jax.random.normal(jax.random.key(1), (batch, seq, d), jnp.float32)
+    params = model.init(jax.random.key(0), x)
+
+    def loss_of(side: str) -> Callable:
+        net = hand if side == "hand bf16" else model
+        forward = net.apply
+        if side == "region":
+            forward = in_region(forward)
+        elif side == "transform":
+            forward = jamp.autocast_transform(forward)
+        return lambda p: jnp.mean(forward(p, x).astype(jnp.float32) ** 2)
+
+    rows = []
+    for side in RESIDUAL_SIDES:
+        total, f32 = residual_bytes(loss_of(side), params)
+        rows.append([side, f"{total / 2**20:.1f}", f"{f32 / 2**20:.1f}"])
+    print(f"## (b') What the train step keeps for its backward pass\n\nThe transformer stack, "
+          f"{n_blocks} blocks, d={d}, {HEADS} heads, seq {seq}, batch {batch}: the values "
+          "`jax.vjp` of the loss keeps (the leaves of its VJP function, abstractly evaluated), "
+          "parameters included.\n")
+    print(markdown_table(["side", "MiB kept", "of them float32, MiB"], rows))
+    print()
+
+
 # --- (b) first call of a jitted train step -----------------------------------------------------
 
 COMPILE_SIDES = ("hand bf16", "region", "transform", "f32")
@@ -875,7 +924,8 @@ def report_eager(results: dict[str, Any], reps: int, warmup: int, fresh_reps: in
 
 # --- entry point ---------------------------------------------------------------------------------
 
-PARTS = ("trace", "compile", "eager", "floor", "amortized", "attribution", "eager-floor")
+PARTS = ("trace", "compile", "residuals", "eager", "floor", "amortized", "attribution",
+         "eager-floor")
 
 
 def main() -> None:
@@ -932,6 +982,8 @@ def main() -> None:
         report_trace(measure_trace(blocks, reps, 1, depths), reps, depths)
     if "compile" in args.parts:
         report_compile(measure_compile(compile_blocks, compile_reps), compile_reps)
+    if "residuals" in args.parts:
+        measure_residuals(4, 256, 256, 8) if not q else measure_residuals(2, 64, 16, 2)
     if "floor" in args.parts:
         measure_floor(blocks, reps)
     if "amortized" in args.parts:
