@@ -529,7 +529,7 @@ class RegionTrace(compat.Trace):
                 lazy.summed = value
             args[i] = lazy.summed
             avals[i] = compat.aval_of(lazy.summed)
-            invars[i], new = env.var_for(lazy.summed, avals[i])  # (a computed value: no tags)
+            invars[i], _ = env.var_for(lazy.summed, avals[i])  # (a computed value: no tags)
         return args, invars, avals
 
     def _call_squares_summed(self, jaxpr: Any, args: Sequence[Any]) -> Sequence[Any]:
@@ -651,7 +651,7 @@ class RegionTrace(compat.Trace):
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
         if self.env.lazy_squares:
-            args = self._call_squares_summed(params["jaxpr"].jaxpr, args)
+            args = self._call_squares_summed(compat.open_and_consts(params["jaxpr"])[0], args)
         state = self.rewriter.current_state()
         known = self._operand_knowledge(args)
         rewrite = None
@@ -1019,8 +1019,9 @@ def _decision_scope(state: RegionState) -> Any:
 def _tag_bits(env: RegionEnv, var: Any) -> int | None:
     """The tags of ``var`` as bits (``_TAG_BITS``); None where the region knows more about it
     than tags say (a constant the rules cast from its value, jnp's float32 promotion of a
-    lowered value, a tracker's fact): an operation reading such a value is decided every time
-    unless another part keys it (``_constant_part``, ``_promotion_part``)."""
+    lowered value, a tracker's fact, a 16-bit square a sum would recompute: ``LazySquare``): an
+    operation reading such a value is decided every time unless another part keys it
+    (``_constant_part``, ``_promotion_part``)."""
     if var in env.known or var in env.upcast_of or _has_fact(env, var) or var in env.lazy_squares:
         return None
     return env.tag_bits(var)
