@@ -480,11 +480,11 @@ class RegionTrace(compat.Trace):
         outvars = eqn.set_outputs(outs)
         for value, var in zip(outs, outvars):
             env.remember(value, var)
-        if deferred:  # a square: run as it arrived, recomputed in float32 if a sum reads it
-            key = None  # (decided every time: a replay would not record it)
-            # (what the rule read: a float32 promotion of a 16-bit value reads as that value)
-            if _is_sixteen_bit(compat.aval_of(step.args[0])) and _is_sixteen_bit(outvars[0].aval):
-                env.lazy_squares[outvars[0]] = LazySquare(args[0], primitive, params, len(args))
+        lazy_square = None
+        # (what the rule read: a float32 promotion of a 16-bit value reads as that value)
+        if deferred and _is_sixteen_bit(compat.aval_of(step.args[0])):
+            if _is_sixteen_bit(outvars[0].aval):  # a square run as it arrived: kept, to be
+                lazy_square = LazySquare(args[0], primitive, params, len(args))  # recomputed
         elif env.lazy_squares and primitive.name in ACCUMULATED_THROUGH:
             lazy = env.lazy_squares.get(invars[0])
             if lazy is not None and len(outvars) == 1:  # (a reshape or convert on its way)
@@ -499,7 +499,9 @@ class RegionTrace(compat.Trace):
             if decision is not None:
                 if len(decisions) > _DECISIONS_KEPT:
                     decisions.clear()
-                decisions[key] = decision
+                decisions[key] = dataclasses.replace(decision, square=lazy_square is not None)
+        if lazy_square is not None:  # (after the decision: its output's tags are all it holds)
+            env.lazy_squares[outvars[0]] = lazy_square
         return outs if primitive.multiple_results else outs[0]
 
     # -- squares recomputed in float32 where a sum reads them -----------------------------------
@@ -610,6 +612,7 @@ class RegionTrace(compat.Trace):
                     if isinstance(cast, HOST_VALUES):
                         canonical = False
                     args[i] = cast
+        traced_params = params
         if decision.overrides:
             params = {**params, **decision.overrides}
         if canonical:
@@ -627,6 +630,9 @@ class RegionTrace(compat.Trace):
         if decision.promotes:
             env.upcast_of[var] = args[0]
             key_parts[var] = None  # (more than tags: _promotion_part)
+        if decision.square:  # a 16-bit square, recomputed in float32 if a sum reads it
+            env.lazy_squares[var] = LazySquare(arriving[0], primitive, traced_params, len(arriving))
+            key_parts[var] = None  # (more than tags: what reads it is decided every time)
         return outs
 
     # -- jnp's functions: inline jits ----------------------------------------------------------
@@ -1124,6 +1130,8 @@ class Decision:
     # and whether output 0 is such a promotion of operand 0 (a convert: ``_track_lowered``).
     read_through: tuple = ()
     promotes: bool = False
+    # Whether output 0 is a 16-bit square kept to be recomputed in float32 (``LazySquare``).
+    square: bool = False
 
 
 class RecordingStep(Step):

@@ -255,6 +255,33 @@ def test_an_eager_region_forgets_the_values_that_died():
     assert alive < 30  # (50 steps make hundreds of values)
 
 
+@pytest.mark.parametrize("traced", [False, True])
+def test_a_replayed_square_is_still_recomputed_where_a_sum_reads_it(monkeypatch, traced):
+    """A 16-bit square's decision is replayed like any other, and the replay keeps what
+    recomputes it in float32, so a sum that reads it gets float32 squares every time."""
+    monkeypatch.setattr(region_trace, "_DECISIONS", {})
+    ran = _count_rules(monkeypatch)
+
+    def sums(x, w):
+        with jamp.autocast():
+            h = lax.dot(x, w)
+            return lax.reduce_sum(lax.integer_pow(h, 2), (0, 1)), h
+
+    def summed_squares():  # (decided the first time, replayed the second)
+        if not traced:
+            total, h = sums(X, W)
+            np.testing.assert_allclose(total, np.sum(np.asarray(h, np.float32) ** 2), rtol=1e-6)
+            return [total.dtype]
+        live, _ = compat.dce_closed(jax.make_jaxpr(fresh(sums))(X, W))
+        return [e.outvars[0].aval.dtype for e in live.eqns if e.primitive.name == "integer_pow"]
+
+    assert summed_squares() == [F32]
+    assert ran.count("integer_pow") == 1
+    ran.clear()
+    assert summed_squares() == [F32]
+    assert "integer_pow" not in ran
+
+
 def test_an_eager_region_forgets_the_squares_that_died():
     """A square's recomputation record (and the operand it holds) goes with the square: a long
     eager loop summing squares in one region keeps none of them."""
@@ -323,7 +350,7 @@ def test_operations_reading_a_promotion_replay_what_their_rule_decided(monkeypat
     assert ran.count("convert_element_type") == 1 and ran.count("dot_general") == 2
     ran.clear()
     replayed_program, replayed = program(), run(*args)
-    assert ran == ["mul"] * 2  # (a square is decided every time: region_trace.LazySquare)
+    assert ran == []
     # (the square is not summed: it runs in the 16-bit dtype it is read in, as under the
     # transform, whose float32 program has no promotion)
     assert [np.dtype(o.dtype) for o in replayed] == [np.dtype(dtype), F32, *[np.dtype(dtype)] * 2]
