@@ -337,10 +337,10 @@ class Env:
             self._accumulated = summed
         return var in self._accumulated
 
-    def summed_result(self, eqn: Any) -> bool:
-        """Whether the (first) result of ``eqn``, the equation being rewritten, is summed later
-        (rules/powers.py: a square runs in float32 where it is)."""
-        return self.accumulated(eqn.outvars[0])
+    def summed_result(self, step: Step) -> bool:
+        """Whether the (first) result of ``step``'s equation is summed later (rules/powers.py: a
+        square runs in float32 where it is)."""
+        return self.accumulated(step.eqn.outvars[0])
 
     def read(self, atom: Any) -> Any:
         return atom.val if isinstance(atom, compat.Literal) else self.values[atom]

@@ -234,11 +234,16 @@ class RegionEnv(Env):
         self.lazy_squares: dict[Any, LazySquare] = {}
         self._deferred: Any = None  # the equation whose rule asked ``summed_result`` last
 
-    def summed_result(self, eqn: Any) -> bool:
+    def summed_result(self, step: Step) -> bool:
         """A region cannot look ahead: a square runs in the dtype it arrives in, as under the
         transform when its result is not summed, and ``process_primitive`` keeps what
-        recomputes it in float32 for a sum that reads it later (``lazy_squares``)."""
-        self._deferred = eqn
+        recomputes it in float32 for a sum that reads it later (``lazy_squares``). A square of
+        jnp's float32 promotion of a 16-bit value (Flax's normalization statistics promote
+        first) runs in float32 from the promotion: the program asked for float32, and that costs
+        no cast."""
+        if step.substituted:
+            return True
+        self._deferred = step.eqn
         return False
 
     def var_for(self, value: Any, aval: Any = None) -> tuple[Any, bool]:
@@ -481,10 +486,9 @@ class RegionTrace(compat.Trace):
         for value, var in zip(outs, outvars):
             env.remember(value, var)
         lazy_square = None
-        # (what the rule read: a float32 promotion of a 16-bit value reads as that value)
-        if deferred and _is_sixteen_bit(compat.aval_of(step.args[0])):
-            if _is_sixteen_bit(outvars[0].aval):  # a square run as it arrived: kept, to be
-                lazy_square = LazySquare(args[0], primitive, params, len(args))  # recomputed
+        if deferred and _is_sixteen_bit(avals[0]) and _is_sixteen_bit(outvars[0].aval):
+            # a square run as it arrived: kept, to be recomputed where a sum reads it
+            lazy_square = LazySquare(args[0], primitive, params, len(args))
         elif env.lazy_squares and primitive.name in ACCUMULATED_THROUGH:
             lazy = env.lazy_squares.get(invars[0])
             if lazy is not None and len(outvars) == 1:  # (a reshape or convert on its way)

@@ -351,9 +351,8 @@ def test_operations_reading_a_promotion_replay_what_their_rule_decided(monkeypat
     ran.clear()
     replayed_program, replayed = program(), run(*args)
     assert ran == []
-    # (the square is not summed: it runs in the 16-bit dtype it is read in, as under the
-    # transform, whose float32 program has no promotion)
-    assert [np.dtype(o.dtype) for o in replayed] == [np.dtype(dtype), F32, *[np.dtype(dtype)] * 2]
+    # (the square of the promotion: float32, from the promotion itself)
+    assert [np.dtype(o.dtype) for o in replayed] == [np.dtype(dtype), F32, np.dtype(dtype), F32]
     with monkeypatch.context() as m:
         _decide_every_time(m)
         decided_program, decided = program(), run(*args)

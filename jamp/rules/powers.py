@@ -23,7 +23,7 @@ from ..interpreter import CATEGORY_RULES, Step, default_rule, fp32_rule, registe
 
 
 def _summed(step: Step) -> bool:
-    return step.env.summed_result(step.eqn)
+    return step.env.summed_result(step)
 
 
 @register("square", "integer_pow")
