@@ -660,10 +660,13 @@ class RegionTrace(compat.Trace):
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
-        if self.env.lazy_squares:
-            args = self._call_squares_summed(compat.open_and_consts(params["jaxpr"])[0], args)
         state = self.rewriter.current_state()
         known = self._operand_knowledge(args)
+        lazy = self.env.lazy_squares
+        if lazy and (known is None or _any_in(known[3], lazy)):
+            summed = self._call_squares_summed(compat.open_and_consts(params["jaxpr"])[0], args)
+            if summed is not args:  # (the operands' knowledge again, with the float32 squares)
+                args, known = summed, self._operand_knowledge(summed)
         rewrite = None
         if known is not None and not self.rewriter.line_rules:
             knowledge, sources, facts, in_vars, avals = known
@@ -1055,6 +1058,13 @@ def _reaches_a_sum(jaxpr: Any, i: int) -> bool:
         if name in ACCUMULATED_THROUGH:
             reached.update(eqn.outvars)
     return any(isinstance(v, compat.Var) and v in reached for v in jaxpr.outvars)
+
+
+def _any_in(variables: list, table: dict) -> bool:
+    for var in variables:  # (a loop, not any() of a generator: asked per jnp call)
+        if var in table:
+            return True
+    return False
 
 
 def _has_fact(env: RegionEnv, var: Any) -> bool:
