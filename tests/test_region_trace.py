@@ -622,7 +622,7 @@ def test_a_square_in_a_region_runs_in_float32_only_where_a_sum_reads_it():
         # it; the transform does not look into the call and keeps it bfloat16
         (lambda h: jnp.sum(jnp.cumsum(h**2, axis=0)), True),
         (lambda h: (lambda s: jnp.sum(s) + jnp.max(s * 2))(h**2), True),
-        # a square of a float32 promotion of h (Flax's BatchNorm statistics) reads h itself
+        # a square of a float32 promotion of h (Flax's BatchNorm statistics): float32, from it
         (lambda h: jnp.mean(lax.square(h.astype(jnp.float32))), True),
     ],
     ids=[
