@@ -538,12 +538,11 @@ class RegionTrace(compat.Trace):
             invars[i], _ = env.var_for(lazy.summed, avals[i])  # (a computed value: no tags)
         return args, invars, avals
 
-    def _call_squares_summed(self, jaxpr: Any, args: Sequence[Any]) -> Sequence[Any]:
-        """``args`` of a call to ``jaxpr`` (a ``jnp`` function), each 16-bit square that the
-        callee sums, or returns (reshaped, converted) to a caller that may, recomputed in
-        float32 first."""
+    def _call_squares_summed(self, jaxpr: Any, args: Sequence[Any], invars: list) -> Sequence[Any]:
+        """``args`` of a call to ``jaxpr`` (a ``jnp`` function; ``invars``: their variables
+        here), each 16-bit square that the callee sums, or returns (reshaped, converted) to a
+        caller that may, recomputed in float32 first."""
         env = self.env
-        invars = [env._seen(a) for a in args]
         lazy = [v is not None and v in env.lazy_squares for v in invars]
         if not any(lazy):
             return args
@@ -664,7 +663,9 @@ class RegionTrace(compat.Trace):
         known = self._operand_knowledge(args)
         lazy = self.env.lazy_squares
         if lazy and (known is None or _any_in(known[3], lazy)):
-            summed = self._call_squares_summed(compat.open_and_consts(params["jaxpr"])[0], args)
+            invars = known[3] if known is not None else [self.env._seen(a) for a in args]
+            jaxpr = compat.open_and_consts(params["jaxpr"])[0]
+            summed = self._call_squares_summed(jaxpr, args, invars)
             if summed is not args:  # (the operands' knowledge again, with the float32 squares)
                 args, known = summed, self._operand_knowledge(summed)
         rewrite = None
