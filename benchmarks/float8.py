@@ -131,6 +131,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "bf16 autocast": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16)},
     "bf16 autocast region": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16),
                              "form": "region"},
+    "bf16 autocast cast_inputs": {"dtype": jnp.float32,
+                                  "policy": jamp.Policy(jnp.bfloat16, cast_inputs=True)},
     "bf16 hand-written Flax": {"dtype": jnp.bfloat16, "policy": None},
     "float8 autocast": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.float8_e4m3fn)},
     "Flax fp8_ops layers": {"dtype": jnp.bfloat16, "policy": None, "fp8_ops": True},
@@ -349,6 +351,8 @@ RESNET_VARIANTS: dict[str, dict[str, Any]] = {
     "bf16 autocast": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16)},
     "bf16 autocast region": {"dtype": jnp.float32, "policy": jamp.Policy(jnp.bfloat16),
                              "form": "region"},
+    "bf16 autocast cast_inputs": {"dtype": jnp.float32,
+                                  "policy": jamp.Policy(jnp.bfloat16, cast_inputs=True)},
     "float8 autocast": {"dtype": jnp.float32, "policy": "float8"},
 }
 
