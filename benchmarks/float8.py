@@ -2,13 +2,16 @@
 
     # accuracy: the digits CNN and the tiny GPT, bfloat16 vs float8 autocast (any backend)
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/float8.py accuracy [--seeds 0 1]
-    # GPU step time of a GPT: float32, bf16 autocast (transform and region forms), hand-written
+    # GPT step time on a GPU: float32, bf16 autocast (transform, region, cast_inputs=True), hand-written
     # bf16 Flax, float8 autocast, Flax fp8_ops layers. --config gpt-539m (d=2048, 8 layers, seq 1024, batch 8; the default)
     # or gpt-1.3b (d=2048, 24 layers, seq 2048, batch 4); --d/--layers/... override it.
     python benchmarks/float8.py step [--config gpt-1.3b]
     # GPU step time of a ResNet-50 train step (batch 128, 224x224, SGD with momentum): float32,
     # hand-written bf16 Flax (dtype=), bf16 autocast (both forms), float8 autocast
     python benchmarks/float8.py resnet
+    # what each ResNet variant's train step computes in which dtype (elements per primitive and
+    # output dtype, from its jaxpr; any backend, nothing runs)
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/float8.py resnet --tiny --dtype-elements
     # one matmul, forward and backward, bf16 autocast vs float8 autocast, over torchao's shapes:
     # the data for Policy.min_float8_flops' default (measured on an H200, benchmarks/README.md)
     python benchmarks/float8.py matmul
@@ -27,6 +30,7 @@ verdict per float8 dot of the forward pass.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import math
 import os
@@ -37,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import flax.linen as nn
 import jax
+import jax.extend as jex
 import jax.numpy as jnp
 import optax
 
@@ -384,6 +389,38 @@ def resnet_step(loss_fn: Callable, policy: Optional[jamp.Policy], tx: Any,
     return jax.jit(step, donate_argnums=(0, 1, 2))
 
 
+def _elements_by_dtype(closed: Any, counts: collections.Counter) -> None:
+    """Add each equation's output elements to ``counts[(primitive, dtype)]``, looking into the
+    programs equations carry (remat, jit, custom derivatives)."""
+    for eqn in closed.eqns:
+        subs = list(jex.core.jaxprs_in_params(eqn.params))
+        for sub in subs:
+            _elements_by_dtype(sub, counts)
+        if not subs:
+            for var in eqn.outvars:
+                aval = var.aval
+                if hasattr(aval, "dtype") and jnp.issubdtype(aval.dtype, jnp.floating):
+                    counts[(eqn.primitive.name, str(aval.dtype))] += aval.size
+
+
+def resnet_dtype_elements(variants: dict[str, Callable], state: dict[str, tuple],
+                          batch: tuple) -> None:
+    """Per (primitive, output dtype), the floating elements each variant's train step computes
+    (from its jaxpr: nothing runs), rows where the variants differ: where a policy's program
+    keeps float32 what another rounds to bfloat16."""
+    counts = {}
+    for name, step in variants.items():
+        counts[name] = collections.Counter()
+        closed = jax.make_jaxpr(step)(*state[name], batch)
+        _elements_by_dtype(closed.jaxpr, counts[name])
+    keys = sorted(set().union(*counts.values()))
+    rows = [[f"`{prim}`", dtype, *(counts[n][(prim, dtype)] for n in variants)]
+            for prim, dtype in keys if len({counts[n][(prim, dtype)] for n in variants}) > 1]
+    print("\nfloating elements computed per train step, by primitive and output dtype "
+          "(rows where the variants differ):")
+    print(markdown_table(["primitive", "dtype", *variants], rows))
+
+
 def resnet_time(args: argparse.Namespace) -> None:
     batch, image = (4, 32) if args.tiny else (args.batch, args.image)
     shape = {"stages": (1, 1, 1, 1), "filters": 8, "classes": 10} if args.tiny else {}
@@ -394,12 +431,18 @@ def resnet_time(args: argparse.Namespace) -> None:
     labels = jax.random.randint(jax.random.key(2), (batch,), 0, shape.get("classes", 1000))
     tx = optax.sgd(0.1, momentum=0.9)
     variants, flops = [], None
+    steps, states = {}, {}
     for name, spec in RESNET_VARIANTS.items():
         if args.only and name not in args.only:
             continue
         model = ResNet(**shape, dtype=spec["dtype"])
         variables = model.init(jax.random.key(0), images[:1])
         policy = fp8_policy(args) if spec["policy"] == "float8" else spec["policy"]
+        if args.dtype_elements:
+            steps[name] = resnet_step(resnet_loss(model), policy, tx, spec.get("form", "transform"))
+            states[name] = (variables["params"], variables["batch_stats"],
+                            tx.init(variables["params"]))
+            continue
         if flops is None:  # forward FLOPs of the float32 model, times 3 for the train step
             forward = functools.partial(resnet_forward, model)
             report = jamp.explain(forward, variables["params"], variables["batch_stats"], images)
@@ -412,6 +455,9 @@ def resnet_time(args: argparse.Namespace) -> None:
         variants.append(Variant(name, step, state, (images, labels)))
         print(f"compiled {name}: {variants[-1].compile_s:.0f} s; "
               f"{variants[-1].check.counts()}", flush=True)
+    if args.dtype_elements:
+        resnet_dtype_elements(steps, states, (images, labels))
+        return
     time_interleaved(variants, args.rounds, args.steps)
     print(f"\nmodel FLOPs per step (3 x forward matmul/conv FLOPs): {flops:.3g}")
     print(step_table(variants, "bf16 autocast", flops))
@@ -489,6 +535,9 @@ def main() -> None:
                          help="also jamp.explain(compiled=True) the float8 variant's loss")
     resnet.add_argument("--batch", type=int, default=128)
     resnet.add_argument("--image", type=int, default=224)
+    resnet.add_argument("--dtype-elements", action="store_true",
+                        help="instead of timing: the floating elements each variant's train "
+                             "step computes per primitive and dtype (any backend)")
     matmul.add_argument("--shapes", nargs="*", default=None, help="MxKxN, e.g. 4096x4096x4096")
     args = parser.parse_args()
     if args.command == "accuracy":
