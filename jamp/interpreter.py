@@ -749,6 +749,9 @@ def _track_lowered(step: Step, outs: Sequence[Any]) -> None:
         new = np.dtype(eqn.params["new_dtype"])
         if is_float(new) and new.itemsize > compute.itemsize:
             env.upcast_of[eqn.outvars[0]] = step.args[0]
+            # It is the value's cast to ``new`` as well, which later promotions reuse
+            # (region_trace._widening_made, _widened_operands).
+            env.casts.setdefault((atom, new), outs[0])
             if atom in env.lower_outputs:  # a matmul's output still, for the bias-add rule
                 env.lower_outputs.add(eqn.outvars[0])
         return

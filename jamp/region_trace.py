@@ -367,6 +367,70 @@ def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
     return tuple(found)
 
 
+def _widening_made(env: RegionEnv, var: Any, aval: Any, params: dict) -> Any:
+    """The value a convert of ``var`` (of type ``aval``) to a wider floating dtype gives, where
+    the region made it already (``env.casts``: jnp's promotion, a rule's cast); else None.
+    Widening is exact, so every such convert gives that value: reused, the value has one cast
+    (as under autocast_transform), whose cotangents add up in the wider dtype."""
+    if params["weak_type"] or params.get("sharding") is not None:
+        return None
+    new = np.dtype(params["new_dtype"])
+    if not _is_sixteen_bit(aval) or not is_float(new) or new.itemsize <= aval.dtype.itemsize:
+        return None
+    cached = env.casts.get((var, new))
+    if cached is None:
+        return None
+    cached_aval = compat.aval_of(cached)
+    return None if cached_aval.dtype != new or cached_aval.weak_type else cached
+
+
+# Per jnp callee (a closed jaxpr), its 16-bit operands whose every use is a convert to one wider
+# floating dtype: ((operand, dtype), ...), or None where there is none.
+_PROMOTED_OPERANDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _promoted_operands(closed: Any) -> tuple | None:
+    try:
+        return _PROMOTED_OPERANDS[closed]
+    except KeyError:
+        pass
+    except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
+        return None
+    jaxpr = compat.open_and_consts(closed)[0]
+    widenings: dict[Any, Any] = {
+        v: None for v in jaxpr.invars if _is_sixteen_bit(v.aval) and v not in jaxpr.outvars
+    }
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, compat.Var) or v not in widenings:
+                continue
+            params = eqn.params
+            new = (
+                np.dtype(params["new_dtype"])
+                if eqn.primitive.name == "convert_element_type"
+                and not params["weak_type"]
+                and params.get("sharding") is None
+                else None
+            )
+            if (
+                new is None
+                or not is_float(new)
+                or new.itemsize <= v.aval.dtype.itemsize
+                or widenings[v] not in (None, new)
+            ):
+                widenings[v] = False  # a use other than one widening
+            elif widenings[v] is None:
+                widenings[v] = new
+    found = tuple(
+        (i, widenings[v])
+        for i, v in enumerate(jaxpr.invars)
+        if widenings.get(v) not in (None, False)
+    )
+    result = found or None
+    _PROMOTED_OPERANDS[closed] = result
+    return result
+
+
 class CastsByVar(dict):
     """The cast cache (``(var, dtype) -> value``), able to drop a variable's entries without a
     scan: a long eager loop in one region would otherwise pay for every cast made so far."""
@@ -451,6 +515,19 @@ class RegionTrace(compat.Trace):
             if new:
                 self._adopt_input(var, value, aval)
             invars.append(var)
+        if primitive.name == "convert_element_type" and env.casts:
+            widened = _widening_made(env, invars[0], avals[0], params)
+            if widened is not None:
+                return widened
+            if (
+                avals[0].dtype == params["new_dtype"]
+                and not avals[0].weak_type
+                and not params["weak_type"]
+                and params.get("sharding") is None
+                and invars[0] in env.upcast_of
+            ):
+                # (a promotion inside a call given the promoted value: _widened_operands)
+                return args[0]
         if env.lazy_squares and (programs or primitive.name in ACCUMULATING):
             # a sum of a square (or a program that may sum it) reads it in float32
             args, invars, avals = self._squares_summed(args, invars, avals)
@@ -632,6 +709,7 @@ class RegionTrace(compat.Trace):
             key_parts[var] = bits  # (what _tag_bits would find at its first use: tags only)
         if decision.promotes:
             env.upcast_of[var] = args[0]
+            env.casts.setdefault((invars[0], decision.out_avals[0].dtype), values[0])  # (as above)
             key_parts[var] = None  # (more than tags: _promotion_part)
         if decision.square:  # a 16-bit square, recomputed in float32 if a sum reads it
             env.lazy_squares[var] = LazySquare(arriving[0], primitive, traced_params, len(arriving))
@@ -668,6 +746,12 @@ class RegionTrace(compat.Trace):
             summed = self._call_squares_summed(jaxpr, args, invars)
             if summed is not args:  # (the operands' knowledge again, with the float32 squares)
                 args, known = summed, self._operand_knowledge(summed)
+        if self.env.casts:
+            widened = self._widened_operands(params["jaxpr"], args, known)
+            if widened is not None:  # walked op by op: its promotions read the values given
+                jaxpr, consts = compat.open_and_consts(params["jaxpr"])
+                with compat.set_current_trace(self):
+                    return compat.eval_jaxpr_retyped(jaxpr, consts, widened)
         rewrite = None
         if known is not None and not self.rewriter.line_rules:
             knowledge, sources, facts, in_vars, avals = known
@@ -683,6 +767,30 @@ class RegionTrace(compat.Trace):
                 self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
             )
         return self._adopt_call_outputs(rewrite, outs, in_vars)
+
+    def _widened_operands(self, closed: Any, args: Sequence[Any], known: tuple | None) -> Any:
+        """``args`` of a call to ``closed`` (a ``jnp`` function) with each 16-bit operand that
+        the callee only ever promotes (``_promoted_operands``) replaced by the promotion the
+        region made already (``env.casts``: jnp's, a rule's), else None. Flax's normalizations
+        promote a 16-bit value for their statistics, then again inside ``jnp.subtract`` for
+        ``x - mean``: given the first, the value has one float32 cast, as under
+        autocast_transform, and its cotangents add up in float32 before one cast back."""
+        promoted = _promoted_operands(closed)
+        if promoted is None:
+            return None
+        env = self.env
+        invars = known[3] if known is not None else [env._seen(a) for a in args]
+        widened = None
+        for i, dtype in promoted:
+            cached = env.casts.get((invars[i], dtype)) if invars[i] is not None else None
+            if cached is None:
+                continue
+            cached_aval = compat.aval_of(cached)
+            if cached_aval.dtype != dtype or cached_aval.weak_type:
+                continue
+            widened = list(args) if widened is None else widened
+            widened[i] = cached
+        return widened
 
     def _adopt_call_outputs(
         self, rewrite: CallRewrite, outs: list[Any], in_vars: list[Any]

@@ -663,6 +663,58 @@ def test_a_jitted_region_squares_as_the_transform_decides(fn, summed):
     chex.assert_trees_all_close(region, transformed(X), rtol=2e-2)
 
 
+class _ConvBatchNorm(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(8, (3, 3), use_bias=False)(x)
+        return nn.relu(nn.BatchNorm(use_running_average=False)(x))
+
+
+def test_a_value_jnp_promotes_twice_is_cast_once_as_under_the_transform():
+    """Flax's BatchNorm promotes its bfloat16 input (a conv's output) to float32 for the
+    statistics, then again inside ``jnp.subtract`` for ``x - mean``: a region reuses the first
+    promotion, so the value has one float32 cast, as under the transform, and its cotangents add
+    up in float32 before one cast back (two casts would add them in bfloat16): the gradients are
+    the transform's."""
+    model = _ConvBatchNorm()
+    x = jax.random.normal(KEY, (2, 8, 8, 3))
+    variables = model.init(KEY, x)
+
+    def loss(params):
+        out, _ = model.apply(
+            {"params": params, "batch_stats": variables["batch_stats"]},
+            x,
+            mutable=["batch_stats"],
+        )
+        return jnp.mean(out.astype(F32) ** 2)
+
+    def in_region(params):
+        with jamp.autocast():
+            return loss(params)
+
+    def conv_output_casts(fn):
+        eqns = list(iter_eqns(jax.make_jaxpr(fn)(variables["params"]).jaxpr))
+        conv = [e.outvars[0] for e in eqns if e.primitive.name == "conv_general_dilated"]
+        return [
+            e for e in eqns if e.primitive.name == "convert_element_type" and e.invars[0] in conv
+        ]
+
+    transformed = jamp.autocast_transform(loss)
+    assert len(conv_output_casts(in_region)) == len(conv_output_casts(transformed)) == 1
+    grad = jax.grad(in_region)
+    bf16_sums = [
+        e
+        for e in iter_eqns(jax.make_jaxpr(grad)(variables["params"]).jaxpr)
+        if e.primitive.name == "add_any" and e.outvars[0].aval.dtype == BF16
+    ]
+    assert not bf16_sums
+    expected = jax.jit(jax.grad(transformed))(variables["params"])
+    chex.assert_trees_all_close(jax.jit(grad)(variables["params"]), expected, rtol=1e-6)
+    # eagerly (op by op, rounded per op: not bit for bit) the region runs the same program
+    chex.assert_trees_all_close(in_region(variables["params"]), transformed(variables["params"]),
+                                rtol=1e-3)
+
+
 def test_eager_loop_reuses_the_rewritten_jitted_callee():
     calls = []
 
