@@ -415,7 +415,7 @@ def _promoted_operands(closed: Any) -> tuple | None:
             if (
                 new is None
                 or not is_float(new)
-                or new.itemsize <= v.aval.dtype.itemsize
+                or new.itemsize <= 2  # (the operand is 16-bit: not a widening)
                 or widenings[v] not in (None, new)
             ):
                 widenings[v] = False  # a use other than one widening
