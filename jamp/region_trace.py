@@ -369,19 +369,30 @@ def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
 
 def _widening_made(env: RegionEnv, var: Any, aval: Any, params: dict) -> Any:
     """The value a convert of ``var`` (of type ``aval``) to a wider floating dtype gives, where
-    the region made it already (``env.casts``: jnp's promotion, a rule's cast); else None.
-    Widening is exact, so every such convert gives that value: reused, the value has one cast
-    (as under autocast_transform), whose cotangents add up in the wider dtype."""
+    ``jnp`` promoted it so already in this region (``_promotion_of``); else None."""
     if params["weak_type"] or params.get("sharding") is not None:
         return None
     new = np.dtype(params["new_dtype"])
     if not _is_sixteen_bit(aval) or not is_float(new) or new.itemsize <= aval.dtype.itemsize:
         return None
-    cached = env.casts.get((var, new))
+    return _promotion_of(env, var, new)
+
+
+def _promotion_of(env: RegionEnv, var: Any, dtype: np.dtype) -> Any:
+    """``jnp``'s promotion of the 16-bit value of ``var`` to ``dtype`` made earlier in this
+    region (``env.casts``, where ``_track_lowered`` and replays record it), else None. Widening
+    is exact, so every promotion gives that value: reused, the value has one cast (as under
+    autocast_transform), whose cotangents add up in the wider dtype. Only a promotion the region
+    knows as one (``upcast_of``: read as the 16-bit value) stands in for another; a rule's cast
+    is a plain float32 value to the rules, which would decide a bias add differently."""
+    cached = env.casts.get((var, dtype)) if var is not None else None
     if cached is None:
         return None
+    cached_var = env._seen(cached)
+    if cached_var is None or cached_var not in env.upcast_of:
+        return None
     cached_aval = compat.aval_of(cached)
-    return None if cached_aval.dtype != new or cached_aval.weak_type else cached
+    return None if cached_aval.dtype != dtype or cached_aval.weak_type else cached
 
 
 # Per jnp callee (a closed jaxpr), its 16-bit operands whose every use is a convert to one wider
@@ -771,7 +782,7 @@ class RegionTrace(compat.Trace):
     def _widened_operands(self, closed: Any, args: Sequence[Any], known: tuple | None) -> Any:
         """``args`` of a call to ``closed`` (a ``jnp`` function) with each 16-bit operand that
         the callee only ever promotes (``_promoted_operands``) replaced by the promotion the
-        region made already (``env.casts``: jnp's, a rule's), else None. Flax's normalizations
+        region made already (``_promotion_of``), else None. Flax's normalizations
         promote a 16-bit value for their statistics, then again inside ``jnp.subtract`` for
         ``x - mean``: given the first, the value has one float32 cast, as under
         autocast_transform, and its cotangents add up in float32 before one cast back."""
@@ -782,11 +793,8 @@ class RegionTrace(compat.Trace):
         invars = known[3] if known is not None else [env._seen(a) for a in args]
         widened = None
         for i, dtype in promoted:
-            cached = env.casts.get((invars[i], dtype)) if invars[i] is not None else None
+            cached = _promotion_of(env, invars[i], dtype)
             if cached is None:
-                continue
-            cached_aval = compat.aval_of(cached)
-            if cached_aval.dtype != dtype or cached_aval.weak_type:
                 continue
             widened = list(args) if widened is None else widened
             widened[i] = cached

@@ -715,6 +715,22 @@ def test_a_value_jnp_promotes_twice_is_cast_once_as_under_the_transform():
                                 rtol=1e-3)
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_rules_float32_cast_does_not_stand_in_for_jnps_promotion(jit):
+    """Only jnp's own promotion of a 16-bit value is reused for a later one: the float32 cast a
+    rule made (``exp``, fp32 table) is a plain float32 value to the rules, and a bias add given
+    it would promote, where the bias add of the matmul output runs in its 16-bit dtype."""
+
+    def fn(x):
+        with jamp.autocast():
+            h = x @ W
+            return lax.exp(h), h + B
+
+    e, y = (jax.jit(fn) if jit else fn)(X)
+    assert e.dtype == F32
+    assert y.dtype == BF16 == jamp.autocast_transform(lambda x: x @ W + B)(X).dtype
+
+
 def test_eager_loop_reuses_the_rewritten_jitted_callee():
     calls = []
 
