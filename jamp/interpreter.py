@@ -298,6 +298,8 @@ class Env:
         # because of the policy, and jnp's float32 promotions of them (-> the 16-bit value).
         self.lowered: set[Any] = set()
         self.upcast_of: dict[Any, Any] = {}
+        # ... and those promotions by (16-bit value, dtype), which later ones reuse (region_trace)
+        self.promotions: dict[tuple[Any, np.dtype], Any] = {}
         # What a registered tracker (``register_tracker``) learned about values, by tracker name:
         # rules/softmax.py records which values are the max of which operand.
         self.facts: dict[str, dict[Any, Any]] = {}
@@ -749,9 +751,7 @@ def _track_lowered(step: Step, outs: Sequence[Any]) -> None:
         new = np.dtype(eqn.params["new_dtype"])
         if is_float(new) and new.itemsize > compute.itemsize:
             env.upcast_of[eqn.outvars[0]] = step.args[0]
-            # It is the value's cast to ``new`` as well, which later promotions reuse
-            # (region_trace._widening_made, _widened_operands).
-            env.casts.setdefault((atom, new), outs[0])
+            env.promotions.setdefault((atom, new), outs[0])  # (region_trace._promotion_of)
             if atom in env.lower_outputs:  # a matmul's output still, for the bias-add rule
                 env.lower_outputs.add(eqn.outvars[0])
         return

@@ -223,6 +223,7 @@ class RegionEnv(Env):
         self._traced: dict[Any, Any] = {}  # a program tracer's variable there -> its Var here
         self._on_death = self._forget  # (one callback for every reference)
         self.casts: CastsByVar = CastsByVar()
+        self.promotions: CastsByVar = CastsByVar()
         self._cotangent = set()
         # The tags a decision's key and replay read and set, in the order of _TAG_BITS.
         self.tag_sets = tuple(getattr(self, tag) for tag in _DECISION_TAGS)
@@ -286,6 +287,8 @@ class RegionEnv(Env):
         for facts in self.facts.values():
             facts.pop(var, None)
         self.casts.forget(var)
+        if self.promotions:  # (mostly empty: no call per value then)
+            self.promotions.forget(var)
         self.lazy_squares.pop(var, None)
 
     def knowledge_of(self, value: Any) -> tuple[int, ConstSource | None] | None | bool:
@@ -380,16 +383,14 @@ def _widening_made(env: RegionEnv, var: Any, aval: Any, params: dict) -> Any:
 
 def _promotion_of(env: RegionEnv, var: Any, dtype: np.dtype) -> Any:
     """``jnp``'s promotion of the 16-bit value of ``var`` to ``dtype`` made earlier in this
-    region (``env.casts``, where ``_track_lowered`` and replays record it), else None. Widening
-    is exact, so every promotion gives that value: reused, the value has one cast (as under
-    autocast_transform), whose cotangents add up in the wider dtype. Only a promotion the region
-    knows as one (``upcast_of``: read as the 16-bit value) stands in for another; a rule's cast
-    is a plain float32 value to the rules, which would decide a bias add differently."""
-    cached = env.casts.get((var, dtype)) if var is not None else None
+    region (``env.promotions``, recorded by ``_track_lowered`` and replays), else None.
+    Widening is exact, so every promotion gives that value: reused, the value has one cast (as
+    under autocast_transform), whose cotangents add up in the wider dtype. Only jnp's promotions
+    (read by the rules as the 16-bit value, ``upcast_of``) stand in for one another, not a
+    rule's cast (``env.casts``): that is a plain float32 value to the rules, which would decide
+    a bias add of it differently."""
+    cached = env.promotions.get((var, dtype)) if var is not None else None
     if cached is None:
-        return None
-    cached_var = env._seen(cached)
-    if cached_var is None or cached_var not in env.upcast_of:
         return None
     cached_aval = compat.aval_of(cached)
     return None if cached_aval.dtype != dtype or cached_aval.weak_type else cached
@@ -464,6 +465,10 @@ class CastsByVar(dict):
         for key in self._keys.pop(var, ()):
             self.pop(key, None)
 
+    def holds(self, var: Any) -> bool:
+        """Whether an entry is keyed by ``var``."""
+        return var in self._keys
+
 
 class RegionTrace(compat.Trace):
     """The trace of one ``jamp.autocast`` region: applies ``policy`` and binds on ``parent``."""
@@ -526,7 +531,7 @@ class RegionTrace(compat.Trace):
             if new:
                 self._adopt_input(var, value, aval)
             invars.append(var)
-        if primitive.name == "convert_element_type" and env.casts:
+        if primitive.name == "convert_element_type" and env.promotions:
             widened = _widening_made(env, invars[0], avals[0], params)
             if widened is not None:
                 return widened
@@ -720,7 +725,7 @@ class RegionTrace(compat.Trace):
             key_parts[var] = bits  # (what _tag_bits would find at its first use: tags only)
         if decision.promotes:
             env.upcast_of[var] = args[0]
-            env.casts.setdefault((invars[0], decision.out_avals[0].dtype), values[0])  # (as above)
+            env.promotions.setdefault((invars[0], decision.out_avals[0].dtype), values[0])
             key_parts[var] = None  # (more than tags: _promotion_part)
         if decision.square:  # a 16-bit square, recomputed in float32 if a sum reads it
             env.lazy_squares[var] = LazySquare(arriving[0], primitive, traced_params, len(arriving))
@@ -757,7 +762,7 @@ class RegionTrace(compat.Trace):
             summed = self._call_squares_summed(jaxpr, args, invars)
             if summed is not args:  # (the operands' knowledge again, with the float32 squares)
                 args, known = summed, self._operand_knowledge(summed)
-        if self.env.casts:
+        if self.env.promotions:
             widened = self._widened_operands(params["jaxpr"], args, known)
             if widened is not None:  # walked op by op: its promotions read the values given
                 jaxpr, consts = compat.open_and_consts(params["jaxpr"])
@@ -786,11 +791,13 @@ class RegionTrace(compat.Trace):
         promote a 16-bit value for their statistics, then again inside ``jnp.subtract`` for
         ``x - mean``: given the first, the value has one float32 cast, as under
         autocast_transform, and its cotangents add up in float32 before one cast back."""
+        env = self.env
+        invars = known[3] if known is not None else [env._seen(a) for a in args]
+        if not any(env.promotions.holds(var) for var in invars):
+            return None
         promoted = _promoted_operands(closed)
         if promoted is None:
             return None
-        env = self.env
-        invars = known[3] if known is not None else [env._seen(a) for a in args]
         widened = None
         for i, dtype in promoted:
             cached = _promotion_of(env, invars[i], dtype)
