@@ -449,11 +449,11 @@ class CastsByVar(dict):
 
     def __init__(self) -> None:
         super().__init__()
-        self._keys: dict[Any, list] = {}
+        self.by_var: dict[Any, list] = {}  # var -> its keys
 
     def __setitem__(self, key: tuple, value: Any) -> None:
         if key not in self:
-            self._keys.setdefault(key[0], []).append(key)
+            self.by_var.setdefault(key[0], []).append(key)
         super().__setitem__(key, value)
 
     def setdefault(self, key: tuple, default: Any = None) -> Any:
@@ -462,12 +462,8 @@ class CastsByVar(dict):
         return self[key]
 
     def forget(self, var: Any) -> None:
-        for key in self._keys.pop(var, ()):
+        for key in self.by_var.pop(var, ()):
             self.pop(key, None)
-
-    def holds(self, var: Any) -> bool:
-        """Whether an entry is keyed by ``var``."""
-        return var in self._keys
 
 
 class RegionTrace(compat.Trace):
@@ -762,8 +758,14 @@ class RegionTrace(compat.Trace):
             summed = self._call_squares_summed(jaxpr, args, invars)
             if summed is not args:  # (the operands' knowledge again, with the float32 squares)
                 args, known = summed, self._operand_knowledge(summed)
-        if self.env.promotions:
-            widened = self._widened_operands(params["jaxpr"], args, known)
+        promotions = self.env.promotions
+        if promotions:
+            invars = known[3] if known is not None else [self.env._seen(a) for a in args]
+            widened = (
+                self._widened_operands(params["jaxpr"], args, invars)
+                if _any_in(invars, promotions.by_var)
+                else None
+            )
             if widened is not None:  # walked op by op: its promotions read the values given
                 jaxpr, consts = compat.open_and_consts(params["jaxpr"])
                 with compat.set_current_trace(self):
@@ -784,7 +786,7 @@ class RegionTrace(compat.Trace):
             )
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 
-    def _widened_operands(self, closed: Any, args: Sequence[Any], known: tuple | None) -> Any:
+    def _widened_operands(self, closed: Any, args: Sequence[Any], invars: list) -> Any:
         """``args`` of a call to ``closed`` (a ``jnp`` function) with each 16-bit operand that
         the callee only ever promotes (``_promoted_operands``) replaced by the promotion the
         region made already (``_promotion_of``), else None. Flax's normalizations
@@ -792,9 +794,6 @@ class RegionTrace(compat.Trace):
         ``x - mean``: given the first, the value has one float32 cast, as under
         autocast_transform, and its cotangents add up in float32 before one cast back."""
         env = self.env
-        invars = known[3] if known is not None else [env._seen(a) for a in args]
-        if not any(env.promotions.holds(var) for var in invars):
-            return None
         promoted = _promoted_operands(closed)
         if promoted is None:
             return None
