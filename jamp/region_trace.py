@@ -396,12 +396,13 @@ def _promotion_of(env: RegionEnv, var: Any, dtype: np.dtype) -> Any:
     return None if cached_aval.dtype != dtype or cached_aval.weak_type else cached
 
 
-# Per jnp callee (a closed jaxpr), its 16-bit operands whose every use is a convert to one wider
-# floating dtype: ((operand, dtype), ...), or None where there is none.
-_PROMOTED_OPERANDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PROMOTED_OPERANDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # (below)
 
 
 def _promoted_operands(closed: Any) -> tuple | None:
+    """A ``jnp`` callee's 16-bit operands whose every use is a convert to one wider floating
+    dtype (``jnp.subtract``'s promotion of one side): ``((operand, dtype), ...)``, or None where
+    there is none; found once per callee jaxpr."""
     try:
         return _PROMOTED_OPERANDS[closed]
     except KeyError:
