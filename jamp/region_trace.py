@@ -373,12 +373,18 @@ def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
 def _widening_made(env: RegionEnv, var: Any, aval: Any, params: dict) -> Any:
     """The value a convert of ``var`` (of type ``aval``) to a wider floating dtype gives, where
     ``jnp`` promoted it so already in this region (``_promotion_of``); else None."""
+    new = _widening_of_sixteen_bits(params) if _is_sixteen_bit(aval) else None
+    return None if new is None else _promotion_of(env, var, new)
+
+
+def _widening_of_sixteen_bits(params: dict) -> np.dtype | None:
+    """The dtype a ``convert_element_type`` with ``params`` widens a 16-bit floating value to
+    (a floating dtype of more than 16 bits, no weak type, no sharding: what jnp's promotions
+    bind), else None."""
     if params["weak_type"] or params.get("sharding") is not None:
         return None
     new = np.dtype(params["new_dtype"])
-    if not _is_sixteen_bit(aval) or not is_float(new) or new.itemsize <= aval.dtype.itemsize:
-        return None
-    return _promotion_of(env, var, new)
+    return new if is_float(new) and new.itemsize > 2 else None
 
 
 def _promotion_of(env: RegionEnv, var: Any, dtype: np.dtype) -> Any:
@@ -417,20 +423,12 @@ def _promoted_operands(closed: Any) -> tuple | None:
         for v in eqn.invars:
             if not isinstance(v, compat.Var) or v not in widenings:
                 continue
-            params = eqn.params
             new = (
-                np.dtype(params["new_dtype"])
+                _widening_of_sixteen_bits(eqn.params)
                 if eqn.primitive.name == "convert_element_type"
-                and not params["weak_type"]
-                and params.get("sharding") is None
                 else None
             )
-            if (
-                new is None
-                or not is_float(new)
-                or new.itemsize <= 2  # (the operand is 16-bit: not a widening)
-                or widenings[v] not in (None, new)
-            ):
+            if new is None or widenings[v] not in (None, new):
                 widenings[v] = False  # a use other than one widening
             elif widenings[v] is None:
                 widenings[v] = new
@@ -754,25 +752,20 @@ class RegionTrace(compat.Trace):
         known = self._operand_knowledge(args)
         lazy = self.env.lazy_squares
         if lazy and (known is None or _any_in(known[3], lazy)):
-            invars = known[3] if known is not None else [self.env._seen(a) for a in args]
             jaxpr = compat.open_and_consts(params["jaxpr"])[0]
-            summed = self._call_squares_summed(jaxpr, args, invars)
+            summed = self._call_squares_summed(jaxpr, args, self._operand_vars(args, known))
             if summed is not args:  # (the operands' knowledge again, with the float32 squares)
                 args, known = summed, self._operand_knowledge(summed)
         promotions = self.env.promotions
+        widened = None
         if promotions:
-            invars = known[3] if known is not None else [self.env._seen(a) for a in args]
-            widened = (
-                self._widened_operands(params["jaxpr"], args, invars)
-                if _any_in(invars, promotions.by_var)
-                else None
-            )
-            if widened is not None:  # walked op by op: its promotions read the values given
-                jaxpr, consts = compat.open_and_consts(params["jaxpr"])
-                with compat.set_current_trace(self):
-                    return compat.eval_jaxpr_retyped(jaxpr, consts, widened)
+            invars = self._operand_vars(args, known)
+            if _any_in(invars, promotions.by_var):
+                widened = self._widened_operands(params["jaxpr"], args, invars)
         rewrite = None
-        if known is not None and not self.rewriter.line_rules:
+        if widened is not None:  # walked op by op: its promotions read the values given
+            args = widened
+        elif known is not None and not self.rewriter.line_rules:
             knowledge, sources, facts, in_vars, avals = known
             rewrite = self._call_rewrite(params["jaxpr"], state, knowledge, sources, facts, avals)
         if rewrite is None:
@@ -786,6 +779,11 @@ class RegionTrace(compat.Trace):
                 self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
             )
         return self._adopt_call_outputs(rewrite, outs, in_vars)
+
+    def _operand_vars(self, args: Sequence[Any], known: tuple | None) -> list:
+        """The variables of a call's operands: those ``_operand_knowledge`` found, else looked up
+        (None for a value this region never saw)."""
+        return known[3] if known is not None else [self.env._seen(a) for a in args]
 
     def _widened_operands(self, closed: Any, args: Sequence[Any], invars: list) -> Any:
         """``args`` of a call to ``closed`` (a ``jnp`` function) with each 16-bit operand that
