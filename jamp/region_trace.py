@@ -221,7 +221,10 @@ class RegionEnv(Env):
         super().__init__(None)
         self._vars: dict[int, _ValueRef] = {}  # id(value) -> weak reference holding its Var
         self._traced: dict[Any, Any] = {}  # a program tracer's variable there -> its Var here
-        self._on_death = self._forget  # (one callback for every reference)
+        # One callback for every reference, holding the region weakly: a bound method would tie
+        # the region (and every tracer and equation of the program it saw) into a reference
+        # cycle that only a full garbage collection frees once the program is built.
+        self._on_death = _forgetting(weakref.ref(self))
         self.casts: CastsByVar = CastsByVar()
         self.promotions: CastsByVar = CastsByVar()
         self._cotangent = set()
@@ -318,6 +321,17 @@ class RegionEnv(Env):
             for bit, tagged in zip(_TAG_BITS, self.tag_sets):
                 if bits & bit:
                     tagged.add(var)
+
+
+def _forgetting(env_ref: weakref.ref) -> Callable[[_ValueRef], None]:
+    """The callback of a region's references: forget the value, while the region lives."""
+
+    def forget(ref: _ValueRef) -> None:
+        env = env_ref()
+        if env is not None:
+            env._forget(ref)
+
+    return forget
 
 
 @dataclasses.dataclass(frozen=True)
