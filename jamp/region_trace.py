@@ -1413,12 +1413,28 @@ def region_above(differentiating: Any) -> RegionTrace | None:
                 break
             below = compat.trace_parent(below)
         upper = (
-            RegionTrace(differentiating, below.policy, region=below.rewriter.region)
+            _RegionAbove(differentiating, below.policy, region=below.rewriter.region)
             if isinstance(below, RegionTrace)
             else False
         )
         differentiating._jamp_region_above = upper
     return upper or None
+
+
+class _RegionAbove(RegionTrace):
+    """The region above a differentiating trace (``region_above``). That trace keeps it (one per
+    trace, on the trace itself), so it holds the trace it binds on weakly: a strong reference
+    back would make the pair a reference cycle, keeping the differentiated program (its tracers
+    and residuals) in memory until a full garbage collection. It is only reached through that
+    trace, so the trace is alive whenever it runs."""
+
+    @property  # type: ignore[override]
+    def parent(self) -> Any:
+        return self._parent_ref()
+
+    @parent.setter
+    def parent(self, trace: Any) -> None:
+        self._parent_ref = weakref.ref(trace)
 
 
 # JAX traces a loop body (with the types its initial carry has) before the loop reaches the
