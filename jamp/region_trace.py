@@ -1428,7 +1428,7 @@ class _RegionAbove(RegionTrace):
     and residuals) in memory until a full garbage collection. It is only reached through that
     trace, so the trace is alive whenever it runs."""
 
-    @property  # type: ignore[override]
+    @property
     def parent(self) -> Any:
         return self._parent_ref()
 
