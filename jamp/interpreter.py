@@ -1028,12 +1028,14 @@ def carries_programs(primitive: Any, params: dict[str, Any]) -> bool:
 
 
 def has_subprograms(params: dict[str, Any]) -> bool:
-    def is_sub(value: Any) -> bool:
-        if isinstance(value, (tuple, list)):
-            return any(is_sub(v) for v in value)
-        return compat.is_jaxpr_like(value)
+    return any(_holds_program(v) for v in params.values())
 
-    return any(is_sub(v) for v in params.values())
+
+def _holds_program(value: Any) -> bool:
+    # (not a closure inside has_subprograms: a recursive one is a reference cycle per call)
+    if isinstance(value, (tuple, list)):
+        return any(_holds_program(v) for v in value)
+    return compat.is_jaxpr_like(value)
 
 
 @register("convert_element_type")

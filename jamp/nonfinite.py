@@ -370,7 +370,9 @@ def _drill_down(
     try:
         program.walk_eagerly(observer, leaves)
     except _Found as found:
-        return found
+        # (without its traceback: the frames it holds, ours included, would hold it in a
+        # reference cycle, and with it the program's arrays until a full collection)
+        return found.with_traceback(None)
     return None
 
 

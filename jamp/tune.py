@@ -374,7 +374,10 @@ class _Call:
         )
         self.leaves = [self.flat[i] for i in self.traced_at]
         self.programs: dict[Policy, Callable] = {}
-        self.names: tuple[list[str], list[str]] = ([], [])  # of the outputs' and gradients' leaves
+        # The outputs' and gradients' leaf names, filled in place by the traced programs: they
+        # close over these lists, not over this object, which keeps the programs (a reference
+        # from them back would be a cycle holding the arguments until a full collection).
+        self.names: tuple[list[str], list[str]] = ([], [])
         self.runs = 0
 
     def run(self, policy: Policy) -> tuple[list[Any], list[Any]]:
@@ -396,6 +399,7 @@ class _Call:
 
         mixed = autocast_transform(self.fn, policy)
         flat, in_tree, traced_at, argnums = self.flat, self.in_tree, self.traced_at, self.argnums
+        out_names, grad_names = self.names
 
         def program(*leaves: Any) -> tuple[list[Any], list[Any]]:
             full = list(flat)
@@ -421,7 +425,8 @@ class _Call:
                 for i, g in zip(argnums or (), grads)
                 for pair in _floating_leaves(g, f"gradient of args[{i}]")
             ]
-            self.names = ([n for n, _ in outs_named], [n for n, _ in grads_named])
+            out_names[:] = [n for n, _ in outs_named]
+            grad_names[:] = [n for n, _ in grads_named]
             return [x for _, x in outs_named], [x for _, x in grads_named]
 
         return program

@@ -255,64 +255,6 @@ def test_an_eager_region_forgets_the_values_that_died():
     assert alive < 30  # (50 steps make hundreds of values)
 
 
-def _left_for_the_collector(run):
-    """The objects ``run()`` left in reference cycles: what only the garbage collector frees."""
-    run()  # (warm: caches filled now are not garbage)
-    gc.collect()
-    gc.disable()
-    try:
-        run()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-    finally:
-        gc.set_debug(0)
-        gc.enable()
-    found, gc.garbage[:] = list(gc.garbage), []
-    return found
-
-
-def _region_loss(x, w):
-    with jamp.autocast():
-        return jnp.tanh(x @ w).sum()
-
-
-def _grad_in_region(x, w):
-    with jamp.autocast():
-        return jax.value_and_grad(lambda w: jnp.tanh(x @ w).sum())(w)
-
-
-@pytest.mark.parametrize(
-    "run",
-    [
-        # (a new function each time: make_jaxpr caches what it traced per function)
-        lambda: jax.make_jaxpr(lambda x, w: _region_loss(x, w))(X, W),
-        lambda: jax.make_jaxpr(jax.grad(_region_loss, argnums=1))(X, W),
-        lambda: jax.grad(_region_loss, argnums=1)(X, W),
-        lambda: _region_loss(X, W),
-        lambda: jax.vmap(_region_loss, (0, None))(X[None], W),
-        lambda: _grad_in_region(X, W),
-        lambda: jax.make_jaxpr(lambda x, w: _grad_in_region(x, w))(X, W),
-    ],
-    ids=[
-        "make_jaxpr",
-        "make_jaxpr of grad",
-        "eager grad",
-        "eager",
-        "vmap",
-        "grad inside, eager",
-        "grad inside, make_jaxpr",
-    ],
-)
-def test_a_region_is_freed_when_it_ends_not_by_the_garbage_collector(run):
-    """A region leaves nothing in a reference cycle: the program it traced (every tracer and
-    equation) and, eagerly, the arrays it saw are freed when it ends, not kept in memory until
-    a full collection (its references' callbacks once held it through a bound method, and the
-    region deciding for a ``jax.grad`` inside one and that grad's trace held each other)."""
-    left = _left_for_the_collector(run)
-    kinds = sorted({type(o).__name__ for o in left})
-    assert not left, f"{len(left)} objects left in reference cycles: {kinds}"
-
-
 @pytest.mark.parametrize("traced", [False, True])
 def test_a_replayed_square_is_still_recomputed_where_a_sum_reads_it(monkeypatch, traced):
     """A 16-bit square's decision is replayed like any other, and the replay keeps what

@@ -52,6 +52,16 @@ class CannotRetrace(ValueError):
     """What a retrace needs is gone (a frozen function's variables were freed): raised as is."""
 
 
+def _evaluator(closed: Any) -> Callable[..., list[Any]]:
+    """``closed`` as a function of the flattened inputs."""
+
+    def flat_fn(*leaves: Any) -> list[Any]:
+        jaxpr, consts = compat.open_and_consts(closed)
+        return compat.eval_jaxpr(jaxpr, consts, leaves)
+
+    return flat_fn
+
+
 class Program:
     """A closed jaxpr with pytree inputs and outputs (``TracedFunction``, ``FrozenFunction``)."""
 
@@ -75,12 +85,13 @@ class Program:
         self._out_template = out_template  # ``order_skeleton`` of the function's own outputs
         self._retrace = retrace
         self.__name__ = name
-        self._compiled = jax.jit(self.flat_fn)
+        # (jitted on the jaxpr alone: jitting a bound method would tie this object into a
+        # reference cycle, keeping its constants in memory until a full garbage collection)
+        self._compiled = jax.jit(_evaluator(closed))
 
     def flat_fn(self, *leaves: Any) -> list[Any]:
         """The program on the flattened inputs (what is compiled and exported)."""
-        jaxpr, consts = compat.open_and_consts(self._closed)
-        return compat.eval_jaxpr(jaxpr, consts, leaves)
+        return _evaluator(self._closed)(*leaves)
 
     def __call__(self, *inputs: Any) -> Any:
         leaves = self.signature.flatten(inputs, self.__name__, self.reshape_remedy)
