@@ -27,7 +27,9 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   only when its own survivors within one call cross the collector's threshold. Here each side
   is traced several times in a row with no forced collection, the sides alternating by round,
   so each pays the full collections its survivors trigger, as a process tracing many programs
-  does (``--amortized-calls``, ``--amortized-rounds``; plain and transform).
+  does (``--amortized-calls``, ``--amortized-rounds``; the sides of (a), and the region with
+  the reference cycle it had before issue 33's eleventh pass restored, an ablation:
+  ``region_cycle_restored``), and the objects one call leaves in reference cycles.
 
 (a''') Where a region's trace spends its time (``attribution``, a diagnostic)
   The largest stack of (a), hand bf16 and region only: every outermost bind each side's trace
@@ -529,17 +531,66 @@ def measure_attribution(n_blocks: int, reps: int, top: int) -> None:
 
 # --- (a'') tracing with the collector's cost shared out over many calls ------------------------
 
+@contextlib.contextmanager
+def region_cycle_restored() -> Any:
+    """An ablation, not a mode of jamp: regions made while it is active hold themselves in a
+    reference cycle again, as before issue 33's eleventh pass (their references' callback a
+    bound method of the region), so what they traced waits for a full collection."""
+    from jamp import region_trace
+
+    init = region_trace.RegionEnv.__init__
+
+    def with_cycle(env: Any) -> None:
+        init(env)
+        env._on_death = env._forget
+
+    region_trace.RegionEnv.__init__ = with_cycle
+    try:
+        yield
+    finally:
+        region_trace.RegionEnv.__init__ = init
+
+
+def left_in_cycles(fn: Callable[[], Any]) -> int:
+    """How many objects one call of ``fn`` leaves in reference cycles (found by a collection
+    after the call ran with the collector off)."""
+    gc.collect()
+    gc.disable()
+    try:
+        fn()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+    finally:
+        gc.set_debug(0)
+        gc.enable()
+    found = len(gc.garbage)
+    gc.garbage.clear()
+    return found
+
+
+AMORTIZED_SIDES = ("plain", "hand bf16", "region", "region, cycle restored", "transform")
+
+
 def measure_amortized(blocks: Sequence[int], calls: int, rounds: int) -> None:
     """Each side traced ``calls`` times in a row with no collection forced before a call, the
     sides alternating by round: a full collection is paid by the side whose survivors trigger
-    it, as in a process that traces many programs. (a) collects before every sample, so a side
-    whose survivors stay under the collector's threshold within one call never pays one."""
-    sides = ("plain", "transform")
+    it, and a full collection is longer by what earlier calls left in reference cycles, as in a
+    process that traces many programs. (a) collects before every sample, so a side whose
+    survivors stay under the collector's threshold within one call never pays one."""
+    sides = AMORTIZED_SIDES
     rows = []
     for n in blocks:
-        fns = floor_sides(*stack_case(n, d=D, heads=HEADS, seq=SEQ, batch=BATCH))
+        fns = trace_sides(*stack_case(n, d=D, heads=HEADS, seq=SEQ, batch=BATCH),
+                          hand=Transformer(n, d=D, heads=HEADS, dtype=BF16))
+
+        def region_with_cycle(region: Callable = fns["region"]) -> Any:
+            with region_cycle_restored():
+                return region()
+
+        fns["region, cycle restored"] = region_with_cycle
         for side in sides:
             fns[side]()
+        cycles = {side: left_in_cycles(fns[side]) for side in sides}
         per_call: dict[str, list[float]] = {side: [] for side in sides}
         full: dict[str, list[float]] = {side: [] for side in sides}
         gc.collect()
@@ -551,15 +602,21 @@ def measure_amortized(blocks: Sequence[int], calls: int, rounds: int) -> None:
                         fns[side]()
                     per_call[side].append((time.perf_counter() - start) / calls)
                 full[side].append(full_gc.seconds / calls)
-        rows.append([f"{n} blocks", *(f"{median(per_call[s]) * 1e3:.1f}" for s in sides),
-                     *(f"{median(full[s]) * 1e3:.1f}" for s in sides),
-                     fmt_spread(spread(ratios(per_call["transform"], per_call["plain"])), True)])
+        for side in sides:
+            reference = "plain" if side in ("plain", "transform") else "hand bf16"
+            ratio = ("" if side == reference else
+                     fmt_spread(spread(ratios(per_call[side], per_call[reference])),
+                                side in ("region", "transform")) + f" / {reference}")
+            rows.append([f"{n} blocks", side, f"{median(per_call[side]) * 1e3:.1f}",
+                         f"{median(full[side]) * 1e3:.1f}", cycles[side], ratio])
     print("## (a'') Tracing with full collections shared out\n\n"
           f"The transformer stack of (a); per side {rounds} rounds of {calls} calls in a row, no "
-          "collection forced between calls, sides alternating by round; mean ms per call, and "
-          "of it ms in full (generation-2) collections.\n")
-    print(markdown_table(["stack", "plain ms", "transform ms", "plain full-GC ms",
-                          "transform full-GC ms", "transform / plain"], rows))
+          "collection forced between calls, sides alternating by round; mean ms per call, of "
+          "it ms in full (generation-2) collections, and the objects one call leaves in "
+          "reference cycles (for full collections to find). \"region, cycle restored\" is an "
+          "ablation: the region as it was before the eleventh pass of issue 33.\n")
+    print(markdown_table(["stack", "side", "ms per call", "of it in full collections, ms",
+                          "objects left in cycles per call", "ratio (per round)"], rows))
     print()
 
 
