@@ -210,6 +210,17 @@ class LazySquare:
         )
 
 
+def _variable_for(value: Any, aval: Any = None) -> Any:
+    """The variable a region knows ``value`` by: for a tracer of the program being built its
+    own variable there (the region makes no object per value for the collector to walk: a
+    region's trace once kept 1.3x the objects of plain tracing alive), else a new one of
+    ``aval`` (``value``'s type where not given)."""
+    var = value.val if type(value) is ProgramTracer else None
+    if type(var) is compat.Var:
+        return var
+    return compat.Var(compat.aval_of(value) if aval is None else aval)
+
+
 class RegionEnv(Env):
     """The environment of one region: a variable per value that passed through it, the tags the
     rules read, and the casts already made. Entries go with their values (weak references), so an
@@ -256,7 +267,7 @@ class RegionEnv(Env):
         var = self._seen(value)
         if var is not None:
             return var, False
-        var = compat.Var(compat.aval_of(value) if aval is None else aval)
+        var = _variable_for(value, aval)
         self.remember(value, var)
         return var, True
 
@@ -728,7 +739,7 @@ class RegionTrace(compat.Trace):
         values = outs if primitive.multiple_results else (outs,)
         key_parts = env.key_parts
         for value, aval, bits in zip(values, decision.out_avals, decision.out_tags):
-            var = compat.Var(aval)
+            var = _variable_for(value, aval)
             env.remember(value, var)
             env.add_tags(var, bits)
             key_parts[var] = bits  # (what _tag_bits would find at its first use: tags only)
@@ -837,7 +848,7 @@ class RegionTrace(compat.Trace):
             if known_out is None:  # not seen by the walk (a constant of the callee): as if new
                 continue
             bits, source = known_out
-            var = out_vars[-1] = compat.Var(aval)
+            var = out_vars[-1] = _variable_for(value, aval)
             env.remember(value, var)
             env.add_tags(var, bits)
             if source is not None:
