@@ -37,6 +37,11 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   into those binds, Flax's parameter check (``Scope.param``) and the rest; the binds where the
   region spends more than hand bf16 come first (``--top`` rows).
 
+(a4) Objects alive at the end of a trace (``alive``, deterministic, not run by default)
+  Plain, hand bf16 and region: the objects the garbage collector tracks that are alive when the
+  traced function returns, less those alive before: what every full collection during a trace
+  walks on top of the heap, and what crosses the collector's threshold for one.
+
 (b) First call of a jitted train step (``compile``)
   ``jax.jit(step)`` with ``step`` = ``jax.value_and_grad(loss)`` + an optax SGD (momentum 0.9)
   update, ``loss = cross_entropy(forward(params, x), labels)`` (float32 log-softmax), traced,
@@ -96,6 +101,7 @@ Usage::
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts amortized --blocks 12 48
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts attribution --blocks 24
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts eager-floor
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts alive --blocks 12 48
     # also: --blocks 12 24 48, --compile-blocks 4 12, --reps, --compile-reps, --eager-reps,
     #       --cold-reps, --caller-depths 0 8 16 (see rewrite_overhead.py), --top
 """
@@ -103,6 +109,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import functools
@@ -620,6 +627,58 @@ def measure_amortized(blocks: Sequence[int], calls: int, rounds: int) -> None:
     print()
 
 
+def objects_alive(make_fn: Callable[[], Callable], args: Sequence[Any],
+                  region: bool) -> collections.Counter:
+    """Objects the collector tracks, by type, alive where ``make_jaxpr`` of the function (inside
+    a region when ``region``, still open) has traced all of it, less those alive before (what
+    every full collection during such a trace walks besides the rest of the heap)."""
+    fn = make_fn()
+    alive: list[collections.Counter] = []
+
+    def count() -> None:
+        gc.collect()
+        alive.append(collections.Counter(type(o).__qualname__ for o in gc.get_objects()))
+
+    def probed(*xs: Any) -> Any:
+        if not region:
+            out = fn(*xs)
+            count()
+            return out
+        with jamp.autocast():
+            out = fn(*xs)
+            count()  # (before the region ends: what it keeps lives as long as it is open)
+        return out
+
+    jax.make_jaxpr(lambda *xs: probed(*xs))(*args)  # (warm: what caches keep is not counted)
+    gc.collect()
+    before = collections.Counter(type(o).__qualname__ for o in gc.get_objects())
+    jax.make_jaxpr(lambda *xs: probed(*xs))(*args)
+    return alive[-1] - before
+
+
+def measure_alive(blocks: Sequence[int]) -> None:
+    rows = []
+    for n in blocks:
+        make_fn, args = stack_case(n, d=D, heads=HEADS, seq=SEQ, batch=BATCH)
+        hand = Transformer(n, d=D, heads=HEADS, dtype=BF16)
+        counts = {"plain": objects_alive(make_fn, args, False),
+                  "hand bf16": objects_alive(lambda: (lambda p, x: hand.apply(p, x)), args, False),
+                  "region": objects_alive(make_fn, args, True)}
+        totals = {side: sum(c.values()) for side, c in counts.items()}
+        extra = counts["region"] - counts["hand bf16"]
+        rows.append([f"{n} blocks", *(totals[s] for s in counts),
+                     f"**{totals['region'] / totals['hand bf16']:.2f}x**",
+                     ", ".join(f"{k} +{v}" for k, v in extra.most_common(4))])
+    print("## (a4) Objects alive at the end of a trace\n\n"
+          "Objects the garbage collector tracks, alive when the traced function has run (the "
+          "region still open; after a collection) less those alive before the trace: what "
+          "each full collection during "
+          "such a trace walks besides the rest of the heap. Deterministic.\n")
+    print(markdown_table(["stack", "plain", "hand bf16", "region", "region / hand bf16",
+                          "region's most over hand bf16, by type"], rows))
+    print()
+
+
 # --- (b') what a train step keeps for its backward pass ------------------------------------------
 
 RESIDUAL_SIDES = ("f32", "hand bf16", "region", "transform")
@@ -982,7 +1041,7 @@ def report_eager(results: dict[str, Any], reps: int, warmup: int, fresh_reps: in
 # --- entry point ---------------------------------------------------------------------------------
 
 PARTS = ("trace", "compile", "residuals", "eager", "floor", "amortized", "attribution",
-         "eager-floor")
+         "eager-floor", "alive")
 
 
 def main() -> None:
@@ -992,7 +1051,8 @@ def main() -> None:
                         help="smoke run: small stacks, few repetitions")
     parser.add_argument("--parts", nargs="+", choices=PARTS,
                         default=[p for p in PARTS
-                                 if p not in ("amortized", "attribution", "eager-floor")])
+                                 if p not in ("amortized", "attribution", "eager-floor",
+                                              "alive")])
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="(a) stack depths (default 12 24 48; --quick: 4 8)")
     parser.add_argument("--reps", type=int, default=None, help="(a) repetitions (default 7)")
@@ -1052,6 +1112,8 @@ def main() -> None:
                      eager_reps, eager_warmup, fresh_reps, cold_reps)
     if "eager-floor" in args.parts:
         measure_eager_floor(eager_reps, eager_warmup)
+    if "alive" in args.parts:
+        measure_alive(blocks)
     if args.profile:
         profile_trace(max(blocks), args.top)
     print(f"Load average at the end: {load()}; {time.perf_counter() - started:.0f} s in all.")
