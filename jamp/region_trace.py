@@ -212,9 +212,9 @@ class LazySquare:
 
 def _variable_for(value: Any, aval: Any = None) -> Any:
     """The variable a region knows ``value`` by: for a tracer of the program being built its
-    own variable there (the region makes no object per value for the collector to walk: a
-    region's trace once kept 1.3x the objects of plain tracing alive), else a new one of
-    ``aval`` (``value``'s type where not given)."""
+    own variable there (no copy of it per value for the collector to walk: with copies, a
+    region open around a model kept 1.22x the objects of hand-written bf16 tracing alive), else
+    a new one of ``aval`` (``value``'s type where not given)."""
     var = value.val if type(value) is ProgramTracer else None
     if type(var) is compat.Var:
         return var
