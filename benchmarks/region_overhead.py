@@ -39,8 +39,9 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
 
 (a4) Objects alive at the end of a trace (``alive``, deterministic, not run by default)
   Plain, hand bf16 and region: the objects the garbage collector tracks that are alive when the
-  traced function returns, less those alive before: what every full collection during a trace
-  walks on top of the heap, and what crosses the collector's threshold for one.
+  traced function has run (the region still open), less those alive before: what every full
+  collection during a trace walks on top of the heap, and what counts towards the collector's
+  threshold for one.
 
 (b) First call of a jitted train step (``compile``)
   ``jax.jit(step)`` with ``step`` = ``jax.value_and_grad(loss)`` + an optax SGD (momentum 0.9)
