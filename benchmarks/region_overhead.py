@@ -149,6 +149,7 @@ from common import (  # noqa: E402
     timed,
 )
 from rewrite_overhead import at_depth, stack_case  # noqa: E402
+from tests.collector import left_in_cycles  # noqa: E402
 
 import jamp  # noqa: E402
 
@@ -559,23 +560,6 @@ def region_cycle_restored() -> Any:
         region_trace.RegionEnv.__init__ = init
 
 
-def left_in_cycles(fn: Callable[[], Any]) -> int:
-    """How many objects one call of ``fn`` leaves in reference cycles (found by a collection
-    after the call ran with the collector off)."""
-    gc.collect()
-    gc.disable()
-    try:
-        fn()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-    finally:
-        gc.set_debug(0)
-        gc.enable()
-    found = len(gc.garbage)
-    gc.garbage.clear()
-    return found
-
-
 AMORTIZED_SIDES = ("plain", "hand bf16", "region", "region, cycle restored", "transform")
 
 
@@ -598,7 +582,7 @@ def measure_amortized(blocks: Sequence[int], calls: int, rounds: int) -> None:
         fns["region, cycle restored"] = region_with_cycle
         for side in sides:
             fns[side]()
-        cycles = {side: left_in_cycles(fns[side]) for side in sides}
+        cycles = {side: len(left_in_cycles(fns[side])) for side in sides}
         per_call: dict[str, list[float]] = {side: [] for side in sides}
         full: dict[str, list[float]] = {side: [] for side in sides}
         gc.collect()

@@ -8,8 +8,6 @@ collections to walk. Each case runs once to fill caches, then again with the col
 a collection then finds unreachable is what the call left in cycles.
 """
 
-import gc
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,29 +15,15 @@ import pytest
 
 import jamp
 import tracing
+from tests.collector import left_in_cycles
 
 X = jax.random.normal(jax.random.key(0), (8, 16))
 W = jax.random.normal(jax.random.key(1), (16, 16)) * 0.25
 
 
-def _left_for_the_collector(run):
-    """The objects ``run()`` left in reference cycles."""
-    run()  # (warm: what caches keep is not garbage)
-    gc.collect()
-    gc.disable()
-    try:
-        run()
-        gc.set_debug(gc.DEBUG_SAVEALL)
-        gc.collect()
-    finally:
-        gc.set_debug(0)
-        gc.enable()
-    found, gc.garbage[:] = list(gc.garbage), []
-    return found
-
-
 def _assert_no_cycles(run):
-    left = _left_for_the_collector(run)
+    run()  # (warm: what caches keep is not garbage)
+    left = left_in_cycles(run)
     kinds = sorted({type(o).__qualname__ for o in left})
     assert not left, f"{len(left)} objects left in reference cycles: {kinds}"
 
