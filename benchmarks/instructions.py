@@ -37,12 +37,19 @@ function calls of one forward (``cProfile``'s call count, in this process, after
 the same number at every call, and what an eager forward's time goes to on this machine (XLA's
 own work is a few percent of it).
 
+``--simulate-caches`` adds callgrind's simulation of the caches and the branch predictor
+(``--cache-sim=yes --branch-sim=yes``): misses and mispredicted branches per side, and a rough
+cycle estimate (``CYCLE_WEIGHTS``), for asking whether a side's extra time beyond its extra
+instructions comes from the memory hierarchy or branches. A simulation of a simple machine, not
+this one's: it can rule a cause in, never out.
+
 Needs valgrind (``apt-get install valgrind``); about a minute per side and size.
 
 Usage::
 
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py
     JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/instructions.py --blocks 4 12 --eager
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks 12 --sides "hand bf16" region --simulate-caches
 """
 
 from __future__ import annotations
@@ -116,11 +123,20 @@ def child(kind: str, side: str, blocks: int, calls: int, signals: str) -> None:
     wait("stopped")
 
 
-def count(kind: str, side: str, blocks: int, calls: int) -> int:
-    """Instructions of ``calls`` calls of ``side``, counted by callgrind in a new process."""
+# Event weights of the cycle estimate of --simulate-caches: a rough model (a first-level cache
+# miss ~10 cycles, a last-level one ~100, a mispredicted branch ~15), for comparing two sides only.
+CYCLE_WEIGHTS = {"Ir": 1, "I1mr": 10, "D1mr": 10, "D1mw": 10, "ILmr": 100, "DLmr": 100,
+                 "DLmw": 100, "Bcm": 15, "Bim": 15}
+
+
+def count(kind: str, side: str, blocks: int, calls: int, simulate: bool = False) -> dict:
+    """callgrind's event totals of ``calls`` calls of ``side`` in a new process: instructions
+    (``Ir``), and with ``simulate`` its cache and branch-predictor simulation's reads, writes,
+    misses and mispredictions (``--cache-sim=yes --branch-sim=yes``)."""
     with tempfile.TemporaryDirectory() as signals:
         out = os.path.join(signals, "callgrind.out")
-        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+        simulation = ["--cache-sim=yes", "--branch-sim=yes"] if simulate else []
+        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", *simulation,
                    f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
                    "--child", kind, side, str(blocks), str(calls), signals]
         env = dict(os.environ, PYTHONHASHSEED="0")  # (the same dict and set layouts every run)
@@ -145,14 +161,16 @@ def count(kind: str, side: str, blocks: int, calls: int) -> int:
         open(os.path.join(signals, "stopped"), "w").close()
         process.communicate()
         with open(out) as f:
-            totals = [line for line in f if line.startswith("totals:")]
-        return int(totals[0].split()[1])
+            lines = f.read().splitlines()
+        events = next(line for line in lines if line.startswith("events:")).split()[1:]
+        totals = next(line for line in lines if line.startswith("totals:")).split()[1:]
+        return dict(zip(events, map(int, totals)))
 
 
-def run_all(jobs: list[tuple[str, str, int]], calls: int) -> dict:
+def run_all(jobs: list[tuple[str, str, int]], calls: int, simulate: bool = False) -> dict:
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {pool.submit(count, kind, side, blocks, calls): (kind, side, blocks)
+        futures = {pool.submit(count, kind, side, blocks, calls, simulate): (kind, side, blocks)
                    for kind, side, blocks in jobs}
         for future in concurrent.futures.as_completed(futures):
             results[futures[future]] = future.result()
@@ -176,6 +194,9 @@ def main() -> None:
                         help="counted eager forward calls per side (default 3)")
     parser.add_argument("--sides", nargs="+", choices=TRACE_SIDES, default=TRACE_SIDES,
                         help="traced sides to count (default: all; the ratios need theirs)")
+    parser.add_argument("--simulate-caches", action="store_true",
+                        help="also callgrind's cache and branch simulation (~1.5x slower): "
+                             "misses, mispredictions and a rough cycle estimate per side")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)  # the counted process
     args = parser.parse_args()
     if args.child:
@@ -188,7 +209,7 @@ def main() -> None:
 
     started = time.perf_counter()
     jobs = [("trace", side, n) for n in args.blocks for side in args.sides]
-    results = run_all(jobs, args.calls)
+    results = run_all(jobs, args.calls, args.simulate_caches)
     if args.eager:
         results.update(eager_calls(args.eager_calls))
     print(f"# jamp: instructions per side (callgrind)\n\n{environment()}\n")
@@ -205,7 +226,7 @@ def report_traces(results: dict, args: argparse.Namespace) -> None:
     ratios = [(a, b, goal) for a, b, goal in TRACE_RATIOS if a in sides and b in sides]
     rows = []
     for n in args.blocks:
-        ir = {side: results["trace", side, n] / args.calls for side in sides}
+        ir = {side: results["trace", side, n]["Ir"] / args.calls for side in sides}
         rows.append([f"{n} blocks", *(f"{ir[s] / 1e6:.1f}" for s in sides),
                      *(f"{ir[a] / ir[b]:.3f}x" for a, b, _ in ratios)])
     print(table(["stack", *(f"{s} (M instr.)" for s in sides),
@@ -213,9 +234,37 @@ def report_traces(results: dict, args: argparse.Namespace) -> None:
     print()
     for a, b, goal in ratios:
         if goal is not None:
-            worst = max(results["trace", a, n] / results["trace", b, n] for n in args.blocks)
+            worst = max(results["trace", a, n]["Ir"] / results["trace", b, n]["Ir"]
+                        for n in args.blocks)
             print(f"- {a} / {b} in instructions, worst size {worst:.3f}x (issue 33's goal in "
                   f"time: <= {goal}x)")
+    if args.simulate_caches:
+        report_simulation(results, args, sides, ratios)
+
+
+def report_simulation(results: dict, args: argparse.Namespace, sides: list[str],
+                      ratios: list) -> None:
+    """callgrind's simulated misses per side and a rough cycle estimate (``CYCLE_WEIGHTS``)."""
+    print("\n### Simulated caches and branch prediction (callgrind), per counted trace\n")
+    misses = {"first-level misses": ("I1mr", "D1mr", "D1mw"),
+              "last-level misses": ("ILmr", "DLmr", "DLmw"), "mispredicted branches": ("Bcm", "Bim")}
+    rows = []
+    for n in args.blocks:
+        for side in sides:
+            events = results["trace", side, n]
+            cells = [f"{sum(events[e] for e in names) / args.calls / 1e6:.2f}"
+                     for names in misses.values()]
+            cycles = sum(w * events[e] for e, w in CYCLE_WEIGHTS.items()) / args.calls
+            rows.append([f"{n} blocks", side, *cells, f"{cycles / 1e6:.0f}"])
+    print(table(["stack", "side", *(f"{name} (M)" for name in misses), "estimated M cycles"],
+                rows))
+    print()
+    for a, b, _ in ratios:
+        estimate = [sum(w * results["trace", s, n][e] for e, w in CYCLE_WEIGHTS.items())
+                    for s in (a, b) for n in args.blocks]
+        per_size = ", ".join(f"{estimate[i] / estimate[len(args.blocks) + i]:.3f}x"
+                             for i in range(len(args.blocks)))
+        print(f"- {a} / {b} in estimated cycles: {per_size} (weights {CYCLE_WEIGHTS})")
 
 
 def eager_calls(calls: int) -> dict:
