@@ -50,6 +50,8 @@ Usage::
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py
     JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/instructions.py --blocks 4 12 --eager
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks 12 --sides "hand bf16" region --simulate-caches
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks 12 --sides "hand bf16" region \
+        --simulate-caches --simulated-last-level 1048576,8,64
 """
 
 from __future__ import annotations
@@ -129,13 +131,17 @@ CYCLE_WEIGHTS = {"Ir": 1, "I1mr": 10, "D1mr": 10, "D1mw": 10, "ILmr": 100, "DLmr
                  "DLmw": 100, "Bcm": 15, "Bim": 15}
 
 
-def count(kind: str, side: str, blocks: int, calls: int, simulate: bool = False) -> dict:
+def count(kind: str, side: str, blocks: int, calls: int, simulate: bool = False,
+          last_level: str | None = None) -> dict:
     """callgrind's event totals of ``calls`` calls of ``side`` in a new process: instructions
     (``Ir``), and with ``simulate`` its cache and branch-predictor simulation's reads, writes,
-    misses and mispredictions (``--cache-sim=yes --branch-sim=yes``)."""
+    misses and mispredictions (``--cache-sim=yes --branch-sim=yes``; ``last_level``:
+    valgrind's ``--LL=size,associativity,line`` for the simulated last level)."""
     with tempfile.TemporaryDirectory() as signals:
         out = os.path.join(signals, "callgrind.out")
         simulation = ["--cache-sim=yes", "--branch-sim=yes"] if simulate else []
+        if simulate and last_level:
+            simulation.append(f"--LL={last_level}")
         command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", *simulation,
                    f"--callgrind-out-file={out}", sys.executable, os.path.abspath(__file__),
                    "--child", kind, side, str(blocks), str(calls), signals]
@@ -167,10 +173,12 @@ def count(kind: str, side: str, blocks: int, calls: int, simulate: bool = False)
         return dict(zip(events, map(int, totals)))
 
 
-def run_all(jobs: list[tuple[str, str, int]], calls: int, simulate: bool = False) -> dict:
+def run_all(jobs: list[tuple[str, str, int]], calls: int, simulate: bool = False,
+            last_level: str | None = None) -> dict:
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {pool.submit(count, kind, side, blocks, calls, simulate): (kind, side, blocks)
+        futures = {pool.submit(count, kind, side, blocks, calls, simulate, last_level):
+                   (kind, side, blocks)
                    for kind, side, blocks in jobs}
         for future in concurrent.futures.as_completed(futures):
             results[futures[future]] = future.result()
@@ -197,6 +205,10 @@ def main() -> None:
     parser.add_argument("--simulate-caches", action="store_true",
                         help="also callgrind's cache and branch simulation (~1.5x slower): "
                              "misses, mispredictions and a rough cycle estimate per side")
+    parser.add_argument("--simulated-last-level", metavar="SIZE,ASSOC,LINE", default=None,
+                        help="with --simulate-caches: the simulated last level (valgrind's "
+                             "--LL; default: valgrind's guess for this CPU), e.g. 1048576,8,64 "
+                             "for a core's second level")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)  # the counted process
     args = parser.parse_args()
     if args.child:
@@ -209,7 +221,7 @@ def main() -> None:
 
     started = time.perf_counter()
     jobs = [("trace", side, n) for n in args.blocks for side in args.sides]
-    results = run_all(jobs, args.calls, args.simulate_caches)
+    results = run_all(jobs, args.calls, args.simulate_caches, args.simulated_last_level)
     if args.eager:
         results.update(eager_calls(args.eager_calls))
     print(f"# jamp: instructions per side (callgrind)\n\n{environment()}\n")
