@@ -10,9 +10,12 @@ def left_in_cycles(fn: Callable[[], Any]) -> list[Any]:
     the call ran with the collector off (call ``fn`` once before, so that what caches keep is
     not counted). What was alive before the call is frozen meanwhile (``gc.freeze``): the
     collection that finds the call's cycles walks the call's objects, not the whole heap of a
-    test process that has run hundreds of tests (~0.5 s a collection there)."""
+    test process that has run hundreds of tests (~0.5 s a collection there). (Not where the
+    process froze objects itself: ``gc.unfreeze`` would thaw those too.)"""
+    freezes = gc.get_freeze_count() == 0
     gc.collect()
-    gc.freeze()
+    if freezes:
+        gc.freeze()
     gc.disable()
     try:
         fn()
@@ -21,6 +24,7 @@ def left_in_cycles(fn: Callable[[], Any]) -> list[Any]:
     finally:
         gc.set_debug(0)
         gc.enable()
-        gc.unfreeze()
+        if freezes:
+            gc.unfreeze()
     found, gc.garbage[:] = list(gc.garbage), []
     return found
