@@ -211,6 +211,9 @@ def main() -> None:
                              "for a core's second level")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)  # the counted process
     args = parser.parse_args()
+    if args.simulated_last_level and not args.simulate_caches:
+        parser.error("--simulated-last-level sets the simulation's last level: add "
+                     "--simulate-caches")
     if args.child:
         kind, side, blocks, calls, signals = args.child
         child(kind, side, int(blocks), int(calls), signals)
