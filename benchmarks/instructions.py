@@ -257,6 +257,11 @@ def report_traces(results: dict, args: argparse.Namespace) -> None:
         report_simulation(results, args, sides, ratios)
 
 
+def estimated_cycles(events: dict[str, int]) -> float:
+    """A rough cycle count from callgrind's simulated events (``CYCLE_WEIGHTS``)."""
+    return sum(weight * events[event] for event, weight in CYCLE_WEIGHTS.items())
+
+
 def report_simulation(results: dict, args: argparse.Namespace, sides: list[str],
                       ratios: list) -> None:
     """callgrind's simulated misses per side and a rough cycle estimate (``CYCLE_WEIGHTS``)."""
@@ -269,16 +274,15 @@ def report_simulation(results: dict, args: argparse.Namespace, sides: list[str],
             events = results["trace", side, n]
             cells = [f"{sum(events[e] for e in names) / args.calls / 1e6:.2f}"
                      for names in misses.values()]
-            cycles = sum(w * events[e] for e, w in CYCLE_WEIGHTS.items()) / args.calls
+            cycles = estimated_cycles(events) / args.calls
             rows.append([f"{n} blocks", side, *cells, f"{cycles / 1e6:.0f}"])
     print(table(["stack", "side", *(f"{name} (M)" for name in misses), "estimated M cycles"],
                 rows))
     print()
     for a, b, _ in ratios:
-        estimate = [sum(w * results["trace", s, n][e] for e, w in CYCLE_WEIGHTS.items())
-                    for s in (a, b) for n in args.blocks]
-        per_size = ", ".join(f"{estimate[i] / estimate[len(args.blocks) + i]:.3f}x"
-                             for i in range(len(args.blocks)))
+        cycles = {(side, n): estimated_cycles(results["trace", side, n])
+                  for side in (a, b) for n in args.blocks}
+        per_size = ", ".join(f"{cycles[a, n] / cycles[b, n]:.3f}x" for n in args.blocks)
         print(f"- {a} / {b} in estimated cycles: {per_size} (weights {CYCLE_WEIGHTS})")
 
 
