@@ -1,5 +1,5 @@
 """Call-like primitives: ``jit`` (``pjit``), ``closed_call``/``core_call`` (``eval_jaxpr`` on jax
-0.12), ``checkpoint`` (remat), ``custom_vmap_call``.
+0.12), ``checkpoint`` (remat), ``custom_vmap_call``, ``composite`` (``lax.composite``).
 
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
@@ -60,6 +60,16 @@ def remat_rule(step: Step) -> Sequence[Any]:
     return step.bind([*consts, *step.args], jaxpr=jaxpr)
 
 
+@register("composite")
+def composite_rule(step: Step) -> Sequence[Any]:
+    """``lax.composite``: a named operation and its decomposition. The decomposition is rewritten
+    as a jit's body is (what runs where the compiler does not know the name); the name, version
+    and attributes stay, so a compiler that does know it sees the dtypes the policy chose."""
+    param = "jaxpr" if "jaxpr" in step.params else "call_jaxpr"  # (jax 0.12: call_jaxpr)
+    body = step.rewrite_sub(step.params[param], step.avals(), step.hints())
+    return step.bind(step.args, **{param: body})
+
+
 @register("custom_vmap_call")
 def custom_vmap_rule(step: Step) -> Sequence[Any]:
     """``jax.custom_batching.custom_vmap``: the function is rewritten, but its vmap rule is the
@@ -87,6 +97,7 @@ register_walk(
     "checkpoint",
     "remat",
     "remat2",
+    "composite",
     *compat.INLINE_CALL_PRIMITIVES,
     bodies=call_bodies,
 )(walk_call)
