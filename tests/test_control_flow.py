@@ -231,27 +231,34 @@ def test_custom_vmap_function_is_rewritten_and_its_rule_still_batches(policy):
                                atol=5e-2)
 
 
-@jax.jit  # (a jit around the composite: its body is where the region sees the composite)
-def tanh_layer_composite(xs, w):
-    layer = lax.composite(lambda x, w: jnp.tanh(x @ w), name="test.tanh_layer", version=2)
-    return layer(xs, w)
+def tanh_layer(xs, w):
+    return lax.composite(lambda x, w: jnp.tanh(x @ w), name="test.tanh_layer", version=2)(xs, w)
 
 
 def in_a_region(xs, w):
     with jamp.autocast():
-        return tanh_layer_composite(xs, w)
+        return tanh_layer(xs, w)
+
+
+def jit_in_a_region(xs, w):
+    with jamp.autocast():
+        return jax.jit(tanh_layer)(xs, w)
 
 
 @pytest.mark.parametrize(
-    "fn", [jamp.autocast_transform(tanh_layer_composite), in_a_region], ids=["transform", "region"]
+    "fn",
+    [jamp.autocast_transform(tanh_layer), in_a_region, jit_in_a_region],
+    ids=["transform", "region", "jit in a region"],
 )
 def test_a_composite_keeps_its_name_and_its_decomposition_runs_under_the_policy(fn):
-    # composite had no rule: it warned and ran in its traced dtypes. Its decomposition is
-    # rewritten now, as a jit's body is, and the operation keeps its name and version.
+    # composite had no rule: it warned and ran in its traced dtypes (found with JAX's lax_test.py
+    # under an identity region). Its decomposition is rewritten now, as a jit's body is, and the
+    # operation keeps its name and version.
     composite = eqns_named(jax.make_jaxpr(fn)(XS, W), "composite")
     assert [(c.params["name"], c.params["version"]) for c in composite] == [("test.tanh_layer", 2)]
     body = composite[0].params.get("jaxpr") or composite[0].params["call_jaxpr"]
     assert operand_dtypes(body, "dot_general") == [("bfloat16", "bfloat16")]
     assert 'stablehlo.composite "test.tanh_layer"' in jax.jit(fn).lower(XS, W).as_text()
-    out = jax.jit(fn)(XS, W)
-    np.testing.assert_allclose(out, jnp.tanh(XS @ W), rtol=2e-2, atol=2e-2)
+    for out in (fn(XS, W), jax.jit(fn)(XS, W)):
+        assert out.dtype == BF16
+        np.testing.assert_allclose(out, jnp.tanh(XS @ W), rtol=2e-2, atol=2e-2)
