@@ -14,6 +14,11 @@ are imported, so their ``from jax import jit`` picks up the patch. Environment:
     ``f(*a, **k)`` inside ``with jamp.autocast(policy):`` (front end 2: a region trace that
     applies the policy to every bind in the block);
 
+- ``JAMP_IDENTITY_HELPERS=1``: also patch the ``jit`` of JAX's test helpers
+  (``jtu._CompileAndCheck``, which most of ``lax_test``, ``lax_numpy_*_test`` and
+  ``lax_autodiff_test`` check compiled results with): it calls ``jax._src.api.jit``, not the public
+  one. Only the helpers' view of that module is changed (``test_util.api``), so JAX's own
+  internal jits stay as they are;
 - ``JAMP_IDENTITY_OUT=path.json``: where the outcomes and the patch counters go.
 
 Static arguments (``static_argnums``/``static_argnames``): in transform form they are bound
@@ -164,6 +169,20 @@ def _install() -> None:
         return real_jit(wrapped, **kw)
 
     jax.jit = patched_jit
+    if os.environ.get("JAMP_IDENTITY_HELPERS") == "1":
+        from jax._src import test_util  # benchmark only: the helpers' own reference to api
+
+        test_util.api = _WithJit(test_util.api, patched_jit)
+
+
+class _WithJit:
+    """A module seen through another ``jit``: every other name is the module's own."""
+
+    def __init__(self, module: Any, jit: Any) -> None:
+        self._module, self.jit = module, jit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1246,6 +1246,7 @@ def lower_high_primitives_as(trace: Any, parent: Any) -> None:
 
 _NO_NAMES = _siu.NameStack()
 _JNP_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
+_JNP_CONTRACTIONS = os.path.join("jax", "_src", "numpy", "tensor_contractions.py")
 
 
 _last_scope_names: tuple[Any, tuple[str, ...]] = (None, ())
@@ -1373,22 +1374,34 @@ def _filled(store: Any) -> bool:
 def traced_in_jnp_reduction(eqn: Any) -> bool:
     """Whether ``eqn`` was traced inside ``jnp``'s reductions module (``sum``, ``mean``,
     ``var``...), which converts a 16-bit input up, reduces, and converts the result back."""
-    return in_jnp_reduction(eqn.source_info)
+    return _traced_in(eqn.source_info, _JNP_REDUCTIONS)
 
 
-def in_jnp_reduction(source_info: Any) -> bool:
-    """Whether ``source_info``'s traceback passes through ``jnp``'s reductions module."""
+def traced_in_jnp_contraction(eqn: Any) -> bool:
+    """Whether ``eqn`` was traced inside ``jnp``'s contractions module (``dot``, ``matmul``,
+    ``tensordot``...), which ends by converting the product to the dtype its operands give it
+    (nothing to convert in the program as traced, whose product already has that dtype)."""
+    return _traced_in(eqn.source_info, _JNP_CONTRACTIONS)
+
+
+def current_in_jnp_reduction() -> bool:
+    """``traced_in_jnp_reduction`` of what an operation bound now is traced at."""
+    return _traced_in(_siu.current(), _JNP_REDUCTIONS)
+
+
+def current_in_jnp_contraction() -> bool:
+    """``traced_in_jnp_contraction`` of what an operation bound now is traced at."""
+    return _traced_in(_siu.current(), _JNP_CONTRACTIONS)
+
+
+def _traced_in(source_info: Any, module: str) -> bool:
+    """Whether ``source_info``'s traceback passes through ``module`` (a path's tail)."""
     traceback = source_info.traceback
     if traceback is None:
         return False
     # The code objects alone: ``frames`` computes every frame's line number too (~4x the time).
     codes = traceback.raw_frames()[0]
-    return any(code.co_filename.endswith(_JNP_REDUCTIONS) for code in codes)
-
-
-def current_in_jnp_reduction() -> bool:
-    """``in_jnp_reduction`` of what an operation bound now is traced at."""
-    return in_jnp_reduction(_siu.current())
+    return any(code.co_filename.endswith(module) for code in codes)
 
 
 # A value of every symbolic dimension (``jax.export.symbolic_shape``, a polymorphic export's

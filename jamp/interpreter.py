@@ -1040,12 +1040,27 @@ def _holds_program(value: Any) -> bool:
 
 @register("convert_element_type")
 def convert_rule(step: Step) -> Sequence[Any]:
-    """A convert runs as the program says, except in a region, where jnp's rounding of a
-    reduction's float32 result back to a 16-bit input's dtype is left out: the result stays
-    float32, as the fp32 table (and torch) say and as ``autocast_transform`` gives it."""
-    if step.rewriter.region and _rounds_reduction_result(step):
+    """A convert runs as the program says, except in a region, where two of jnp's are left
+    out: the rounding of a reduction's float32 result back to a 16-bit input's dtype (the result
+    stays float32, as the fp32 table and torch say and as ``autocast_transform`` gives it), and
+    the convert that ends jnp's contractions (``tensordot``, ``dot``, ``matmul``), which gives a
+    matmul's product the dtype its operands would: the product keeps the dtype the policy gave
+    it, as ``x @ w`` and ``autocast_transform`` give it (in the program as traced that convert
+    converts nothing)."""
+    if step.rewriter.region and (
+        _rounds_reduction_result(step) or _converts_a_contraction_result(step)
+    ):
         return [step.args[0]]
     return default_rule(step)
+
+
+def _converts_a_contraction_result(step: Step) -> bool:
+    return (
+        step.state.enabled
+        and step.has_tag(0, "lower_outputs")
+        and convert_may_end_a_contraction(step.params, step.avals())
+        and compat.traced_in_jnp_contraction(step.eqn)
+    )
 
 
 def _rounds_reduction_result(step: Step) -> bool:
@@ -1054,6 +1069,13 @@ def _rounds_reduction_result(step: Step) -> bool:
         and convert_may_round_a_reduction(step.params, step.avals())
         and compat.traced_in_jnp_reduction(step.eqn)
     )
+
+
+def convert_may_end_a_contraction(params: dict[str, Any], avals: Sequence[Any]) -> bool:
+    """Whether ``convert_rule`` reads where a convert was traced to tell jnp's contraction
+    convert: a floating value converted to another floating dtype."""
+    new = np.dtype(params["new_dtype"])
+    return is_float(avals[0].dtype) and is_float(new) and new != avals[0].dtype
 
 
 def convert_may_round_a_reduction(params: dict[str, Any], avals: Sequence[Any]) -> bool:

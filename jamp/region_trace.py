@@ -80,6 +80,7 @@ from .interpreter import (
     Rewriter,
     Step,
     carries_programs,
+    convert_may_end_a_contraction,
     convert_may_round_a_reduction,
     is_float,
     track_derived,
@@ -1262,13 +1263,16 @@ def _decision_key(
 _UNSEEN = object()
 
 
-def _convert_reads_more(params: dict, avals: list) -> bool | None:
-    """What ``convert_rule`` reads besides the operation: for a float32 value converted to 16
-    bits, whether it was traced inside jnp's reductions (there it is left out, and the result
-    stays float32); nothing (None) for any other convert."""
-    if convert_may_round_a_reduction(params, avals):
-        return compat.current_in_jnp_reduction()
-    return None
+def _convert_reads_more(params: dict, avals: list) -> tuple | None:
+    """What ``convert_rule`` reads besides the operation: for a floating value converted to
+    another floating dtype, whether it was traced inside jnp's contractions (there the convert
+    ending one is left out) and, for a float32 value converted to 16 bits, inside jnp's
+    reductions (there it is left out, and the result stays float32); nothing (None) for any
+    other convert."""
+    if not convert_may_end_a_contraction(params, avals):
+        return None
+    reduction = convert_may_round_a_reduction(params, avals) and compat.current_in_jnp_reduction()
+    return (reduction, compat.current_in_jnp_contraction())
 
 
 # What a rule reads of an operation besides its primitive, parameters and operands, by primitive:

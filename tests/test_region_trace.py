@@ -105,6 +105,41 @@ def test_jnp_reductions_return_float32_in_a_region():
     assert jnp.sum(h).dtype == BF16  # jnp's own rule outside the region
 
 
+CONTRACTIONS = {
+    "@": lambda a, b: a @ b,
+    "jnp.dot": jnp.dot,
+    "jnp.matmul": jnp.matmul,
+    "jnp.tensordot": lambda a, b: jnp.tensordot(a, b, 1),
+    "jnp.inner": lambda a, b: jnp.inner(a, b.T),
+}
+
+
+@pytest.mark.parametrize("name", list(CONTRACTIONS))
+@pytest.mark.parametrize(
+    "policy, dtype",
+    [(None, F32), (F32, BF16), (F16, BF16)],
+    ids=["bf16 policy, float32 inputs", "float32 policy, bf16 inputs", "f16 policy, bf16 inputs"],
+)
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_every_jnp_contraction_returns_the_dtype_the_policy_gave_its_product(
+    name, policy, dtype, jitted
+):
+    # jnp.tensordot ends by converting its product to the dtype its operands would give it: in a
+    # region that convert undid the policy (float32 from a bfloat16 region, the inputs' 16-bit
+    # dtype from a float32 one) where `@` and autocast_transform keep the policy's dtype.
+    fn, x, w = CONTRACTIONS[name], X.astype(dtype), W.astype(dtype)
+
+    def region(x, w):
+        with jamp.autocast(policy):
+            return fn(x, w)
+
+    transform = jamp.autocast_transform(fn, policy) if policy else jamp.autocast_transform(fn)
+    got = (jax.jit(region) if jitted else region)(x, w)
+    want = jax.jit(transform)(x, w)
+    assert got.dtype == want.dtype == (policy or BF16)
+    chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize(
     "transform",
     [jax.vmap, lambda f: jax.jit(jax.vmap(f)), lambda f: jax.checkpoint(f)],
