@@ -526,19 +526,39 @@ def eval_jaxpr_retyped(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -
     """``eval_jaxpr`` under a trace that may change the values' dtypes (a region evaluating a
     ``jnp`` function's inline jit): ``core.eval_jaxpr`` asserts under ``jax_enable_checks`` that
     every value has the type its equation was traced with, which a policy changes by design.
-    Otherwise the same loop (source info, name stack and equation context per bind)."""
+    Otherwise the same loop (source info, name stack and equation context per bind). Each bind
+    can read the equation it comes from (``walked_equation``)."""
     env: dict[Any, Any] = {}
 
     def read(v: Any) -> Any:
         return v.val if isinstance(v, Literal) else env[v]
 
     env.update(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]))
-    for eqn in jaxpr.eqns:
-        name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
-        with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
-            ans = eqn.primitive.bind(*map(read, eqn.invars), **bind_params(eqn))
-        env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
+    prior = getattr(_walking, "eqn", None)
+    try:
+        for eqn in jaxpr.eqns:
+            name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
+            with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+                _walking.eqn = eqn
+                ans = eqn.primitive.bind(*map(read, eqn.invars), **bind_params(eqn))
+            env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
+    finally:
+        _walking.eqn = prior
     return [read(v) for v in jaxpr.outvars]
+
+
+_walking = threading.local()  # .eqn: the equation eval_jaxpr_retyped binds now
+
+
+def walked_equation(primitive: Any, n_operands: int) -> Any:
+    """The equation ``eval_jaxpr_retyped`` binds now, where this bind (``primitive`` on
+    ``n_operands``) is that equation's, else None; taken once, so the binds a rule makes for it
+    read none. A region walking a callee's jaxpr reads the program's operand types from it."""
+    eqn = getattr(_walking, "eqn", None)
+    if eqn is None or eqn.primitive is not primitive or len(eqn.invars) != n_operands:
+        return None
+    _walking.eqn = None
+    return eqn
 
 
 def as_closed(jaxpr: Any) -> Any:

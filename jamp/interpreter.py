@@ -389,6 +389,13 @@ class Step:
     def traced_aval(self, i: int) -> Any:
         return self.eqn.invars[i].aval
 
+    def program_aval(self, i: int) -> Any:
+        """Operand ``i``'s type in the program as written: as traced, or, for an equation of a
+        callee's jaxpr that a region walks, that jaxpr's (the policy may have changed the
+        region's values upstream in the callee)."""
+        avals = getattr(self.eqn, "program_avals", None)
+        return avals[i] if avals is not None else self.eqn.invars[i].aval
+
     def aval(self, i: int) -> Any:
         """The aval operand ``i`` arrives with (literals keep their weak type)."""
         atom = self.eqn.invars[i]
@@ -877,7 +884,7 @@ def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
     traced = step.params.get("preferred_element_type")
     if traced is None:
         return {}
-    natural = widest(*(step.traced_aval(i).dtype for i in step.floating()))
+    natural = widest(*(step.program_aval(i).dtype for i in step.floating()))
     explicit = np.dtype(traced) != natural
     return {"preferred_element_type": traced if explicit else np.dtype(dtype)}
 

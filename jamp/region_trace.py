@@ -127,7 +127,7 @@ def active() -> bool:
 class RegionEquation:
     """The one-equation view of a bind that a rule reads (``Step.eqn``)."""
 
-    __slots__ = ("primitive", "params", "invars", "source_info", "_outvars")
+    __slots__ = ("primitive", "params", "invars", "source_info", "_outvars", "program_avals")
 
     ctx = type("NoContext", (), {"manager": contextlib.nullcontext()})()  # already current
     is_current = True  # its source info and name stack are current: no context to re-enter
@@ -136,6 +136,8 @@ class RegionEquation:
         self.primitive, self.params, self.invars = primitive, params, invars
         self.source_info = source_info
         self._outvars: list | None = None
+        # The operand types of the callee equation a walk binds (Step.program_aval), else None.
+        self.program_avals: list | None = None
 
     @property
     def outvars(self) -> list:
@@ -568,6 +570,10 @@ class RegionTrace(compat.Trace):
         if env.lazy_squares and (programs or primitive.name in ACCUMULATING):
             # a sum of a square (or a program that may sum it) reads it in float32
             args, invars, avals = self._squares_summed(args, invars, avals)
+        # Walking a callee's jaxpr, the equation bound here says its operands' types in the
+        # program (a rule reads them: Step.program_aval), which the policy may have changed.
+        walked = compat.walked_equation(primitive, len(args))
+        program_avals = None if walked is None else [v.aval for v in walked.invars]
         decisions: dict | None = None
         key: tuple | None = None
         if not programs:
@@ -575,6 +581,8 @@ class RegionTrace(compat.Trace):
                 self._decisions(state),
                 _decision_key(env, primitive, params, invars, avals),
             )
+            if key is not None and program_avals is not None:
+                key = (*key, tuple(program_avals))
             try:
                 decision = decisions.get(key) if key is not None else None
             except TypeError:  # a parameter that cannot be hashed: decided every time
@@ -582,6 +590,7 @@ class RegionTrace(compat.Trace):
             if decision is not None:
                 return self._replay(decision, primitive, params, args, invars, avals)
         eqn = RegionEquation(primitive, params, invars, compat.region_source_info())
+        eqn.program_avals = program_avals
         env.values = dict(zip(invars, args))
         step = RecordingStep(self.rewriter, env, eqn, state)
         try:

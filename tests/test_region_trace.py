@@ -140,6 +140,37 @@ def test_every_jnp_contraction_returns_the_dtype_the_policy_gave_its_product(
     chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
 
 
+@functools.partial(jax.jit, inline=True)  # (a callee the region walks from its jaxpr, as jnp's)
+def product_of_products(x, w):
+    return (x @ w) @ (x @ w).T
+
+
+@functools.partial(jax.jit, inline=True)
+def asks_for_float32(x, w):
+    return lax.dot(x.astype(BF16), w.astype(BF16), preferred_element_type=F32)
+
+
+@pytest.mark.parametrize(
+    "fn, dtype",
+    [(product_of_products, BF16), (asks_for_float32, F32)],
+    ids=["products of products", "an explicit float32 product"],
+)
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_a_walked_callee_keeps_only_the_product_types_its_program_asked_for(fn, dtype, jitted):
+    # Walking a callee's jaxpr, a region compared a product's traced preferred_element_type
+    # (float32: the callee was traced on float32 values) with the types its operands arrived
+    # in (bfloat16: the policy made them), took it for one the program asked for, and returned
+    # float32 where autocast_transform returns bfloat16. The callee's own operand types decide.
+    def region(x, w):
+        with jamp.autocast():
+            return fn(x, w)
+
+    got = (jax.jit(region) if jitted else region)(X, W)
+    want = jax.jit(jamp.autocast_transform(fn))(X, W)
+    assert got.dtype == want.dtype == dtype
+    chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize(
     "transform",
     [jax.vmap, lambda f: jax.jit(jax.vmap(f)), lambda f: jax.checkpoint(f)],
