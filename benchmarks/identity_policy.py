@@ -25,6 +25,10 @@ then, from the repository root::
 ``region`` patches it to ``jax.jit(g)``, where ``g`` calls ``f`` inside
 ``jamp.autocast(policy)`` (the region trace, front end 2). Use a separate ``--out`` per form.
 
+``--helpers`` patches the jit of JAX's test helpers too (``jtu._CompileAndCheck``, which calls
+``jax._src.api.jit``): most of ``lax_test``, the ``lax_numpy_*_test`` files and
+``lax_autodiff_test`` compile only through it.
+
 It runs each file with ``benchmarks/identity_jit_plugin.py`` patched, then without the patch the
 tests that failed patched (``--full-baseline``: all of them), writes ``patched.json`` and
 ``baseline.json`` per file under ``--out`` and prints a markdown summary of the tests the patch
