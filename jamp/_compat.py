@@ -538,7 +538,10 @@ def eval_jaxpr_retyped(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -
     try:
         for eqn in jaxpr.eqns:
             name_stack = _siu.current_name_stack() + eqn.source_info.name_stack
-            with _siu.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            with (
+                _siu.user_context(eqn.source_info.traceback, name_stack=name_stack),
+                eqn.ctx.manager,
+            ):
                 _walking.eqn = eqn
                 ans = eqn.primitive.bind(*map(read, eqn.invars), **bind_params(eqn))
             env.update(zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]))
