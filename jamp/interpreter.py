@@ -151,8 +151,12 @@ def walk_rules(name: str) -> PrimitiveRules | None:
 
 def call_body(eqn: Any) -> Any:
     """The closed or open jaxpr of a call-like equation (``jaxpr`` or ``call_jaxpr``)."""
-    params = eqn.params
-    return params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+    return eqn.params[call_param(eqn)]
+
+
+def call_param(eqn: Any) -> str:
+    """The name of a call-like equation's body parameter: ``jaxpr`` or ``call_jaxpr``."""
+    return "jaxpr" if "jaxpr" in eqn.params else "call_jaxpr"
 
 
 def walk_call(ctx: Any, invals: Sequence[Any], state: Any) -> tuple[list[Any], Any]:

@@ -128,11 +128,7 @@ def test_every_jnp_contraction_returns_the_dtype_the_policy_gave_its_product(
     # region that convert undid the policy (float32 from a bfloat16 region, the inputs' 16-bit
     # dtype from a float32 one) where `@` and autocast_transform keep the policy's dtype.
     fn, x, w = CONTRACTIONS[name], X.astype(dtype), W.astype(dtype)
-
-    def region(x, w):
-        with jamp.autocast(policy):
-            return fn(x, w)
-
+    region = in_region(fn, dtype=policy)
     transform = jamp.autocast_transform(fn, policy) if policy else jamp.autocast_transform(fn)
     got = (jax.jit(region) if jitted else region)(x, w)
     want = jax.jit(transform)(x, w)
@@ -161,10 +157,7 @@ def test_a_walked_callee_keeps_only_the_product_types_its_program_asked_for(fn, 
     # (float32: the callee was traced on float32 values) with the types its operands arrived
     # in (bfloat16: the policy made them), took it for one the program asked for, and returned
     # float32 where autocast_transform returns bfloat16. The callee's own operand types decide.
-    def region(x, w):
-        with jamp.autocast():
-            return fn(x, w)
-
+    region = in_region(fn)
     got = (jax.jit(region) if jitted else region)(X, W)
     want = jax.jit(jamp.autocast_transform(fn))(X, W)
     assert got.dtype == want.dtype == dtype

@@ -19,6 +19,7 @@ from ..interpreter import (
     Step,
     call_bodies,
     call_body,
+    call_param,
     is_float,
     register,
     register_opaque,
@@ -65,9 +66,8 @@ def composite_rule(step: Step) -> Sequence[Any]:
     """``lax.composite``: a named operation and its decomposition. The decomposition is rewritten
     as a jit's body is (what runs where the compiler does not know the name); the name, version
     and attributes stay, so a compiler that does know it sees the dtypes the policy chose."""
-    param = "jaxpr" if "jaxpr" in step.params else "call_jaxpr"  # (jax 0.12: call_jaxpr)
-    body = step.rewrite_sub(step.params[param], step.avals(), step.hints())
-    return step.bind(step.args, **{param: body})
+    body = step.rewrite_sub(call_body(step.eqn), step.avals(), step.hints())
+    return step.bind(step.args, **{call_param(step.eqn): body})  # (jax 0.12: call_jaxpr)
 
 
 @register("custom_vmap_call")
