@@ -19,6 +19,16 @@ are imported, so their ``from jax import jit`` picks up the patch. Environment:
   ``lax_autodiff_test`` check compiled results with): it calls ``jax._src.api.jit``, not the public
   one. Only the helpers' view of that module is changed (``test_util.api``), so JAX's own
   internal jits stay as they are;
+- ``JAMP_IDENTITY_VMAP=1``: also patch ``jax.vmap``: ``jax.vmap(f, ...)`` becomes
+  ``jax.vmap(g, ...)`` with ``g`` as for a jit in the chosen form (``f``'s body in a region, or
+  ``autocast_transform(f, policy)``), so that tests that batch without compiling
+  (``lax_vmap_test``, ``lax_vmap_op_test``, ``ann_test``) run their batched side through jamp
+  under JAX's batching trace, and compare it with their own unbatched reference;
+- ``JAMP_IDENTITY_CAST_BACK=1``: every patched function's outputs are cast back to the dtypes
+  the function returns without jamp (``jax.eval_shape`` of it, after the patched call), so a
+  16-bit program that the float32 policy computes in float32 is checked on its values, with the
+  test's own tolerances, instead of failing on the dtype it returns by design. The function is
+  traced once more for it (Python side effects run twice);
 - ``JAMP_IDENTITY_OUT=path.json``: where the outcomes and the patch counters go.
 
 Static arguments (``static_argnums``/``static_argnames``): in transform form they are bound
@@ -43,7 +53,8 @@ import pytest
 FORM = os.environ.get("JAMP_IDENTITY_FORM", "transform")
 if FORM not in ("transform", "region"):
     raise ValueError(f"JAMP_IDENTITY_FORM must be 'transform' or 'region', got {FORM!r}")
-COUNTS = {"jit_calls": 0, "with_static_args": 0, "wrap_failed": 0}
+COUNTS = {"jit_calls": 0, "with_static_args": 0, "wrap_failed": 0, "vmap_calls": 0,
+          "cast_back": 0}
 OUTCOMES: dict[str, dict[str, Any]] = {}
 
 
@@ -106,12 +117,33 @@ def _install() -> None:
             own[key] = wrapper
         return wrapper
 
+    cast_back = os.environ.get("JAMP_IDENTITY_CAST_BACK") == "1"
+
+    def as_traced(fun: Any, args: tuple, kwargs: dict, outs: Any) -> Any:
+        """``outs`` in the dtypes ``fun`` returns without jamp (with ``JAMP_IDENTITY_CAST_BACK``)."""
+        if not cast_back:
+            return outs
+        plain = jax.eval_shape(lambda: fun(*args, **kwargs))
+
+        def back(out: Any, want: Any) -> Any:
+            dtype = getattr(want, "dtype", None)
+            if dtype is None or getattr(out, "dtype", dtype) == dtype:
+                return out
+            COUNTS["cast_back"] += 1
+            return jnp.asarray(out).astype(dtype)
+
+        try:
+            return jax.tree.map(back, outs, plain)
+        except ValueError:  # (another structure: leave it for the test to see)
+            return outs
+
     def region_wrapper(fun: Any, nums: tuple, names: tuple) -> Any:
         # jax.jit binds the static arguments itself: `g` has `fun`'s signature (__wrapped__).
         @functools.wraps(fun)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             with jamp.autocast(policy):
-                return fun(*args, **kwargs)
+                outs = fun(*args, **kwargs)
+            return as_traced(fun, args, kwargs, outs)
 
         return wrapper
 
@@ -121,6 +153,9 @@ def _install() -> None:
 
         @functools.wraps(fun)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return as_traced(fun, args, kwargs, transformed(*args, **kwargs))
+
+        def transformed(*args: Any, **kwargs: Any) -> Any:
             if not (nums or names):
                 return plain(*args, **kwargs)
             fixed_pos = {}
@@ -169,6 +204,25 @@ def _install() -> None:
         return real_jit(wrapped, **kw)
 
     jax.jit = patched_jit
+    if os.environ.get("JAMP_IDENTITY_VMAP") == "1":
+        real_vmap = jax.vmap
+
+        @functools.wraps(real_vmap)
+        def patched_vmap(fun: Any, /, *args: Any, **kw: Any) -> Any:
+            if not callable(fun) or getattr(fun, "__module__", "").split(".")[0] == "jamp":
+                return real_vmap(fun, *args, **kw)  # (let vmap refuse what it refuses)
+            COUNTS["vmap_calls"] += 1
+            if FORM == "region":
+                return real_vmap(region_wrapper(fun, (), ()), *args, **kw)
+            transformed = jamp.autocast_transform(fun, policy)
+
+            @functools.wraps(fun)
+            def wrapper(*a: Any, **k: Any) -> Any:
+                return as_traced(fun, a, k, transformed(*a, **k))
+
+            return real_vmap(wrapper, *args, **kw)
+
+        jax.vmap = patched_vmap
     if os.environ.get("JAMP_IDENTITY_HELPERS") == "1":
         from jax._src import test_util  # benchmark only: the helpers' own reference to api
 

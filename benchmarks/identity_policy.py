@@ -27,7 +27,12 @@ then, from the repository root::
 
 ``--helpers`` patches the jit of JAX's test helpers too (``jtu._CompileAndCheck``, which calls
 ``jax._src.api.jit``): most of ``lax_test``, the ``lax_numpy_*_test`` files and
-``lax_autodiff_test`` compile only through it.
+``lax_autodiff_test`` compile only through it. ``--vmap`` patches ``jax.vmap`` too (its function
+wrapped as a jit's is): ``lax_vmap_test``, ``lax_vmap_op_test`` and ``ann_test`` batch without
+compiling, against their own unbatched reference. ``--cast-back`` casts every patched
+function's outputs back to the dtypes it returns without jamp, so that a 16-bit program the
+float32 policy computes in float32 (by design) is checked on its values, with the test's own
+tolerances, rather than failing on its dtype.
 
 It runs each file with ``benchmarks/identity_jit_plugin.py`` patched, then without the patch the
 tests that failed patched (``--full-baseline``: all of them), writes ``patched.json`` and
@@ -117,6 +122,8 @@ def run_file(args: argparse.Namespace, name: str, patched: bool,
     env.update(JAX_PLATFORMS="cpu", JAMP_IDENTITY_OUT=str(out),
                JAMP_IDENTITY_PATCH="1" if patched else "0", JAMP_IDENTITY_FORM=args.form,
                JAMP_IDENTITY_HELPERS="1" if args.helpers else "0",
+               JAMP_IDENTITY_VMAP="1" if args.vmap else "0",
+               JAMP_IDENTITY_CAST_BACK="1" if args.cast_back else "0",
                JAX_NUM_GENERATED_CASES=str(args.generated_cases))
     cmd = [args.python, "-m", "pytest", "-p", "identity_jit_plugin", "-p", "no:cacheprovider",
            "-q", "--no-header", "-rN", "--tb=short", f"tests/{name}.py"]
@@ -172,8 +179,10 @@ def summarize(out_root: Path, names: list[str]) -> str:
             bucket, whose = bucket_of(k, p[k])
             broken.setdefault(bucket, []).append((whose, k, p[k]))
         c = {"jit_calls": "?", "with_static_args": "?", **pat["counts"]}
+        vmaps = f", {c['vmap_calls']} vmaps" if c.get("vmap_calls") else ""
+        vmaps += f", {c['cast_back']} outputs cast back" if c.get("cast_back") else ""
         lines.append(f"| {name} | {len(p)} | {len(failed(p))} | {len(both)} | {len(newly)} | "
-                     f"{c['jit_calls']} ({c['with_static_args']}) |")
+                     f"{c['jit_calls']} ({c['with_static_args']}){vmaps} |")
     lines += ["", "| cause | whose | tests | example |", "|---|---|---|---|"]
     for bucket, items in sorted(broken.items(), key=lambda kv: -len(kv[1])):
         whose, k, entry = items[0]
@@ -202,6 +211,13 @@ def main() -> None:
     parser.add_argument("--helpers", action="store_true",
                         help="also patch the jit of JAX's test helpers (jtu._CompileAndCheck), "
                              "which most lax and jnp test files compile through")
+    parser.add_argument("--vmap", action="store_true",
+                        help="also patch jax.vmap (its function in the same form as a jit's), "
+                             "for the tests that batch without compiling")
+    parser.add_argument("--cast-back", action="store_true",
+                        help="cast every patched function's outputs back to the dtypes it "
+                             "returns without jamp: 16-bit programs are then checked on their "
+                             "values instead of failing on the float32 the policy returns")
     parser.add_argument("--workers", type=int, default=0, help="pytest-xdist workers")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--full-baseline", action="store_true",
