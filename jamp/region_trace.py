@@ -1414,12 +1414,13 @@ def _promotion_part(env: RegionEnv, var: Any) -> tuple | None:
 def _constant_key(source: ConstSource) -> tuple | None:
     """A constant operand's value as part of a cache key: a small concrete value without shape
     ops (a Python or numpy scalar, a rank-0 array), else None (not keyed: walked op by op)."""
-    if source.steps or compat.is_tracer(source.base):
-        return None
-    value = np.asarray(source.base)
-    if value.size > 16:
-        return None
-    return value.dtype, value.shape, value.tobytes(), type(source.base)
+    base = source.base
+    if source.steps or compat.is_tracer(base) or getattr(base, "size", 1) > 16:
+        return None  # (a large array's size read before numpy copies it to the host)
+    if jax.dtypes.issubdtype(getattr(base, "dtype", np.float32), jax.dtypes.extended):
+        return None  # a typed PRNG key (``jax.random.key``) has no numpy value
+    value = np.asarray(base)
+    return value.dtype, value.shape, value.tobytes(), type(base)
 
 
 def region_above(differentiating: Any) -> RegionTrace | None:

@@ -1165,6 +1165,31 @@ def test_eval_jaxpr_bound_in_a_region_runs_its_body_under_the_policy():
     assert jax.jit(f)(X, W).dtype == BF16
 
 
+def test_a_typed_prng_key_reaches_jnp_functions_in_a_region_as_it_does_outside():
+    """A region keys its reuse of an inline jit's rewrite on the values of small concrete
+    operands, read through numpy; a typed key (``jax.random.key``) has none, and on jax 0.12
+    every eager region call of ``jax.random`` with one raised numpy's TypeError (the key array
+    cannot be converted), also under ``vmap`` and ``grad`` (JAX's ``random_lax_test``,
+    ``testIssue1789``, with ``jax.vmap``'s function in a region)."""
+
+    def sample(x):
+        return x * jax.random.normal(jax.random.key(1), x.shape) + jax.random.uniform(
+            jax.random.key(0), x.shape
+        )
+
+    region = in_region(sample, dtype=jamp.Policy(jnp.float32))
+    x = jnp.array([1.0, 2.5])
+    cases = {
+        "eager": lambda f: f(x),
+        "vmap": lambda f: jax.vmap(f)(x),
+        "grad": lambda f: jax.grad(lambda y: f(y).sum())(x),
+        "grad of vmap": lambda f: jax.grad(lambda y: jax.vmap(f)(y).sum())(x),
+        "jit": lambda f: jax.jit(f)(x),
+    }
+    for name, run in cases.items():
+        chex.assert_trees_all_equal(run(region), run(sample), custom_message=name)
+
+
 # --- reused rewrites of inline jits; the check of what the routing of grad replaces (issue 33) --
 
 
