@@ -512,6 +512,11 @@ def eval_jaxpr_flat(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     return eval_jaxpr(jaxpr, consts, args)
 
 
+def checks_values() -> bool:
+    """Whether ``jax.debug_nans`` or ``jax.debug_infs`` is on."""
+    return bool(_config.debug_nans.value or _config.debug_infs.value)
+
+
 def is_eager(trace: Any) -> bool:
     """Whether binding on ``trace`` runs operations now (JAX's eval trace)."""
     return isinstance(trace, _core.EvalTrace)

@@ -366,14 +366,39 @@ class CallRewrite:
     # dispatch, ~10x slower for a small op).
     eager: dict = dataclasses.field(default_factory=dict, compare=False)
 
-    def run_eagerly(self, args: Sequence[Any]) -> list[Any]:
+    def run_eagerly(self, args: Sequence[Any]) -> list[Any] | None:
+        """The call on concrete ``args``; None where it failed under ``jax.debug_nans`` or
+        ``debug_infs``: the caller then runs it op by op in the region, where the operation that
+        made the value raises JAX's FloatingPointError naming it. (JAX's own re-run, op by op,
+        of this jitted ``eval_jaxpr`` cannot: inside a region's operation it found no current
+        trace on jax 0.12, and a nested jit's failure there raises JAX's internal error type.)"""
         jitted = self.eager.get("jit")
         if jitted is None:
             jaxpr, consts = compat.open_and_consts(self.closed)
             jitted = self.eager["jit"] = jax.jit(
                 functools.partial(compat.eval_jaxpr_flat, jaxpr, consts)
             )
-        return jitted(*args)
+        try:
+            return jitted(*args)
+        except Exception:
+            if compat.checks_values():
+                return None
+            raise
+
+
+def _raise_for_invalid_values(outs: Sequence[Any], name: str) -> None:
+    """Under ``jax.debug_nans``/``debug_infs``, a call whose compiled run failed JAX's check and
+    whose run op by op did not raise (JAX turns the check off inside the bodies of custom
+    derivatives it evaluates from their jaxprs): FloatingPointError naming the call, as JAX
+    names a jit whose outputs it checks."""
+    for kind, enabled, found in (
+        ("nan", jax.config.jax_debug_nans, np.isnan),
+        ("inf", jax.config.jax_debug_infs, np.isinf),
+    ):
+        for out in outs:
+            value = np.asarray(out)
+            if enabled and np.issubdtype(value.dtype, np.inexact) and found(value).any():
+                raise FloatingPointError(f"invalid value ({kind}) encountered in {name}")
 
 
 def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
@@ -803,16 +828,21 @@ class RegionTrace(compat.Trace):
         elif known is not None and not self.rewriter.line_rules:
             knowledge, sources, facts, in_vars, avals = known
             rewrite = self._call_rewrite(params["jaxpr"], state, knowledge, sources, facts, avals)
-        if rewrite is None:
+        outs = None
+        if rewrite is not None:
+            if compat.is_eager(self.parent):
+                outs = rewrite.run_eagerly(args)  # (None: op by op under jax.debug_nans)
+            else:
+                outs = compat.bind_on(
+                    self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
+                )
+        if outs is None:
             jaxpr, consts = compat.open_and_consts(params["jaxpr"])
             with compat.set_current_trace(self):
-                return compat.eval_jaxpr_retyped(jaxpr, consts, args)
-        if compat.is_eager(self.parent):
-            outs = rewrite.run_eagerly(args)
-        else:
-            outs = compat.bind_on(
-                self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
-            )
+                outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
+            if rewrite is not None:  # (its compiled call failed JAX's value checks)
+                _raise_for_invalid_values(outs, f"jit({params.get('name', '?')})")
+            return outs
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 
     def _operand_vars(self, args: Sequence[Any], known: tuple | None) -> list:
@@ -1110,11 +1140,15 @@ class RegionTrace(compat.Trace):
         rewrite = self._call_rewrite(
             body, self.rewriter.current_state(), knowledge, sources, facts, avals
         )
-        if rewrite is None:
+        outs = None if rewrite is None else rewrite.run_eagerly(args)
+        if outs is None:  # (or a failure under jax.debug_nans: op by op)
             jaxpr, consts = compat.open_and_consts(body)
             with compat.set_current_trace(self):
-                return compat.eval_jaxpr_retyped(jaxpr, consts, args)
-        return self._adopt_call_outputs(rewrite, rewrite.run_eagerly(args), in_vars)
+                outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
+            if rewrite is not None:
+                _raise_for_invalid_values(outs, getattr(fun.f, "__name__", primitive.name))
+            return outs
+        return self._adopt_call_outputs(rewrite, outs, in_vars)
 
     def _body_jaxpr(self, primitive: Any, subfuns: tuple, avals: list, params: dict) -> Any:
         """A ``custom_jvp`` call's body traced to a jaxpr, once per function, rule and operand

@@ -1165,6 +1165,24 @@ def test_eval_jaxpr_bound_in_a_region_runs_its_body_under_the_policy():
     assert jax.jit(f)(X, W).dtype == BF16
 
 
+@pytest.mark.parametrize("jitted", [False, True])
+def test_debug_nans_and_infs_in_an_eager_region_raise_floating_point_error(jitted):
+    """Eagerly a region runs a jnp function's rewrite as one compiled call; under
+    ``jax.debug_infs`` JAX re-runs a failing call op by op itself, which on jax 0.12 found no
+    current trace inside the region's operation (an AttributeError, not the FloatingPointError;
+    JAX's ``lax_scipy_special_functions_test``, ``testNdtriDebugInfs``)."""
+    ndtri = jax.jit(jax.scipy.special.ndtri) if jitted else jax.scipy.special.ndtri
+    region = in_region(ndtri, dtype=jamp.Policy(jnp.float32))
+    with jax.debug_infs(True):
+        assert float(region(0.5)) == 0.0  # (the infinite branch jnp.where drops: no error)
+        with pytest.raises(FloatingPointError, match=r"invalid value \(inf\)"):
+            region(1.0)
+    with jax.debug_nans(True):
+        with pytest.raises(FloatingPointError, match=r"invalid value \(nan\)"):
+            region(2.0)
+    assert np.isnan(region(2.0))  # (and without the checks, as outside a region)
+
+
 def test_a_typed_prng_key_reaches_jnp_functions_in_a_region_as_it_does_outside():
     """A region keys its reuse of an inline jit's rewrite on the values of small concrete
     operands, read through numpy; a typed key (``jax.random.key``) has none, and on jax 0.12
