@@ -1451,8 +1451,9 @@ def _constant_key(source: ConstSource) -> tuple | None:
     base = source.base
     if source.steps or compat.is_tracer(base) or getattr(base, "size", 1) > 16:
         return None  # (a large array's size read before numpy copies it to the host)
-    if jax.dtypes.issubdtype(getattr(base, "dtype", np.float32), jax.dtypes.extended):
-        return None  # a typed PRNG key (``jax.random.key``) has no numpy value
+    dtype = getattr(base, "dtype", None)
+    if dtype is not None and not isinstance(dtype, np.dtype):
+        return None  # an extended dtype (a typed PRNG key, ``jax.random.key``): no numpy value
     value = np.asarray(base)
     return value.dtype, value.shape, value.tobytes(), type(base)
 
