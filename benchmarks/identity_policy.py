@@ -88,6 +88,11 @@ BUCKETS = (
      "asserts the 16-bit dtype", "by design",
      r"dtype\('float32'\) != dtype\((bfloat16|'float16')\)|"
      r"got (bfloat16|float16)\[[^\]]*\], but expected float32\["),
+    # jax.nn.dot_product_attention asks its float16 einsum for the F16_F16_F32 algorithm and
+    # falls back where that raises, which only an eager (vmap) run does: under jax.jit (or a
+    # rewrite, which traces) the CPU's lowering refuses it, in plain JAX too.
+    ("an eager-only fallback (JAX's float16 attention, F16_F16_F32 on CPU): jax.jit fails alike",
+     "JAX", r"The precision 'F16_F16_F32' is not supported by dot_general on CPU"),
     ("the test expects another error for a misuse", "rewrite",
      r"not raised|does not match|DID NOT RAISE"),
     ("the test reads the jaxpr's text", "rewrite", r"\{ lambda ;|pretty_print|jaxpr_text"),
