@@ -512,9 +512,9 @@ def eval_jaxpr_flat(jaxpr: Any, consts: Sequence[Any], *args: Any) -> list[Any]:
     return eval_jaxpr(jaxpr, consts, args)
 
 
-def checks_values() -> bool:
-    """Whether ``jax.debug_nans`` or ``jax.debug_infs`` is on."""
-    return bool(_config.debug_nans.value or _config.debug_infs.value)
+def value_checks() -> tuple[bool, bool]:
+    """Whether ``jax.debug_nans`` and ``jax.debug_infs`` are on (where they apply now)."""
+    return bool(_config.debug_nans.value), bool(_config.debug_infs.value)
 
 
 def is_eager(trace: Any) -> bool:

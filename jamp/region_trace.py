@@ -381,7 +381,7 @@ class CallRewrite:
         try:
             return jitted(*args)
         except Exception:
-            if compat.checks_values():
+            if any(compat.value_checks()):
                 return None
             raise
 
@@ -391,10 +391,8 @@ def _raise_for_invalid_values(outs: Sequence[Any], name: str) -> None:
     whose run op by op did not raise (JAX turns the check off inside the bodies of custom
     derivatives it evaluates from their jaxprs): FloatingPointError naming the call, as JAX
     names a jit whose outputs it checks."""
-    for kind, enabled, found in (
-        ("nan", jax.config.jax_debug_nans, np.isnan),
-        ("inf", jax.config.jax_debug_infs, np.isinf),
-    ):
+    nans, infs = compat.value_checks()
+    for kind, enabled, found in (("nan", nans, np.isnan), ("inf", infs, np.isinf)):
         for out in outs:
             value = np.asarray(out)
             if enabled and np.issubdtype(value.dtype, np.inexact) and found(value).any():
@@ -843,6 +841,7 @@ class RegionTrace(compat.Trace):
             if rewrite is not None:  # (its compiled call failed JAX's value checks)
                 _raise_for_invalid_values(outs, f"jit({params.get('name', '?')})")
             return outs
+        assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 
     def _operand_vars(self, args: Sequence[Any], known: tuple | None) -> list:
@@ -1148,6 +1147,7 @@ class RegionTrace(compat.Trace):
             if rewrite is not None:
                 _raise_for_invalid_values(outs, getattr(fun.f, "__name__", primitive.name))
             return outs
+        assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 
     def _body_jaxpr(self, primitive: Any, subfuns: tuple, avals: list, params: dict) -> Any:
