@@ -814,6 +814,14 @@ def lower_rule(step: Step) -> Sequence[Any]:
         if not arrived or traced is None:
             return step.bind(args)
         return step.bind(args, **_output_type(step, widest(traced, *arrived)))
+    accepted = algorithm_operand_dtypes(step.params.get("precision"))
+    if accepted is not None and step.state.value_dtype not in accepted:
+        # An explicit dot algorithm (``precision=lax.DotAlgorithmPreset.F32_F32_F32``) names
+        # the operand types it computes in, and XLA converts other operands to them: cast to
+        # the policy's dtype, they would be rounded and then computed in the algorithm's types
+        # anyway. The program's choice is kept: operands in a type it accepts, output as traced.
+        args = step.with_cast({i: accepted[0] for i in floating if avals[i].dtype not in accepted})
+        return step.bind(args)
     scaled = SCALED_FORMATS.get(step.state.dtype)
     outs = scaled(step) if scaled is not None else None
     if outs is not None:
@@ -821,6 +829,16 @@ def lower_rule(step: Step) -> Sequence[Any]:
     dtype = step.state.value_dtype
     args = step.with_cast({i: dtype for i in floating})
     return bind_lower(step, args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+
+
+def algorithm_operand_dtypes(precision: Any) -> tuple[np.dtype, ...] | None:
+    """The operand dtypes an explicit dot algorithm computes in (a ``lax.DotAlgorithmPreset``
+    such as ``F32_F32_F32``, or a ``lax.DotAlgorithm``), None where ``precision`` names none
+    (``Precision.HIGHEST``, ``DEFAULT``, the float8 presets: any operand type)."""
+    if isinstance(precision, jax.lax.DotAlgorithm):
+        return (np.dtype(precision.lhs_precision_type),)
+    types = getattr(precision, "supported_lhs_types", None)  # (a DotAlgorithmPreset)
+    return tuple(np.dtype(t) for t in types) if types else None
 
 
 def bind_lower(step: Step, args: Sequence[Any], **overrides: Any) -> list[Any]:

@@ -44,6 +44,43 @@ def test_explicit_preferred_element_type_is_kept():
     assert f(a).dtype == F32
 
 
+def _in_region(fn):
+    def wrapped(*args):
+        with jamp.autocast():
+            return fn(*args)
+
+    return wrapped
+
+
+@pytest.mark.parametrize("wrap", [jamp.autocast_transform, _in_region], ids=["transform", "region"])
+def test_an_explicit_dot_algorithm_keeps_the_operand_types_it_names(wrap):
+    """``precision=lax.DotAlgorithmPreset.F32_F32_F32`` names the types the dot computes in,
+    and XLA converts other operands to them: cast to bfloat16 first, the operands were rounded
+    and then multiplied in float32 anyway (neither the program's product nor the policy's). An
+    algorithm that accepts the policy's dtype (``BF16_BF16_F32``) is the policy's to use."""
+    a, b = _rand(16, 16), _rand(16, 16, key=1)
+
+    def f32_algorithm(a, b):
+        return lax.dot(a, b, precision=lax.DotAlgorithmPreset.F32_F32_F32)
+
+    g = wrap(f32_algorithm)
+    assert operand_dtypes(jax.make_jaxpr(g)(a, b), "dot_general") == [("float32", "float32")]
+    np.testing.assert_array_equal(jax.jit(g)(a, b), jax.jit(f32_algorithm)(a, b))
+
+    def bf16_algorithm(a, b):
+        return lax.dot(a, b, precision=lax.DotAlgorithmPreset.BF16_BF16_F32)
+
+    program = jax.make_jaxpr(wrap(bf16_algorithm))(a, b)
+    assert operand_dtypes(program, "dot_general") == [("bfloat16", "bfloat16")]
+
+    def f16_algorithm(a, b):  # (traced only: this CPU cannot run F16_F16_F32)
+        return lax.dot(a, b, precision=lax.DotAlgorithmPreset.F16_F16_F32, preferred_element_type=F32)
+
+    program = jax.make_jaxpr(wrap(f16_algorithm))(a.astype(F16), b.astype(F16))
+    assert operand_dtypes(program, "dot_general") == [("float16", "float16")]
+    assert program.out_avals[0].dtype == F32
+
+
 def test_conv_runs_in_compute_dtype():
     x, k = _rand(1, 3, 8, 8), _rand(4, 3, 3, 3, key=1)
     f = jamp.autocast_transform(lambda x, k: lax.conv_general_dilated(x, k, (1, 1), "SAME"))
