@@ -269,50 +269,6 @@ def test_custom_vjp_with_symbolic_zeros_sees_the_perturbed_flags_jax_gives(wrap)
     np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
 
 
-def _in_float32_region(fn):
-    def wrapped(*args):
-        with jamp.autocast(jamp.Policy(F32)):
-            return fn(*args)
-
-    return wrapped
-
-
-@pytest.mark.parametrize(
-    "wrap",
-    [lambda f: jamp.autocast_transform(f, jamp.Policy(F32)), _in_float32_region],
-    ids=["transform", "region"],
-)
-@pytest.mark.parametrize("batched", [False, True], ids=["", "vmap"])
-def test_custom_jvp_with_symbolic_zeros_keeps_an_unperturbed_output_tangent_symbolic(wrap, batched):
-    """The tangent a symbolic-zeros custom_jvp rule returns for an output that depends on no
-    perturbed input is JAX's symbolic zero, and the next such rule is handed it as one. jamp's
-    rule traced the user's and returned its tangents as arrays, so the next call received an
-    array of zeros (JAX's ``custom_api_test``, ``test_symbolic_zero_custom_jvp_vmap_doesnt_
-    instantiate``, with ``jax.vmap``'s function in a region)."""
-    seen = []
-
-    @jax.custom_jvp
-    def second(x, y):
-        return y
-
-    def second_jvp(primals, tangents):
-        (_, y), (_, y_dot) = primals, tangents
-        seen.append(type(y_dot).__name__)
-        return y, y_dot
-
-    second.defjvp(second_jvp, symbolic_zeros=True)
-
-    def g(x):
-        return second(x, second(x, 1.0))
-
-    fn = wrap(g)
-    fn = jax.vmap(fn) if batched else fn
-    out, tangent = jax.jvp(fn, (jnp.ones(3),), (jnp.ones(3),))
-    assert seen and set(seen) == {"SymbolicZero"}, seen
-    np.testing.assert_array_equal(out, jnp.ones(3))
-    np.testing.assert_array_equal(tangent, jnp.zeros(3))
-
-
 def test_custom_vjp_with_symbolic_zeros_and_an_unused_output():
     @jax.custom_vjp
     def two(x):

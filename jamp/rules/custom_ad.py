@@ -171,44 +171,22 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
         except TypeError:  # a rule function that cannot be hashed: traced every time
             rule = key = None
         if rule is None:  # (the same equation again: an eager step, a model's repeated block)
-            closed = compat.trace_to_closed(
+            rule = compat.trace_to_closed(
                 primals_and_tangents, [*traced, *(tangent_avals[i] for i in at)]
             )
-            rule = (closed, _tangent_free_outputs(closed, n_in, len(out_dtypes)))
-            consts = compat.open_and_consts(closed)[1]
+            consts = compat.open_and_consts(rule)[1]
             if key is not None and not any(compat.is_tracer(c) for c in consts):
                 rules[key] = rule
-        closed, zero = rule
-        jaxpr, consts = compat.open_and_consts(closed)
+        jaxpr, consts = compat.open_and_consts(rule)
         outs = rewriter.run(
             jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *(tangents[i] for i in at)]
         )
         n_out = len(out_dtypes)
-        primals_out = cast_all(outs[:n_out], out_dtypes)
-        # An output tangent that depends on no input tangent is zero (a JVP is linear in them):
-        # JAX's symbolic zero, as the user's rule returned it, not an array of zeros that a
-        # later rule with ``symbolic_zeros=True`` would be handed instead.
-        tangents_out = [
-            SymbolicZero(compat.tangent_aval(compat.aval_of(p))) if z else t
-            for p, t, z in zip(primals_out, cast_all(outs[n_out:], out_dtypes), zero)
-        ]
-        return primals_out, tangents_out
+        return cast_all(outs[:n_out], out_dtypes), cast_all(outs[n_out:], out_dtypes)
 
     primal.defjvp(jvp, symbolic_zeros=True)
     with compat.equation_context(step.eqn):
         return primal(*step.args)
-
-
-def _tangent_free_outputs(closed: Any, n_primals: int, n_out: int) -> tuple[bool, ...]:
-    """Per output tangent of a traced JVP (inputs: ``n_primals`` primals, then tangents;
-    outputs: ``n_out`` primals, then their tangents), whether it depends on no input tangent
-    (an equation reading a value that depends on one is taken to depend on it: conservative)."""
-    jaxpr = closed.jaxpr
-    tainted = set(jaxpr.invars[n_primals:])
-    for eqn in jaxpr.eqns:
-        if any(type(v) is compat.Var and v in tainted for v in eqn.invars):
-            tainted.update(eqn.outvars)
-    return tuple(not (type(v) is compat.Var and v in tainted) for v in jaxpr.outvars[n_out:])
 
 
 @dataclasses.dataclass(frozen=True)
