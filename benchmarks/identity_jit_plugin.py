@@ -226,15 +226,8 @@ def _install() -> None:
             if not callable(fun) or getattr(fun, "__module__", "").split(".")[0] == "jamp":
                 return real_vmap(fun, *args, **kw)  # (let vmap refuse what it refuses)
             COUNTS["vmap_calls"] += 1
-            if FORM == "region":
-                return real_vmap(region_wrapper(fun, (), ()), *args, **kw)
-            transformed = jamp.autocast_transform(fun, policy)
-
-            @functools.wraps(fun)
-            def wrapper(*a: Any, **k: Any) -> Any:
-                return as_traced(fun, a, k, transformed(*a, **k))
-
-            return real_vmap(wrapper, *args, **kw)
+            make = region_wrapper if FORM == "region" else transform_wrapper
+            return real_vmap(make(fun, (), ()), *args, **kw)  # (no static arguments)
 
         jax.vmap = patched_vmap
     if os.environ.get("JAMP_IDENTITY_HELPERS") == "1":

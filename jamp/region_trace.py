@@ -392,11 +392,10 @@ def _raise_for_invalid_values(outs: Sequence[Any], name: str) -> None:
     derivatives it evaluates from their jaxprs): FloatingPointError naming the call, as JAX
     names a jit whose outputs it checks."""
     nans, infs = compat.value_checks()
+    values = [v for v in map(np.asarray, outs) if np.issubdtype(v.dtype, np.inexact)]
     for kind, enabled, found in (("nan", nans, np.isnan), ("inf", infs, np.isinf)):
-        for out in outs:
-            value = np.asarray(out)
-            if enabled and np.issubdtype(value.dtype, np.inexact) and found(value).any():
-                raise FloatingPointError(f"invalid value ({kind}) encountered in {name}")
+        if enabled and any(found(value).any() for value in values):
+            raise FloatingPointError(f"invalid value ({kind}) encountered in {name}")
 
 
 def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
@@ -835,14 +834,21 @@ class RegionTrace(compat.Trace):
                     self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
                 )
         if outs is None:
-            jaxpr, consts = compat.open_and_consts(params["jaxpr"])
-            with compat.set_current_trace(self):
-                outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
-            if rewrite is not None:  # (its compiled call failed JAX's value checks)
-                _raise_for_invalid_values(outs, f"jit({params.get('name', '?')})")
-            return outs
+            failed = None if rewrite is None else f"jit({params.get('name', '?')})"
+            return self._walk(params["jaxpr"], args, failed)
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
+
+    def _walk(self, closed: Any, args: Sequence[Any], failed: str | None) -> list[Any]:
+        """A call's jaxpr ``closed`` run op by op in this region. ``failed``: the name of the
+        call where its compiled run failed JAX's value checks (``CallRewrite.run_eagerly``),
+        named by a FloatingPointError if the walk does not raise one itself."""
+        jaxpr, consts = compat.open_and_consts(closed)
+        with compat.set_current_trace(self):
+            outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
+        if failed is not None:
+            _raise_for_invalid_values(outs, failed)
+        return outs
 
     def _operand_vars(self, args: Sequence[Any], known: tuple | None) -> list:
         """The variables of a call's operands: those ``_operand_knowledge`` found, else looked up
@@ -1141,12 +1147,8 @@ class RegionTrace(compat.Trace):
         )
         outs = None if rewrite is None else rewrite.run_eagerly(args)
         if outs is None:  # (or a failure under jax.debug_nans: op by op)
-            jaxpr, consts = compat.open_and_consts(body)
-            with compat.set_current_trace(self):
-                outs = compat.eval_jaxpr_retyped(jaxpr, consts, args)
-            if rewrite is not None:
-                _raise_for_invalid_values(outs, getattr(fun.f, "__name__", primitive.name))
-            return outs
+            failed = None if rewrite is None else getattr(fun.f, "__name__", primitive.name)
+            return self._walk(body, args, failed)
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 

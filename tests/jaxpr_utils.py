@@ -7,6 +7,7 @@ from typing import Any, Callable, Iterator
 
 import jax
 
+import jamp
 from jamp import _compat as compat
 
 
@@ -57,6 +58,16 @@ def program_record(closed: Any) -> tuple[str, list[tuple[Any, ...]]]:
         (e.primitive.name, str(e.source_info.name_stack), compat.source_line(e), e.ctx)
         for e in iter_eqns(closed)
     ]
+
+
+def in_region(fn: Callable, **region: Any) -> Callable:
+    """``fn`` with a ``with jamp.autocast(**region):`` block around its body."""
+
+    def wrapped(*args: Any) -> Any:
+        with jamp.autocast(**region):
+            return fn(*args)
+
+    return wrapped
 
 
 def fresh(fn: Callable) -> Callable:

@@ -10,7 +10,7 @@ from jax import lax
 
 import jamp
 from jamp import interpreter
-from tests.jaxpr_utils import eqns_named, iter_eqns, operand_dtypes
+from tests.jaxpr_utils import eqns_named, in_region, iter_eqns, operand_dtypes
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 KEY = jax.random.PRNGKey(0)
@@ -44,15 +44,7 @@ def test_explicit_preferred_element_type_is_kept():
     assert f(a).dtype == F32
 
 
-def _in_region(fn):
-    def wrapped(*args):
-        with jamp.autocast():
-            return fn(*args)
-
-    return wrapped
-
-
-@pytest.mark.parametrize("wrap", [jamp.autocast_transform, _in_region], ids=["transform", "region"])
+@pytest.mark.parametrize("wrap", [jamp.autocast_transform, in_region], ids=["transform", "region"])
 def test_an_explicit_dot_algorithm_keeps_the_operand_types_it_names(wrap):
     """``precision=lax.DotAlgorithmPreset.F32_F32_F32`` names the types the dot computes in,
     and XLA converts other operands to them: cast to bfloat16 first, the operands were rounded

@@ -16,7 +16,14 @@ from jax import lax
 import jamp
 from jamp import _compat as compat
 from jamp import region_trace
-from tests.jaxpr_utils import dtype_signatures, eqns_named, fresh, iter_eqns, operand_dtypes
+from tests.jaxpr_utils import (
+    dtype_signatures,
+    eqns_named,
+    fresh,
+    in_region,
+    iter_eqns,
+    operand_dtypes,
+)
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
 KEY = jax.random.PRNGKey(0)
@@ -28,14 +35,6 @@ B = jnp.linspace(-1.0, 1.0, 16)
 def block(x, w, b):
     h = jnp.tanh(x @ w + b)
     return h, jnp.exp(h), jnp.sum(h)
-
-
-def in_region(fn, **region):
-    def wrapped(*args):
-        with jamp.autocast(**region):
-            return fn(*args)
-
-    return wrapped
 
 
 def dtypes(tree):
