@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import threading
 import types
@@ -861,6 +862,31 @@ def zero_cotangent(aval: Any) -> Any:
     from jax._src.interpreters import ad
 
     return ad.Zero(aval)
+
+
+def jvp_keeping_zeros(
+    fun: Callable[..., Sequence[Any]], primals: Sequence[Any], tangents: Sequence[Any]
+) -> tuple[list[Any], list[Any | None]]:
+    """``jax.jvp`` of ``fun`` (flat lists in, a flat list out) with the output tangents JAX
+    knows to be symbolic zeros given as None: ``jax.jvp`` instantiates them as arrays, and a
+    ``custom_jvp`` rule with ``symbolic_zeros=True`` must be handed them as JAX hands them
+    (``ad.jvp(..., instantiate=False)``, on ``FlatTree``s in both versions)."""
+    from jax._src import tree_util
+    from jax._src.interpreters import ad
+
+    flatten: Callable[[Any], Any]
+    try:  # jax >= 0.11 (by name: mypy checks against 0.10, which has no such module)
+        flatten = importlib.import_module("jax._src.flattree").flatten
+    except ModuleNotFoundError:  # jax 0.10
+        flatten = tree_util.FlatTree.flatten
+
+    outs, out_tangents = ad.jvp(
+        lambda *xs: list(fun(*xs)),
+        flatten(list(primals)),
+        flatten(list(tangents)),
+        instantiate=False,
+    )
+    return list(outs), [None if isinstance(t, ad.Zero) else t for t in out_tangents]
 
 
 # --- The region trace (regions.py, region_trace.py): a JAX ``Trace`` that jamp pushes for a

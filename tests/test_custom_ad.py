@@ -1,4 +1,5 @@
 """custom_jvp / custom_vjp under autocast: primal and derivative rules under the same policy."""
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -354,6 +355,64 @@ def test_custom_jvp_with_symbolic_zeros_sees_the_zero_tangents_jax_gives():
     assert set(seen) == {(False, True)}
     assert got.dtype == F32
     np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+
+
+def _passing_on(seen):
+    """A ``custom_jvp`` with ``symbolic_zeros`` whose rule hands its second input's tangent on
+    as is (JAX's ``test_symbolic_zero_custom_jvp_vmap_doesnt_instantiate``), noting whether it
+    was a ``SymbolicZero``."""
+
+    @jax.custom_jvp
+    def second(x, y):
+        return y
+
+    def second_jvp(primals, tangents):
+        seen.append(isinstance(tangents[1], SymbolicZero))
+        return primals[1], tangents[1]
+
+    second.defjvp(second_jvp, symbolic_zeros=True)
+    return second
+
+
+@jax.custom_jvp
+def _offset(x):
+    return x
+
+
+@_offset.defjvp
+def _offset_jvp(primals, tangents):
+    # A tangent that is no linear function of the input's (JAX's test_symbolic_zero_custom_jvp).
+    return primals[0], jnp.full_like(primals[0], 90.0)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["jvp", "jvp_of_vmap"])
+@pytest.mark.parametrize("form", ["transform", "region"])
+def test_a_symbolic_zero_tangent_a_custom_jvp_returns_reaches_the_next_rule_as_one(form, batched):
+    """A rule with ``symbolic_zeros`` that returns a symbolic zero tangent: the next rule is
+    handed a ``SymbolicZero`` under jamp as without it (jamp's rewritten rule used to hand it
+    an array of zeros), and a tangent a rule makes from nothing is no symbolic zero."""
+    zero_seen, offset_seen = [], []
+    chained, after_offset = _passing_on(zero_seen), _passing_on(offset_seen)
+
+    def g(x):
+        return chained(x, chained(x, 1.0)), after_offset(x, _offset(2.0 * x))
+
+    if form == "transform":
+        wrapped = jamp.autocast_transform(g, jamp.Policy(F32))
+    else:
+
+        def wrapped(x):
+            with jamp.autocast(jamp.Policy(F32)):
+                return g(x)
+
+    x, t = jnp.arange(3.0), jnp.ones(3)
+    got = jax.jvp(jax.vmap(wrapped) if batched else wrapped, (x,), (t,))
+    assert zero_seen and all(zero_seen), zero_seen
+    assert offset_seen and not any(offset_seen), offset_seen
+    want = jax.jvp(jax.vmap(g) if batched else g, (x,), (t,))
+    chex.assert_trees_all_close(got, want)
+    np.testing.assert_array_equal(got[1][1], np.full(3, 90.0))  # the offset's tangent
+
 
 
 def _shared_output_vjp():

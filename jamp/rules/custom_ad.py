@@ -39,7 +39,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
 from .. import _compat as compat
 from ..interpreter import (
@@ -159,30 +159,44 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
                     full[i] = x
                 return original(*full)
 
-            outs, out_tangents = jax.jvp(of_perturbed, [flat[i] for i in at], list(flat[n_in:]))
-            return [*outs, *out_tangents]
+            # The output tangents the user's rule (or JAX) left symbolic zeros are handed on as
+            # symbolic zeros, as JAX would: a rule after this one may be written for them.
+            outs, out_tangents = compat.jvp_keeping_zeros(
+                of_perturbed, [flat[i] for i in at], list(flat[n_in:])
+            )
+            zeros.append(tuple(t is None for t in out_tangents))
+            return [*outs, *(t for t in out_tangents if t is not None)]
 
         rules = _JVP_RULES.get(call_jaxpr)
         if rules is None:
             rules = _JVP_RULES[call_jaxpr] = {}
         key: tuple | None = (jvp_fun, tuple(at))
         try:
-            rule = rules.get(key)
+            cached = rules.get(key)
         except TypeError:  # a rule function that cannot be hashed: traced every time
-            rule = key = None
-        if rule is None:  # (the same equation again: an eager step, a model's repeated block)
+            cached = key = None
+        if cached is None:  # (the same equation again: an eager step, a model's repeated block)
+            zeros: list[tuple[bool, ...]] = []
             rule = compat.trace_to_closed(
                 primals_and_tangents, [*traced, *(tangent_avals[i] for i in at)]
             )
+            cached = (rule, zeros[0])
             consts = compat.open_and_consts(rule)[1]
             if key is not None and not any(compat.is_tracer(c) for c in consts):
-                rules[key] = rule
+                rules[key] = cached
+        rule, zero_outs = cached
         jaxpr, consts = compat.open_and_consts(rule)
         outs = rewriter.run(
             jaxpr, _rule_consts(rewriter, consts, eqn), [*primals, *(tangents[i] for i in at)]
         )
         n_out = len(out_dtypes)
-        return cast_all(outs[:n_out], out_dtypes), cast_all(outs[n_out:], out_dtypes)
+        out_primals = cast_all(outs[:n_out], out_dtypes)
+        given = iter(cast_all(outs[n_out:], [d for d, z in zip(out_dtypes, zero_outs) if not z]))
+        out_tangents = [
+            zero_from_primal(p, symbolic_zeros=True) if z else next(given)
+            for p, z in zip(out_primals, zero_outs)
+        ]
+        return out_primals, out_tangents
 
     primal.defjvp(jvp, symbolic_zeros=True)
     with compat.equation_context(step.eqn):
