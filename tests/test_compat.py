@@ -50,3 +50,15 @@ def test_trace_to_closed_turns_captured_values_into_constants():
         return compat.eval_jaxpr(jaxpr, consts, [jnp.ones(4)])[0]
 
     np.testing.assert_array_equal(jax.jit(outer)(jnp.full(4, 3.0)), jnp.full(4, 3.0))
+
+
+def test_jvp_keeping_zeros_gives_none_where_jax_knows_the_tangent_is_zero():
+    def fn(x, y):
+        return [x * y, jnp.ones(3), jax.lax.stop_gradient(x) + 1.0, y]
+
+    x, y = jnp.arange(3.0), jnp.full(3, 2.0)
+    outs, tangents = compat.jvp_keeping_zeros(fn, [x, y], [jnp.ones(3), jnp.zeros(3)])
+    np.testing.assert_array_equal(outs[0], x * y)
+    np.testing.assert_array_equal(tangents[0], y)  # a zero *array* tangent is no symbolic zero
+    assert tangents[1] is None and tangents[2] is None
+    np.testing.assert_array_equal(tangents[3], jnp.zeros(3))
