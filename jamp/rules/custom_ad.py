@@ -3,7 +3,8 @@
 
 The primal body is rewritten under the region active at the call. The derivative rules are
 obtained from JAX itself, by differentiating the *original* call at its traced dtypes
-(``jax.jvp`` / ``jax.vjp`` of the untouched primitive, which invokes the user's rule), and are
+(JAX's jvp / ``jax.vjp`` of the untouched primitive, which invokes the user's rule; the jvp keeps
+the symbolic zero tangents the rule returns, as a rule after it must see them), and are
 then rewritten under the same region: torch's custom_fwd/custom_bwd guarantee that forward and
 backward run under the autocast state recorded at forward time. Tangents and cotangents are cast
 so their dtypes match the rewritten primal outputs and the primal inputs.
@@ -127,7 +128,8 @@ def _evaluate(closed: Any, args: Sequence[Any], dtypes: Sequence[Any]) -> list[A
 
 
 # The traced JVP of an original custom_jvp call, per equation (its primal jaxpr, weakly) and
-# JVP function, for the inputs JAX passes tangents for: it depends on nothing else.
+# JVP function, for the inputs JAX passes tangents for: it depends on nothing else. With it, which
+# of its output tangents are symbolic zeros (those the rule leaves out).
 _JVP_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
