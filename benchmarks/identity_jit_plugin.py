@@ -234,6 +234,17 @@ def _install() -> None:
         from jax._src import test_util  # benchmark only: the helpers' own reference to api
 
         test_util.api = _WithJit(test_util.api, patched_jit)
+        # Imported here, before pytest's capture replaces sys.stdout for the tests, the module's
+        # capture_stdout would hold the wrong stream (and miss every jax.debug.print): bind the
+        # stream when a test asks, as importing the module from the test file does.
+        for name, stream in (("capture_stdout", "stdout"), ("capture_stderr", "stderr")):
+            setattr(test_util, name, _capture_current(test_util, stream))
+
+
+def _capture_current(test_util: Any, stream: str) -> Any:
+    import sys
+
+    return lambda: test_util._capture_output(getattr(sys, stream))
 
 
 class _WithJit:

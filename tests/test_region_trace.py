@@ -1339,3 +1339,27 @@ def test_a_jax_without_a_method_the_region_replaces_fails_at_the_first_region(
     assert getattr(target, name) is jax_own
     with jamp.autocast():  # and the installed JAX's own again: regions work
         assert jax.grad(lambda w: jnp.sum(X @ w))(W).dtype == F32
+
+
+@pytest.mark.skipif(
+    jax.extend.core.primitives.call_p is jax.extend.core.primitives.closed_call_p,
+    reason="jax >= 0.11: call_p is closed_call_p, bound with its jaxpr like any primitive",
+)
+@pytest.mark.filterwarnings("ignore:linear_util.wrap_init is missing a DebugInfo")
+@pytest.mark.parametrize("wrap", [lambda f: f, jax.jit], ids=["eager", "jit"])
+def test_a_core_call_runs_its_body_in_the_region(wrap):
+    """``call_p`` with its body as a function (jax 0.10; JAX's shard_map tests, older libraries)
+    reached a region as JAX's ``process_call``, which a region did not have: it raised
+    NotImplementedError. Its body runs in the region, under the policy."""
+    import jax.extend.linear_util as lu
+
+    w = jnp.full((4, 4), 0.5)
+
+    def fn(x):
+        body = lu.wrap_init(lambda x: [jnp.tanh(x @ w)], debug_info=None)
+        return jax.extend.core.primitives.call_p.bind(x, subfuns=(body,))[0]
+
+    x = jnp.arange(16.0).reshape(4, 4) / 16
+    got = wrap(in_region(fn))(x)
+    assert got.dtype == jnp.bfloat16
+    chex.assert_trees_all_close(got, fn(x).astype(jnp.bfloat16), rtol=2e-2, atol=2e-2)
