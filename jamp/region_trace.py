@@ -1082,7 +1082,9 @@ class RegionTrace(compat.Trace):
     ) -> Any:
         return self._staged(primitive, (fun, fwd, bwd), self._all_squares_summed(tracers), params)
 
-    def process_call(self, primitive: Any, fun: Any, tracers: Sequence[Any], params: dict, /) -> Any:
+    def process_call(
+        self, primitive: Any, fun: Any, tracers: Sequence[Any], params: dict, /
+    ) -> Any:
         """``core.call_p`` (jax 0.10; JAX's own tests, old libraries): a call with no meaning
         of its own, so its body runs in the region, as a traced program's ``call`` is inlined."""
         with compat.set_current_trace(self):
