@@ -111,4 +111,56 @@ loss_r, h_r = jax.jit(region_mlp)(w1, w2, x)
 check(h_r.dtype == BF16, f"region activation dtype {h_r.dtype}")
 check(h_r.sharding.is_equivalent_to(h_p.sharding, h_p.ndim), f"region {h_r.sharding}")
 np.testing.assert_allclose(loss_r, loss_m, rtol=1e-2)
+
+# jax.experimental.custom_partitioning: each shard runs what the partition callback returns, not
+# the traced body, so the call keeps its traced dtypes under both forms, without a warning (an
+# UnsupportedPrimitiveWarning is an error here); what follows it follows the policy.
+from jax.experimental.custom_partitioning import custom_partitioning  # noqa: E402
+
+lowered_dtypes = []
+
+
+@custom_partitioning
+def row_sums(a):
+    return jnp.sum(a, axis=1, keepdims=True) * jnp.ones_like(a)
+
+
+def partition(mesh, arg_shapes, result_shape):
+    def per_shard(a):  # rows are whole on every shard (the callback replicates the columns)
+        lowered_dtypes.append(a.dtype)
+        return jnp.sum(a, axis=1, keepdims=True) * jnp.ones_like(a)
+
+    rows = NamedSharding(mesh, P("data", None))
+    return mesh, per_shard, rows, (rows,)
+
+
+row_sums.def_partition(
+    infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: NamedSharding(
+        mesh, P("data", None)),
+    partition=partition,
+    sharding_rule="i j -> i j",
+)
+
+
+def partitioned(a, w):
+    return jnp.tanh(row_sums(a) @ w)
+
+
+a_rows = jax.device_put(a, NamedSharding(mesh, P("data", None)))
+want = np.asarray(jax.jit(partitioned)(a_rows, w))
+
+
+def _region_partitioned(a, w):
+    with jamp.autocast():
+        return partitioned(a, w)
+
+
+for name, fn in (("transform", jamp.autocast_transform(partitioned)),
+                 ("region", _region_partitioned)):
+    lowered_dtypes.clear()
+    got = jax.jit(fn)(a_rows, w)
+    check(got.dtype == BF16, f"custom_partitioning {name}: output {got.dtype}")
+    check(lowered_dtypes and set(lowered_dtypes) == {jnp.dtype(jnp.float32)},
+          f"custom_partitioning {name}: the partitioned function saw {lowered_dtypes}")
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=5e-2, atol=5e-2)
 print("sharding checks passed")

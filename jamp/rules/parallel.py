@@ -1,4 +1,5 @@
-"""``shard_map``: the per-shard body is rewritten under the call site's region.
+"""``shard_map``: the per-shard body is rewritten under the call site's region;
+``custom_partitioning``: the call keeps its traced dtypes.
 
 The body is re-entered through the public ``jax.shard_map`` with the equation's mesh and specs, so
 JAX binds the mesh axes for the body's collectives (``psum``, ``all_gather``, ...); collectives
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .. import _compat as compat
-from ..interpreter import Step, register, register_opaque
+from ..interpreter import Step, keep_traced_rule, register, register_opaque
 
 
 @register("shard_map")
@@ -37,4 +38,13 @@ def shard_map_rule(step: Step) -> Sequence[Any]:
         return list(mapped(*step.args))
 
 
-register_opaque("shard_map")
+@register("custom_partitioning")
+def custom_partitioning_rule(step: Step) -> Sequence[Any]:
+    """``jax.experimental.custom_partitioning``: a partitioned program runs, per shard, the
+    function the user's ``partition`` callback returns, not the traced body, so no rewrite of the
+    body would reach it. The call runs as the user wrote it, in its traced dtypes (its operands
+    cast back to them), like a kernel: no warning, since there is nothing for the user to add."""
+    return keep_traced_rule(step)
+
+
+register_opaque("shard_map", "custom_partitioning")
