@@ -341,7 +341,9 @@ def _stage(
         out_avals = [v.aval for v in eqn.outvars]
     else:
         out_avals = None
-    return _add_equation(trace, tracers, primitive, params, source_info, eqn.ctx, out_avals)
+    return _add_equation(
+        trace, tracers, primitive, params, source_info, eqn.ctx, out_avals, eqn.effects
+    )
 
 
 def _add_equation(
@@ -352,17 +354,18 @@ def _add_equation(
     source_info: Any,
     ctx: Any,
     out_avals: list[Any] | None = None,
+    effects: Any = _core.no_effects,
 ) -> list[Any] | None:
     """Add ``primitive`` on ``tracers`` to ``trace``'s program as its default staging does, with
-    ``out_avals`` or its (cached) abstract evaluation; None for one with effects (bound)."""
+    ``out_avals`` or its (cached) abstract evaluation; None for one with effects (bound).
+    ``effects``: the (empty) effects its abstract evaluation gives, as ``jax_enable_checks``
+    compares them by type too (``free_ref``'s are ``{}``)."""
     if out_avals is None:
         out, effects = _pe._cached_abstract_eval(primitive, *[t.aval for t in tracers], **params)
         if effects:
             return None
         out_avals = list(out) if primitive.multiple_results else [out]
-    staged, outs = trace.make_eqn(
-        tracers, out_avals, primitive, params, _core.no_effects, source_info, ctx
-    )
+    staged, outs = trace.make_eqn(tracers, out_avals, primitive, params, effects, source_info, ctx)
     trace.frame.add_eqn(staged)
     return outs
 
@@ -846,14 +849,7 @@ def trace_of(x: Any) -> Any:
     return getattr(x, "_trace", None) if isinstance(x, _core.Tracer) else None
 
 
-# --- custom_vjp under vmap (jax >= 0.12): the batched bwd of a custom_vjp refuses a nonzero
-# cotangent for an output shared across the batch (``batching.shared_cotangent_error``). ---
-
-
-def is_shared_cotangent_error(error: Exception) -> bool:
-    """Whether ``error`` is JAX's refusal of a nonzero cotangent for a vmapped custom_vjp's
-    unbatched output (JAX passes a symbolic zero there itself)."""
-    return isinstance(error, ValueError) and "shared across the batch" in str(error)
+# --- custom derivatives: symbolic zeros as JAX hands them, mutable array references. ---
 
 
 def zero_cotangent(aval: Any) -> Any:
@@ -862,6 +858,13 @@ def zero_cotangent(aval: Any) -> Any:
     from jax._src.interpreters import ad
 
     return ad.Zero(aval)
+
+
+def is_ref(value: Any) -> bool:
+    """Whether ``value`` (an array or a tracer) is a mutable array reference (``jax.new_ref``)."""
+    from jax._src.state.types import AbstractRef
+
+    return isinstance(jax.typeof(value), AbstractRef)
 
 
 def jvp_keeping_zeros(

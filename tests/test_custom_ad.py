@@ -9,7 +9,7 @@ from jax.custom_derivatives import SymbolicZero
 
 import jamp
 from jamp import _compat as compat
-from tests.jaxpr_utils import eqns_named, operand_dtypes
+from tests.jaxpr_utils import eqns_named, in_region, operand_dtypes
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 W = jax.random.normal(jax.random.PRNGKey(0), (8, 8)) * 0.3
@@ -647,3 +647,44 @@ def test_rewritten_custom_rules_hold_no_tracer_of_the_call(kind):
             f.defvjp(lambda y: (y, None), lambda _, g: (g,))
         out = jax.jit(jamp.autocast_transform(lambda y: f(y)))(3.0)
     assert out == 3.0
+
+
+def _stash_gradient():
+    """A custom_vjp whose bwd writes the cotangent it gets into a mutable array reference its
+    fwd keeps as a residual (JAX's ``test_custom_vjp_grad_stats_plumbing_basic``; an fp8
+    scaling history is kept this way)."""
+
+    @jax.custom_vjp
+    def stash(grads_ref, x):
+        return x
+
+    def stash_bwd(grads_ref, g):
+        grads_ref[...] = g
+        return None, g
+
+    stash.defvjp(lambda grads_ref, x: (x, grads_ref), stash_bwd)
+    return lambda grads_ref, x: jnp.sin(stash(grads_ref, jnp.sin(x)))
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["region", "jit_of_grad_of_region", "jit_of_grad_of_transform"],
+)
+def test_a_custom_vjp_keeping_a_mutable_array_reference_for_its_bwd(form):
+    """The reference is the call's own operand: it reaches the bwd as that operand (a traced
+    program cannot return one: jamp's rule raised JAX's ValueError). Under ``jax.grad`` of a
+    ``jax.jit`` JAX itself refuses it for any custom_vjp with ``symbolic_zeros=True``, which
+    jamp's rule is; see docs/reference/dtypes.md."""
+    fn = _stash_gradient()
+    wrapped = {  # (the default policy: bfloat16)
+        "region": lambda: jax.grad(in_region(fn), 1),
+        "jit_of_grad_of_region": lambda: jax.jit(jax.grad(in_region(fn), 1)),
+        "jit_of_grad_of_transform": lambda: jax.jit(jax.grad(jamp.autocast_transform(fn), 1)),
+    }[form]()
+    want_ref = jax.new_ref(jnp.float32(0.0))
+    want = jax.grad(fn, 1)(want_ref, jnp.float32(1.0))
+    grads_ref = jax.new_ref(jnp.float32(0.0))
+    got = wrapped(grads_ref, jnp.float32(1.0))
+    np.testing.assert_allclose(got, want, rtol=1e-2)
+    np.testing.assert_allclose(grads_ref[...], want_ref[...], rtol=1e-2)
+    assert float(grads_ref[...]) != 0.0  # the bwd ran and wrote into the caller's reference

@@ -286,3 +286,30 @@ def test_a_regions_inlined_calls_keep_their_scopes_and_contexts():
 
     staged, bound = _both(record)
     assert staged == bound
+
+
+def test_an_equation_with_empty_effects_of_another_type_is_staged_with_them():
+    """``jax.free_ref``'s abstract evaluation gives ``{}`` for no effects, and
+    ``jax_enable_checks`` compares an equation's effects with it by type too: jamp staged it with
+    ``frozenset()``, and every program freeing a reference failed JAX's check (jax 0.10, 0.12).
+    Also a mutable array reference passed to a transformed function under a trace."""
+
+    def fn(x):
+        ref = jax.empty_ref(jax.ShapeDtypeStruct((), "float32"))
+        ref[...] = 2.0 * x
+        result = ref[...]
+        jax.free_ref(ref)
+        return result
+
+    def writes(ref, x):
+        ref[...] = jnp.sin(x)
+        return ref[...] * 2.0
+
+    with jax.enable_checks(True):
+        transformed = jamp.autocast_transform(fn)
+        assert float(transformed(3.0)) == 6.0
+        assert float(jax.grad(transformed)(3.0)) == 2.0
+        ref = jax.new_ref(jnp.float32(0.0))
+        got = jax.jit(jamp.autocast_transform(writes))(ref, jnp.float32(1.0))
+    np.testing.assert_allclose(got, 2 * np.sin(1.0), rtol=1e-6)
+    np.testing.assert_allclose(ref[...], np.sin(1.0), rtol=1e-6)

@@ -223,6 +223,19 @@ class _Backward:
 jax.tree_util.register_static(_Backward)
 
 
+def _operand_index(ref: Any, operands: Sequence[Any]) -> int:
+    """Which of a custom_vjp call's operands the mutable array reference ``ref`` its fwd keeps
+    as a residual is."""
+    for i, operand in enumerate(operands):
+        if operand is ref:
+            return i
+    raise ValueError(
+        "a custom_vjp's fwd keeps a mutable array reference for its bwd that is not one of the "
+        "function's arguments (one it created): jamp can hand on only a reference the call was "
+        "given; pass it in as an argument"
+    )
+
+
 def _wider(traced: Any, rewritten: Any) -> Any:
     """``rewritten`` where it is a wider float than ``traced``, else ``traced``."""
     floats = all(jnp.issubdtype(d, jnp.floating) for d in (traced, rewritten))
@@ -280,7 +293,13 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 
             outs, vjp_fn = jax.vjp(of_perturbed, *(flat[i] for i in at))
             residuals, pullback["tree"] = jax.tree.flatten(vjp_fn)
-            return [*outs, *residuals]
+            # A mutable array reference the user's fwd keeps for its bwd (``jax.new_ref``: a
+            # bwd that stashes gradients, an fp8 amax history) cannot be a traced program's
+            # output: it is the call's own operand, handed on as that operand.
+            pullback["refs"] = {
+                k: _operand_index(r, flat) for k, r in enumerate(residuals) if compat.is_ref(r)
+            }
+            return [*outs, *(r for k, r in enumerate(residuals) if k not in pullback["refs"])]
 
         fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
         jaxpr, consts = compat.open_and_consts(fwd_closed)
@@ -292,8 +311,11 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             primal_outs[position[v]] if isinstance(v, compat.Var) and v in position else r
             for v, r in zip(jaxpr.outvars[n_out:], outs[n_out:])
         ]
+        res_avals = list(fwd_closed.out_avals[n_out:])
+        for k, i in sorted(pullback["refs"].items()):
+            residuals.insert(k, args[i])
+            res_avals.insert(k, traced[i])
         n_res = len(residuals)
-        res_avals = fwd_closed.out_avals[n_out:]
 
         def trace_backward(zero_cts: tuple[bool, ...]) -> tuple[Any, list[Any], Any, tuple]:
             """The original call's pullback, traced for cotangents of which those flagged in
@@ -321,15 +343,14 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
 
         try:
             bwd_jaxpr, bwd_consts, logs_tree, log_dtypes = trace_backward((False,) * n_out)
-        except Exception as error:
-            # A bwd with symbolic_zeros=True may refuse an array where it expects a symbolic
-            # zero (it asserts on the type): it is traced in bwd only, for the zeros JAX passes.
-            if not (symbolic_zeros or compat.is_shared_cotangent_error(error)):
-                raise
-            # Under vmap (jax >= 0.12), the original's bwd refuses a nonzero cotangent for an
-            # output shared across the batch; JAX itself passes a symbolic zero there, known
-            # only in bwd. Trace the pullback there, for the zeros JAX passes (its consts are
-            # then mapped late: see _rule_consts).
+        except Exception:
+            # Traced in bwd instead, for the cotangents JAX passes there, and an error raised
+            # there, as JAX runs a user's bwd only in the backward pass (a pullback never called
+            # never fails): a bwd with symbolic_zeros=True may refuse an array where it expects
+            # a symbolic zero (it asserts on the type); under vmap (jax >= 0.12) the original's
+            # bwd refuses a nonzero cotangent for an output shared across the batch, where JAX
+            # itself passes a symbolic zero, known only in bwd (its consts are then mapped
+            # late: see _rule_consts).
             saved = _Backward(perturbed, None, None, (), retrace=trace_backward)
             return primal_outs, (saved, residuals)
         # Values the user's bwd closes over are known now, in the forward pass: pass them on.
