@@ -593,6 +593,12 @@ def tangent_aval(aval: ShapedArray) -> ShapedArray:
     return aval.update(dtype=jex_core.primal_dtype_to_tangent_dtype(aval.dtype), weak_type=False)
 
 
+def cotangent_aval(aval: ShapedArray) -> ShapedArray:
+    """The aval of a cotangent for a primal aval: a tangent's, with the sharding JAX gives a
+    cotangent (a reduced axis becomes unreduced and back: ``jax.P(reduced=...)``)."""
+    return aval.to_ct_aval().update(weak_type=False)
+
+
 def scan_counts(params: dict[str, Any], n_args: int) -> tuple[int, int]:
     """(num_consts, num_carry) of a scan equation; jax >= 0.11 groups operands in ``ft_in``."""
     if "num_consts" in params:

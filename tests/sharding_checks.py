@@ -163,4 +163,35 @@ for name, fn in (("transform", jamp.autocast_transform(partitioned)),
     check(lowered_dtypes and set(lowered_dtypes) == {jnp.dtype(jnp.float32)},
           f"custom_partitioning {name}: the partitioned function saw {lowered_dtypes}")
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=5e-2, atol=5e-2)
+
+# A custom_vjp's cotangents take JAX's cotangent types: an output reduced over a mesh axis
+# (jax.P(reduced=...)) has an unreduced cotangent (jamp gave the reduced type, and the pullback
+# refused it).
+explicit = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+@jax.custom_vjp
+def passed_through(v):
+    return v
+
+
+passed_through.defvjp(lambda v: (v, None), lambda _, g: (g,))
+reduced_body = jax.shard_map(passed_through, out_specs=jax.P(reduced={"x"}))
+
+
+def _region_reduced(v):
+    with jamp.autocast():
+        return reduced_body(v)
+
+
+with jax.set_mesh(explicit):
+    reduced = jax.device_put(jnp.arange(8.0), jax.P(reduced={"x"}))
+    want_grad = jax.jit(jax.grad(lambda v: reduced_body(v).sum()))(reduced)
+    for name, fn in (("transform", jamp.autocast_transform(reduced_body)),
+                     ("region", _region_reduced)):
+        got_grad = jax.jit(jax.grad(lambda v: fn(v).sum()))(reduced)
+        check(got_grad.sharding == want_grad.sharding,
+              f"reduced custom_vjp {name}: {got_grad.sharding} vs {want_grad.sharding}")
+        summed = jax.jit(lambda g: jax.reshard(g, jax.P()))  # (an unreduced array: sum it)
+        np.testing.assert_allclose(summed(got_grad), summed(want_grad))
 print("sharding checks passed")

@@ -268,7 +268,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
     original = _original(step)
     traced = [v.aval for v in step.eqn.invars]
     in_dtypes = [a.dtype for a in step.avals()]
-    ct_avals = [compat.tangent_aval(v.aval) for v in step.eqn.outvars]
+    ct_avals = [compat.cotangent_aval(v.aval) for v in step.eqn.outvars]
     rewriter = step.rewriter.child(primal_state)
     eqn = step.eqn  # the rules below must not hold `step` (its operands are tracers)
     n_out = len(out_dtypes)
