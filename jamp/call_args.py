@@ -296,8 +296,8 @@ def is_traced_leaf(leaf: Any, numbers_are_static: bool, tokens_are_static: bool 
     other objects are static."""
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         return True
-    if compat.is_tracer(leaf) and compat.is_ref(leaf):  # a jax.new_ref passed in under a trace
-        return True
+    if isinstance(leaf, jax.Ref) or (compat.is_tracer(leaf) and compat.is_ref(leaf)):
+        return True  # a mutable array reference (jax.new_ref), as jax.jit takes one
     if compat.is_token(leaf):
         return not tokens_are_static
     return (

@@ -292,7 +292,7 @@ def test_an_equation_with_empty_effects_of_another_type_is_staged_with_them():
     """``jax.free_ref``'s abstract evaluation gives ``{}`` for no effects, and
     ``jax_enable_checks`` compares an equation's effects with it by type too: jamp staged it with
     ``frozenset()``, and every program freeing a reference failed JAX's check (jax 0.10, 0.12).
-    Also a mutable array reference passed to a transformed function under a trace."""
+    Also a mutable array reference passed to a transformed function, under a trace and eagerly."""
 
     def fn(x):
         ref = jax.empty_ref(jax.ShapeDtypeStruct((), "float32"))
@@ -301,7 +301,10 @@ def test_an_equation_with_empty_effects_of_another_type_is_staged_with_them():
         jax.free_ref(ref)
         return result
 
+    traces = []
+
     def writes(ref, x):
+        traces.append(x)
         ref[...] = jnp.sin(x)
         return ref[...] * 2.0
 
@@ -313,3 +316,12 @@ def test_an_equation_with_empty_effects_of_another_type_is_staged_with_them():
         got = jax.jit(jamp.autocast_transform(writes))(ref, jnp.float32(1.0))
     np.testing.assert_allclose(got, 2 * np.sin(1.0), rtol=1e-6)
     np.testing.assert_allclose(ref[...], np.sin(1.0), rtol=1e-6)
+    # Eagerly a reference is an argument too, as jax.jit takes it: traced once for both calls,
+    # never baked into the program as a constant.
+    eager = jamp.autocast_transform(writes)
+    traces.clear()
+    for value in (1.0, 2.0):
+        ref = jax.new_ref(jnp.float32(0.0))
+        np.testing.assert_allclose(eager(ref, jnp.float32(value)), 2 * np.sin(value), rtol=1e-6)
+        np.testing.assert_allclose(ref[...], np.sin(value), rtol=1e-6)
+    assert len(traces) == 1, traces
