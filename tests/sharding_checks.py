@@ -15,7 +15,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jamp  # noqa: E402
-from tests.jaxpr_utils import operand_dtypes  # noqa: E402
+from tests.jaxpr_utils import in_region, operand_dtypes  # noqa: E402
 
 warnings.simplefilter("error", jamp.UnsupportedPrimitiveWarning)
 assert len(jax.devices()) == 8, jax.devices()
@@ -149,14 +149,8 @@ def partitioned(a, w):
 a_rows = jax.device_put(a, NamedSharding(mesh, P("data", None)))
 want = np.asarray(jax.jit(partitioned)(a_rows, w))
 
-
-def _region_partitioned(a, w):
-    with jamp.autocast():
-        return partitioned(a, w)
-
-
 for name, fn in (("transform", jamp.autocast_transform(partitioned)),
-                 ("region", _region_partitioned)):
+                 ("region", in_region(partitioned))):
     lowered_dtypes.clear()
     got = jax.jit(fn)(a_rows, w)
     check(got.dtype == BF16, f"custom_partitioning {name}: output {got.dtype}")
@@ -179,16 +173,11 @@ passed_through.defvjp(lambda v: (v, None), lambda _, g: (g,))
 reduced_body = jax.shard_map(passed_through, out_specs=jax.P(reduced={"x"}))
 
 
-def _region_reduced(v):
-    with jamp.autocast():
-        return reduced_body(v)
-
-
 with jax.set_mesh(explicit):
     reduced = jax.device_put(jnp.arange(8.0), jax.P(reduced={"x"}))
     want_grad = jax.jit(jax.grad(lambda v: reduced_body(v).sum()))(reduced)
     for name, fn in (("transform", jamp.autocast_transform(reduced_body)),
-                     ("region", _region_reduced)):
+                     ("region", in_region(reduced_body))):
         got_grad = jax.jit(jax.grad(lambda v: fn(v).sum()))(reduced)
         check(got_grad.sharding == want_grad.sharding,
               f"reduced custom_vjp {name}: {got_grad.sharding} vs {want_grad.sharding}")

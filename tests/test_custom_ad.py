@@ -400,10 +400,7 @@ def test_a_symbolic_zero_tangent_a_custom_jvp_returns_reaches_the_next_rule_as_o
     if form == "transform":
         wrapped = jamp.autocast_transform(g, jamp.Policy(F32))
     else:
-
-        def wrapped(x):
-            with jamp.autocast(jamp.Policy(F32)):
-                return g(x)
+        wrapped = in_region(g, dtype=jamp.Policy(F32))
 
     x, t = jnp.arange(3.0), jnp.ones(3)
     got = jax.jvp(jax.vmap(wrapped) if batched else wrapped, (x,), (t,))
