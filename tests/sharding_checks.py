@@ -160,27 +160,31 @@ for name, fn in (("transform", jamp.autocast_transform(partitioned)),
 
 # A custom_vjp's cotangents take JAX's cotangent types: an output reduced over a mesh axis
 # (jax.P(reduced=...)) has an unreduced cotangent (jamp gave the reduced type, and the pullback
-# refused it).
+# refused it); a bwd returning None for a reduced input gives JAX's zero of the unreduced type
+# (jamp returned the zero JAX's pullback instantiates, untyped, and JAX refused it).
 explicit = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
 
 
-@jax.custom_vjp
-def passed_through(v):
-    return v
+def reduced_custom_vjp(bwd):
+    @jax.custom_vjp
+    def passed_through(v):
+        return v
 
-
-passed_through.defvjp(lambda v: (v, None), lambda _, g: (g,))
-reduced_body = jax.shard_map(passed_through, out_specs=jax.P(reduced={"x"}))
+    passed_through.defvjp(lambda v: (v, None), bwd)
+    return jax.shard_map(passed_through, out_specs=jax.P(reduced={"x"}))
 
 
 with jax.set_mesh(explicit):
     reduced = jax.device_put(jnp.arange(8.0), jax.P(reduced={"x"}))
-    want_grad = jax.jit(jax.grad(lambda v: reduced_body(v).sum()))(reduced)
-    for name, fn in (("transform", jamp.autocast_transform(reduced_body)),
-                     ("region", in_region(reduced_body))):
-        got_grad = jax.jit(jax.grad(lambda v: fn(v).sum()))(reduced)
-        check(got_grad.sharding == want_grad.sharding,
-              f"reduced custom_vjp {name}: {got_grad.sharding} vs {want_grad.sharding}")
-        summed = jax.jit(lambda g: jax.reshard(g, jax.P()))  # (an unreduced array: sum it)
-        np.testing.assert_allclose(summed(got_grad), summed(want_grad))
+    for bwd_gives, bwd in (("g", lambda _, g: (g,)), ("None", lambda _, g: (None,))):
+        reduced_body = reduced_custom_vjp(bwd)
+        want_grad = jax.jit(jax.grad(lambda v, f=reduced_body: f(v).sum()))(reduced)
+        for name, fn in (("transform", jamp.autocast_transform(reduced_body)),
+                         ("region", in_region(reduced_body))):
+            got_grad = jax.jit(jax.grad(lambda v, f=fn: f(v).sum()))(reduced)
+            check(got_grad.sharding == want_grad.sharding,
+                  f"reduced custom_vjp {name}, bwd giving {bwd_gives}: "
+                  f"{got_grad.sharding} vs {want_grad.sharding}")
+            summed = jax.jit(lambda g: jax.reshard(g, jax.P()))  # (an unreduced array: sum it)
+            np.testing.assert_allclose(summed(got_grad), summed(want_grad))
 print("sharding checks passed")

@@ -243,6 +243,29 @@ def _wider(traced: Any, rewritten: Any) -> Any:
     return rewritten if wider else traced
 
 
+def _known_zeros(jaxpr: Any, n_outs: int) -> tuple[bool, ...]:
+    """Which of ``jaxpr``'s first ``n_outs`` outputs are zeros by construction: a literal zero,
+    or a literal zero broadcast (what JAX instantiates a symbolic zero cotangent as, e.g. a
+    user's bwd returning None). Read from the program, not from what an output depends on: a
+    user's bwd need not be linear in the cotangent (it may return a constant)."""
+    made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
+
+    def is_zero_literal(atom: Any) -> bool:
+        return isinstance(atom, compat.Literal) and not np.any(np.asarray(atom.val))
+
+    def is_zero(v: Any) -> bool:
+        if is_zero_literal(v):
+            return True
+        eqn = made_by.get(v)
+        return (
+            eqn is not None
+            and eqn.primitive.name == "broadcast_in_dim"
+            and is_zero_literal(eqn.invars[0])
+        )
+
+    return tuple(is_zero(v) for v in jaxpr.outvars[:n_outs])
+
+
 def _instantiate(ct: Any) -> Any:
     """A cotangent as an array (``symbolic_zeros`` hands the backward pass symbolic zeros)."""
     if not isinstance(ct, SymbolicZero):
@@ -395,7 +418,13 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             _wider(v.aval.dtype, compat.aval_of(out).dtype) if same else d
             for (d, same), v, out in zip(kept, backward.closed.outvars, outs)
         ]
-        cts = iter(cast_all(outs[:n_cts], ct_dtypes))
+        # A zero the pullback instantiated (a user's bwd returning None) is returned as None,
+        # for JAX to make the zero of the input's cotangent type: JAX's instantiation drops a
+        # sharding type (a reduced input's cotangent is unreduced), which JAX then refuses.
+        zeros = iter(_known_zeros(backward.closed, n_cts))
+        cts = iter(
+            None if zero else ct for ct, zero in zip(cast_all(outs[:n_cts], ct_dtypes), zeros)
+        )
         logs = jax.tree.unflatten(backward.logs_tree, cast_all(outs[n_cts:], backward.log_dtypes))
         return tuple(next(cts) if p else None for p in backward.perturbed), logs or None
 
