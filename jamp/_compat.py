@@ -842,6 +842,27 @@ OPTIMIZED_REMAT_PRIMITIVES: tuple[str, ...] = (
 )
 
 
+def _imported_call_primitives() -> tuple[str, ...]:
+    """Call primitives defined in modules ``import jax`` does not load (``xla_metadata_call``,
+    ``compute_on``): their public modules imported (~1 ms each) so their names can key rules;
+    a JAX without one leaves its name out."""
+    found = []
+    for module, name in (
+        ("jax.experimental.scheduling_groups", "xla_metadata_call"),
+        ("jax.experimental.compute_on", "compute_on"),
+    ):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # pragma: no cover - both versions have them today
+            continue
+        found.append(name)
+    return tuple(found)
+
+
+# Calls that tell XLA how to run their body (scheduling metadata, the core or host it runs on).
+ANNOTATED_CALL_PRIMITIVES: tuple[str, ...] = _imported_call_primitives()
+
+
 # --- Which trace a tracer belongs to (custom rules closing over the user's traced values). ---
 
 

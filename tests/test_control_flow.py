@@ -262,3 +262,65 @@ def test_a_composite_keeps_its_name_and_its_decomposition_runs_under_the_policy(
     for out in (fn(XS, W), jax.jit(fn)(XS, W)):
         assert out.dtype == BF16
         np.testing.assert_allclose(out, jnp.tanh(XS @ W), rtol=2e-2, atol=2e-2)
+
+
+def _scheduled(xs, w):
+    # (imported here: jax.experimental.scheduling_groups is recent; both CI versions have it)
+    from jax.experimental.scheduling_groups import xla_metadata_call
+
+    scale = jnp.sum(w)  # closed over by the call: traced, so it becomes an operand
+    return xla_metadata_call(lambda a: jnp.tanh(a @ w) * scale, inlineable="false")(xs)
+
+
+def _on_host(xs, w):
+    from jax.experimental import compute_on as compute_on_module
+
+    # compute_on2 on jax 0.10, compute_on with the same signature on 0.12
+    compute_on = getattr(compute_on_module, "compute_on2", compute_on_module.compute_on)
+    run_on_host = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
+    return run_on_host(lambda a, b: jnp.tanh(a @ b))(xs, w)
+
+
+@pytest.mark.parametrize("form", ["transform", "region", "jit in a region"])
+@pytest.mark.parametrize(
+    "call, name, lowered",
+    [
+        (_scheduled, "xla_metadata_call", 'inlineable = "false"'),
+        (_on_host, "compute_on", "_xla_compute_type"),
+    ],
+    ids=["xla_metadata_call", "compute_on"],
+)
+def test_a_call_telling_xla_how_to_run_its_body_keeps_that_and_its_body_runs_under_the_policy(
+    call, name, lowered, form
+):
+    # xla_metadata_call and compute_on had no rule: they warned and ran in their traced dtypes
+    # (found with JAX's xla_metadata_test and memories_test under an identity region).
+    def region(xs, w):
+        with jamp.autocast():
+            return call(xs, w)
+
+    fn = {"transform": jamp.autocast_transform(call), "region": region,
+          "jit in a region": lambda xs, w: in_a_region_jit(call, xs, w)}[form]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jamp.UnsupportedPrimitiveWarning)
+        jaxpr = jax.make_jaxpr(fn)(XS, W)
+        traced = eqns_named(jax.make_jaxpr(call)(XS, W), name)[0]
+        (kept,) = eqns_named(jaxpr, name)
+        assert {k: v for k, v in kept.params.items() if k != "jaxpr"} == {
+            k: v for k, v in traced.params.items() if k != "jaxpr"
+        }
+        assert operand_dtypes(kept.params["jaxpr"], "dot_general") == [("bfloat16", "bfloat16")]
+        assert lowered in jax.jit(fn).lower(XS, W).as_text()
+        want = call(XS, W)
+        for out in (fn(XS, W), jax.jit(fn)(XS, W)):
+            assert out.dtype == BF16
+            np.testing.assert_allclose(out.astype(F32), want, rtol=3e-2, atol=3e-2)
+        grad = jax.jit(jax.grad(lambda w: fn(XS, w).astype(F32).sum()))(W)
+        assert grad.dtype == F32
+        want_grad = jax.grad(lambda w: call(XS, w).sum())(W)
+        np.testing.assert_allclose(grad, want_grad, rtol=5e-2, atol=0.1)
+
+
+def in_a_region_jit(call, xs, w):
+    with jamp.autocast():
+        return jax.jit(call)(xs, w)

@@ -1,5 +1,6 @@
 """Call-like primitives: ``jit`` (``pjit``), ``closed_call``/``core_call`` (``eval_jaxpr`` on jax
-0.12), ``checkpoint`` (remat), ``custom_vmap_call``, ``composite`` (``lax.composite``).
+0.12), ``checkpoint`` (remat), ``custom_vmap_call``, ``composite`` (``lax.composite``),
+``xla_metadata_call`` and ``compute_on``.
 
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
@@ -70,6 +71,19 @@ def composite_rule(step: Step) -> Sequence[Any]:
     return step.bind(step.args, **{call_param(step.eqn): body})  # (jax 0.12: call_jaxpr)
 
 
+@register(*compat.ANNOTATED_CALL_PRIMITIVES)
+def annotated_call_rule(step: Step) -> Sequence[Any]:
+    """A call that tells XLA how to run its body (``xla_metadata_call``: scheduling metadata,
+    whether it may be inlined; ``compute_on``: the core or host it runs on): the body is
+    rewritten as a jit's body is, the parameters that say how are kept."""
+    traced = step.params["jaxpr"]
+    body = step.rewrite_sub(compat.as_closed(traced), step.avals(), step.hints())
+    if compat.as_closed(traced) is traced:  # a closed jaxpr (jax 0.10), consts and all
+        return step.bind(step.args, jaxpr=body)
+    jaxpr, consts = compat.hoist_consts(body)  # an open one (jax 0.12): consts as operands
+    return step.bind([*consts, *step.args], jaxpr=jaxpr)
+
+
 @register("custom_vmap_call")
 def custom_vmap_rule(step: Step) -> Sequence[Any]:
     """``jax.custom_batching.custom_vmap``: the function is rewritten, but its vmap rule is the
@@ -98,6 +112,7 @@ register_walk(
     "remat",
     "remat2",
     "composite",
+    *compat.ANNOTATED_CALL_PRIMITIVES,
     *compat.INLINE_CALL_PRIMITIVES,
     bodies=call_bodies,
 )(walk_call)
