@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 import jamp
-from tests.jaxpr_utils import eqns_named, operand_dtypes
+from tests.jaxpr_utils import eqns_named, in_region, operand_dtypes
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 W = jax.random.normal(jax.random.PRNGKey(0), (8, 8)) * 0.3
@@ -295,12 +295,8 @@ def test_a_call_telling_xla_how_to_run_its_body_keeps_that_and_its_body_runs_und
 ):
     # xla_metadata_call and compute_on had no rule: they warned and ran in their traced dtypes
     # (found with JAX's xla_metadata_test and memories_test under an identity region).
-    def region(xs, w):
-        with jamp.autocast():
-            return call(xs, w)
-
-    fn = {"transform": jamp.autocast_transform(call), "region": region,
-          "jit in a region": lambda xs, w: in_a_region_jit(call, xs, w)}[form]
+    fn = {"transform": jamp.autocast_transform(call), "region": in_region(call),
+          "jit in a region": in_region(jax.jit(call))}[form]
     with warnings.catch_warnings():
         warnings.simplefilter("error", jamp.UnsupportedPrimitiveWarning)
         jaxpr = jax.make_jaxpr(fn)(XS, W)
@@ -319,8 +315,3 @@ def test_a_call_telling_xla_how_to_run_its_body_keeps_that_and_its_body_runs_und
         assert grad.dtype == F32
         want_grad = jax.grad(lambda w: call(XS, w).sum())(W)
         np.testing.assert_allclose(grad, want_grad, rtol=5e-2, atol=0.1)
-
-
-def in_a_region_jit(call, xs, w):
-    with jamp.autocast():
-        return jax.jit(call)(xs, w)
