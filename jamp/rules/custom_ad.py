@@ -111,7 +111,7 @@ def _primal(step: Step) -> tuple[Any, list[Any], RegionState, RegionState]:
     closed = step.rewriter.rewrite_closed(
         step.params["call_jaxpr"], step.avals(), state, step.hints()
     )
-    dtypes = [np.dtype(a.dtype) for a in closed.out_avals]
+    dtypes = [a.dtype for a in closed.out_avals]  # (an extended dtype is no numpy dtype)
     narrowed = False
     if _returns_compute_dtype(step):
         size = compat.generic_size  # sizes may be symbolic (a polymorphic export's batch)
