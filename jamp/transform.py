@@ -438,11 +438,21 @@ def _debug_info(
     return debug
 
 
+class _TraceCache(dict):
+    """A transformed function's traced programs, per call key. Pickled empty: cloudpickle
+    pickles the function's closure by value (Ray, multiprocessing), and a traced program holds
+    JAX tracebacks, which cannot be pickled; as with ``jax.jit``, whose caches are not pickled
+    either, the function unpickled traces again on its first call."""
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        return (type(self), ())
+
+
 def _transform_arrays(
     fn: Callable, policy: Policy, *, source: Callable, signature: CallSignature | None = None
 ) -> Callable:
     """The transform for arguments that are pytrees of arrays and static leaves."""
-    cache: dict[Any, _Traced] = {}
+    cache: dict[Any, _Traced] = _TraceCache()
 
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:

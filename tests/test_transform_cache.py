@@ -269,3 +269,30 @@ def test_closure_over_an_outer_tracer_is_not_cached_under_jit():
     first = jax.jit(lambda w: outer(w))(W)
     second = jax.jit(lambda w: outer(w))(W * 2)
     np.testing.assert_allclose(first, second / 2, rtol=1e-2)
+
+
+def test_a_transformed_function_pickles_after_its_calls_and_traces_again_unpickled():
+    # cloudpickle (Ray, multiprocessing) pickles a function's closure by value; after a call,
+    # the transform's cache held traced programs with JAX tracebacks, which cannot be pickled
+    # (found with JAX's pickle_test under the identity harness). jax.jit's functions pickle.
+    import pickle
+
+    import cloudpickle
+
+    traces = []
+
+    def layer(x, w):
+        traces.append(1)  # (runs at trace time only)
+        return jnp.tanh(x @ w)
+
+    transformed = jamp.autocast_transform(layer)
+    want = transformed(X, W)
+    jax.jit(transformed)(X, W)
+    restored = pickle.loads(cloudpickle.dumps(transformed))
+    assert restored.policy == transformed.policy
+    n = len(traces)
+    transformed(X, W)
+    assert len(traces) == n  # pickling left the original's cache as it was
+    got = restored(X, W)
+    assert got.dtype == BF16
+    np.testing.assert_array_equal(got, want)
