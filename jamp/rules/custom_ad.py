@@ -421,7 +421,7 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         # A zero the pullback instantiated (a user's bwd returning None) is returned as None,
         # for JAX to make the zero of the input's cotangent type: JAX's instantiation drops a
         # sharding type (a reduced input's cotangent is unreduced), which JAX then refuses.
-        zeros = iter(_known_zeros(backward.closed, n_cts))
+        zeros = _known_zeros(backward.closed, n_cts)
         cts = iter(
             None if zero else ct for ct, zero in zip(cast_all(outs[:n_cts], ct_dtypes), zeros)
         )
