@@ -271,7 +271,7 @@ def test_closure_over_an_outer_tracer_is_not_cached_under_jit():
     np.testing.assert_allclose(first, second / 2, rtol=1e-2)
 
 
-def test_a_transformed_function_pickles_after_its_calls_and_traces_again_unpickled():
+def test_a_transformed_function_pickles_after_its_calls_and_its_copy_runs():
     # cloudpickle (Ray, multiprocessing) pickles a function's closure by value; after a call,
     # the transform's cache held traced programs with JAX tracebacks, which cannot be pickled
     # (found with JAX's pickle_test under the identity harness). jax.jit's functions pickle.
