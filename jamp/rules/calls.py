@@ -62,26 +62,15 @@ def remat_rule(step: Step) -> Sequence[Any]:
     return step.bind([*consts, *step.args], jaxpr=jaxpr)
 
 
-@register("composite")
+@register("composite", *compat.ANNOTATED_CALL_PRIMITIVES)
 def composite_rule(step: Step) -> Sequence[Any]:
-    """``lax.composite``: a named operation and its decomposition. The decomposition is rewritten
-    as a jit's body is (what runs where the compiler does not know the name); the name, version
-    and attributes stay, so a compiler that does know it sees the dtypes the policy chose."""
+    """A call whose other parameters say what its body is or how XLA runs it: ``lax.composite``
+    (a named operation and its decomposition), ``xla_metadata_call`` (scheduling metadata,
+    whether it may be inlined), ``compute_on`` (the core or host it runs on). The body is
+    rewritten as a jit's body is, every other parameter kept: a compiler that knows a
+    composite's name sees the dtypes the policy chose."""
     body = step.rewrite_sub(call_body(step.eqn), step.avals(), step.hints())
     return step.bind(step.args, **{call_param(step.eqn): body})  # (jax 0.12: call_jaxpr)
-
-
-@register(*compat.ANNOTATED_CALL_PRIMITIVES)
-def annotated_call_rule(step: Step) -> Sequence[Any]:
-    """A call that tells XLA how to run its body (``xla_metadata_call``: scheduling metadata,
-    whether it may be inlined; ``compute_on``: the core or host it runs on): the body is
-    rewritten as a jit's body is, the parameters that say how are kept."""
-    traced = step.params["jaxpr"]
-    body = step.rewrite_sub(compat.as_closed(traced), step.avals(), step.hints())
-    if compat.as_closed(traced) is traced:  # a closed jaxpr (jax 0.10), consts and all
-        return step.bind(step.args, jaxpr=body)
-    jaxpr, consts = compat.hoist_consts(body)  # an open one (jax 0.12): consts as operands
-    return step.bind([*consts, *step.args], jaxpr=jaxpr)
 
 
 @register("custom_vmap_call")
