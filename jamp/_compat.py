@@ -30,6 +30,7 @@ from jax._src import linear_util as _lu
 from jax._src import pjit as _pjit
 from jax._src import sharding_impls as _sharding_impls
 from jax._src import source_info_util as _siu
+from jax._src import traceback_util as _traceback_util
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 
@@ -842,15 +843,12 @@ OPTIMIZED_REMAT_PRIMITIVES: tuple[str, ...] = (
 )
 
 
-def _imported_call_primitives() -> tuple[str, ...]:
+def _imported_call_primitives(*defined_in: tuple[str, str]) -> tuple[str, ...]:
     """Call primitives defined in modules ``import jax`` does not load (``xla_metadata_call``,
-    ``compute_on``): their public modules imported (~1 ms each) so their names can key rules;
-    a JAX without one leaves its name out."""
+    ``compute_on``, ``fused_call``): their public modules imported (~1 ms each) so their names
+    can key rules; a JAX without one leaves its name out."""
     found = []
-    for module, name in (
-        ("jax.experimental.scheduling_groups", "xla_metadata_call"),
-        ("jax.experimental.compute_on", "compute_on"),
-    ):
+    for module, name in defined_in:
         try:
             importlib.import_module(module)
         except ImportError:  # pragma: no cover - both versions have them today
@@ -860,7 +858,14 @@ def _imported_call_primitives() -> tuple[str, ...]:
 
 
 # Calls that tell XLA how to run their body (scheduling metadata, the core or host it runs on).
-ANNOTATED_CALL_PRIMITIVES: tuple[str, ...] = _imported_call_primitives()
+ANNOTATED_CALL_PRIMITIVES: tuple[str, ...] = _imported_call_primitives(
+    ("jax.experimental.scheduling_groups", "xla_metadata_call"),
+    ("jax.experimental.compute_on", "compute_on"),
+)
+# ``jax.experimental.fused``: a body XLA must fuse, traced at inputs in any memory space.
+FUSED_CALL_PRIMITIVES: tuple[str, ...] = _imported_call_primitives(
+    ("jax.experimental.fused", "fused_call")
+)
 
 
 # --- Which trace a tracer belongs to (custom rules closing over the user's traced values). ---
@@ -1349,9 +1354,24 @@ def current_scope_names() -> tuple[str, ...]:
     return names
 
 
-# jamp's own frames are library frames in the source lines JAX reports (as JAX's own are): an
-# operation a region re-binds is reported at the user's line, not at the region trace.
-_siu.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+def register_library_frames(module_file: str) -> None:
+    """The frames of the package holding ``module_file`` are library frames, as JAX's own are: in
+    the source lines JAX reports (an operation a region re-binds is reported at the user's line,
+    not at the region trace) and in the tracebacks of errors raised under ``api_boundary``
+    (``jax.jit``'s, or a transformed function's), which then start at the user's call."""
+    path = os.path.dirname(os.path.abspath(module_file)) + os.sep
+    _siu.register_exclusion(path)
+    _traceback_util.register_exclusion(path)
+
+
+def api_boundary(fn: Callable) -> Callable:
+    """``fn`` as a boundary for JAX's traceback filtering (``JAX_TRACEBACK_FILTERING``), as
+    ``jax.jit``'s functions are: an error from the user's code below it shows the user's frames,
+    not jamp's and JAX's."""
+    return _traceback_util.api_boundary(fn)
+
+
+register_library_frames(__file__)
 
 
 def region_source_info() -> Any:

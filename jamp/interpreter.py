@@ -769,7 +769,11 @@ def _track_lowered(step: Step, outs: Sequence[Any]) -> None:
     from_lowered = step.substituted or any(_is_lowered(env, v) for v in eqn.invars)
     is_lower = step.state.enabled and step.policy.category(eqn.primitive.name) == "lower"
     for var, value in zip(eqn.outvars, outs):
-        if isinstance(var, compat.DropVar) or compat.aval_of(value).dtype != compute:
+        # (getattr: an async collective's future has no dtype, and is never a 16-bit value)
+        if (
+            isinstance(var, compat.DropVar)
+            or getattr(compat.aval_of(value), "dtype", None) != compute
+        ):
             continue
         if from_lowered or is_lower or np.dtype(var.aval.dtype) != compute:
             env.lowered.add(var)

@@ -537,7 +537,7 @@ def scaled_value_and_grad(
     # fn's name for jit's messages, but not its signature (step takes the loss scale first)
     step.__name__ = name
     step.__qualname__ = getattr(fn, "__qualname__", name)
-    return step
+    return compat.api_boundary(step)  # (fn's errors show fn's frames, as under jax.grad)
 
 
 _LOSS_SCALES = (

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from . import _compat as compat
 from . import region_trace
 from .call_args import short_repr
 from .policy import Policy
@@ -117,7 +118,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 self._transformed = autocast_transform(fn, self._region_policy())
             return self._transformed(*args, **kwargs)
 
-        return wrapper
+        return compat.api_boundary(wrapper)  # (fn's errors show fn's frames, as under jax.jit)
 
     def _cast_inputs_call(self, fn: Callable, dtype: np.dtype, args: tuple, kwargs: dict) -> Any:
         """Call ``fn`` as a jit the rewriter recognises by its name (see rules/calls.py): at trace

@@ -222,8 +222,10 @@ def autocast_transform(
             kwargs,
         )
 
-    transformed.policy = policy  # type: ignore[attr-defined]
-    return transformed
+    # An error from fn shows fn's frames, not jamp's or JAX's, as under jax.jit.
+    boundary = compat.api_boundary(transformed)
+    boundary.policy = policy  # type: ignore[attr-defined]
+    return boundary
 
 
 def _holds_tracers(closed: Any) -> bool:

@@ -6,7 +6,9 @@ intent is clear, it now does what the user meant.
 """
 
 import functools
+import os
 import re
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -298,3 +300,62 @@ def test_autocast_transform_dtype_errors_name_the_argument():
 def test_a_bad_policy_is_reported_by_the_function_called(entry):
     with pytest.raises(TypeError, match=rf"^{entry.__name__}: policy must be a jamp.Policy"):
         entry(lambda a: a @ a, jnp.ones((2, 2)), policy="bf16")
+
+
+# --- Tracebacks of errors raised in the user's function ----------------------------------------
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(module.__file__) + os.sep for module in (jamp, tracing, jax)
+)
+
+
+def _raising_layer(x, w):
+    return jnp.tanh(x @ w) + _fails_here(x)
+
+
+def _fails_here(x):
+    raise ValueError("the user's own error")
+
+
+def _in_region(x, w):
+    with jamp.autocast():
+        return _raising_layer(x, w)
+
+
+def _scaled_step(x, w):
+    step = jamp.scaled_value_and_grad(lambda x, w: _raising_layer(x, w).sum(), argnums=1)
+    return step(jamp.StaticLossScale(2.0 ** 8), x, w)
+
+
+@pytest.fixture(params=["quiet_remove_frames", "remove_frames"])
+def filtering(request):
+    before = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", request.param)
+    yield request.param
+    jax.config.update("jax_traceback_filtering", before)
+
+
+@pytest.mark.parametrize("call", [
+    jamp.autocast_transform(_raising_layer),
+    jax.jit(jamp.autocast_transform(_raising_layer)),
+    jax.jit(lambda x, w: jamp.autocast_transform(_raising_layer)(x, w)),
+    jax.grad(lambda x, w: jamp.autocast_transform(_raising_layer)(x, w).sum(), argnums=1),
+    jamp.autocast()(_raising_layer),
+    jax.jit(_in_region),
+    _scaled_step,
+], ids=["eager transform", "jit of transform", "transform under jit", "grad of transform",
+        "decorator", "region under jit", "scaled_value_and_grad"])
+def test_an_error_in_the_users_function_shows_the_users_frames_not_jamps_or_jaxs(call, filtering):
+    # jamp's frames were not library frames for JAX's traceback filtering, and an eager transformed
+    # function was no API boundary: its traceback showed ten frames of jamp and JAX between the
+    # call and the user's function (found with JAX's errors_test under an identity region).
+    x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
+    with pytest.raises(ValueError, match="the user's own error") as info:
+        call(x, w)
+    frames = traceback.extract_tb(info.value.__traceback__)
+    shown = [(os.path.basename(f.filename), f.name) for f in frames]
+    assert [f for f in frames if f.filename.startswith(_LIBRARY_DIRS)] == [], shown
+    assert shown[-2:] == [("test_misuse_errors.py", "_raising_layer"),
+                          ("test_misuse_errors.py", "_fails_here")], shown
+    if filtering == "remove_frames":  # the whole stack is kept beside it, as JAX keeps it
+        assert type(info.value.__cause__).__name__ == "UnfilteredStackTrace"

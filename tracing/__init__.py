@@ -6,6 +6,8 @@ checking that the trace did not bake in what it should not have (see ``trace.py`
 an inference program (``freeze.py``); ``tracing.load`` reads an export of either back.
 """
 
+from jamp import _compat
+
 from .errors import TracerWarning, TracingCheckError
 from .export import LoadedFunction, load
 from .freeze import FrozenFunction, freeze
@@ -22,3 +24,6 @@ __all__ = [
     "load",
     "trace",
 ]
+
+# tracing's frames are library frames in JAX's source lines and filtered tracebacks, as jamp's.
+_compat.register_library_frames(__file__)

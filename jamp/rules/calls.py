@@ -1,6 +1,6 @@
 """Call-like primitives: ``jit`` (``pjit``), ``closed_call``/``core_call`` (``eval_jaxpr`` on jax
 0.12), ``checkpoint`` (remat), ``custom_vmap_call``, ``composite`` (``lax.composite``),
-``xla_metadata_call`` and ``compute_on``.
+``xla_metadata_call``, ``compute_on`` and ``fused_call``.
 
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
@@ -73,6 +73,22 @@ def composite_rule(step: Step) -> Sequence[Any]:
     return step.bind(step.args, **{call_param(step.eqn): body})  # (jax 0.12: call_jaxpr)
 
 
+@register(*compat.FUSED_CALL_PRIMITIVES)
+def fused_rule(step: Step) -> Sequence[Any]:
+    """``jax.experimental.fused``: a body XLA must fuse, traced at inputs that may live in any
+    memory space (its own input types, not its operands'). It is rewritten at those types with
+    the operands' dtypes; the output memory spaces (``out_spaces``) are kept."""
+    body = call_body(step.eqn)
+    traced_in = [v.aval for v in compat.open_and_consts(compat.as_closed(body))[0].invars]
+    avals = [
+        t.update(dtype=a.dtype) if hasattr(t, "dtype") else t
+        for t, a in zip(traced_in, step.avals())
+    ]
+    return step.bind(
+        step.args, **{call_param(step.eqn): step.rewrite_sub(body, avals, step.hints())}
+    )
+
+
 @register("custom_vmap_call")
 def custom_vmap_rule(step: Step) -> Sequence[Any]:
     """``jax.custom_batching.custom_vmap``: the function is rewritten, but its vmap rule is the
@@ -102,6 +118,7 @@ register_walk(
     "remat2",
     "composite",
     *compat.ANNOTATED_CALL_PRIMITIVES,
+    *compat.FUSED_CALL_PRIMITIVES,
     *compat.INLINE_CALL_PRIMITIVES,
     bodies=call_bodies,
 )(walk_call)
