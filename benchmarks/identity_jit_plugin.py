@@ -66,7 +66,11 @@ def _install() -> None:
     from jax._src import api_util  # benchmark only: resolve static args as jax.jit does
 
     import jamp
+    from jamp import _compat  # benchmark only
 
+    # The wrappers below are the harness's, not the user's: library frames, as jamp's own are, so
+    # JAX's traceback tests (errors_test) check what a user sees under jamp.
+    _compat.register_library_frames(__file__)
     real_jit = jax.jit
     policy = jamp.Policy(jnp.float32)
     # One wrapper per jitted function and static arguments, kept on the function itself

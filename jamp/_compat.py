@@ -106,6 +106,81 @@ def open_and_consts(closed: Any) -> tuple[Any, list[Any]]:
     return closed, list(getattr(closed, "consts", ()))
 
 
+def same_program(a: Any, b: Any) -> bool:
+    """Whether two closed jaxprs compute the same thing the same way: the same equations (the same
+    primitives, equal parameters, sub-programs the same objects), wired alike, on the same
+    constants (by identity) and types. Conservative: a parameter that cannot be compared makes
+    them differ."""
+    (ja, ca), (jb, cb) = open_and_consts(a), open_and_consts(b)
+    if (
+        len(ja.eqns) != len(jb.eqns)
+        or len(ca) != len(cb)
+        or not all(map(_same_constant, ca, cb))
+        or len(ja.invars) != len(jb.invars)
+        or len(ja.outvars) != len(jb.outvars)
+    ):
+        return False
+    names: dict[Any, Any] = {}  # a's variables -> b's
+    for x, y in zip([*ja.constvars, *ja.invars], [*jb.constvars, *jb.invars]):
+        if x.aval != y.aval:
+            return False
+        names[x] = y
+
+    def same_atom(x: Any, y: Any) -> bool:
+        if type(x) is _core.Literal or type(y) is _core.Literal:
+            return (
+                type(x) is type(y)
+                and x.aval == y.aval
+                and type(x.val) is type(y.val)
+                and bool(np.array_equal(x.val, y.val))
+            )
+        return names.get(x) is y
+
+    try:
+        for ea, eb in zip(ja.eqns, jb.eqns):
+            if (
+                ea.primitive is not eb.primitive
+                or len(ea.invars) != len(eb.invars)
+                or len(ea.outvars) != len(eb.outvars)
+                or not all(same_atom(x, y) for x, y in zip(ea.invars, eb.invars))
+                or ea.params.keys() != eb.params.keys()
+                or not all(_same_param(ea.params[k], eb.params[k]) for k in ea.params)
+                or ea.effects != eb.effects
+                or ea.ctx != eb.ctx
+            ):
+                return False
+            for x, y in zip(ea.outvars, eb.outvars):
+                if x.aval != y.aval:
+                    return False
+                names[x] = y
+        return all(same_atom(x, y) for x, y in zip(ja.outvars, jb.outvars))
+    except Exception:  # (a parameter whose == raises or is ambiguous: an array)
+        return False
+
+
+def _same_constant(x: Any, y: Any) -> bool:
+    """The same object, or concrete arrays of one type and equal values (a constant the rewrite
+    cast again: a closed-over weight in bfloat16)."""
+    if x is y:
+        return True
+    if isinstance(x, _core.Tracer) or isinstance(y, _core.Tracer):
+        return False
+    aval_x, aval_y = getattr(x, "aval", None), getattr(y, "aval", None)
+    if aval_x is None or aval_x != aval_y:
+        return False
+    return bool(np.array_equal(np.asarray(x), np.asarray(y)))
+
+
+def _same_param(x: Any, y: Any) -> bool:
+    if x is y:
+        return True
+    if is_jaxpr_like(x) or is_jaxpr_like(y):  # sub-programs: the same object (lowered once)
+        return False
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_same_param, x, y))
+    return type(x) is type(y) and bool(x == y)
+
+
 def closed_out_avals(closed: Any) -> list[Any]:
     """The output types of a closed jaxpr."""
     return [v.aval for v in open_and_consts(closed)[0].outvars]
@@ -1368,7 +1443,10 @@ def api_boundary(fn: Callable) -> Callable:
     """``fn`` as a boundary for JAX's traceback filtering (``JAX_TRACEBACK_FILTERING``), as
     ``jax.jit``'s functions are: an error from the user's code below it shows the user's frames,
     not jamp's and JAX's."""
-    return _traceback_util.api_boundary(fn)
+    boundary = _traceback_util.api_boundary(fn)
+    if hasattr(fn, "__wrapped__"):  # (the user's function, as functools.wraps set it on fn)
+        boundary.__wrapped__ = fn.__wrapped__  # type: ignore[attr-defined]
+    return boundary
 
 
 register_library_frames(__file__)

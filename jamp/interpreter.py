@@ -255,6 +255,9 @@ class Hint:
 
 # ("lowered" is set in a region only: a body JAX traced with a value the region made 16-bit holds
 # jnp's float32 promotions of it, which the rules then read through, as at the call site.)
+# The cache key of a callee's first rewrite for given types and region, whatever its tags.
+_FIRST_REWRITE = "first rewrite"
+
 TAGS = ("scalar_like", "lower_outputs", "expanded", "input_view", "cotangent", "lowered")
 INPUT = Hint(tags=frozenset({"input_view"}))  # a function input (a parameter, a batch)
 
@@ -614,6 +617,15 @@ class Rewriter:
         sub = self.child(state)
         out = compat.trace_to_closed(lambda *args: sub.run(jaxpr, consts, args, hints), list(avals))
         if key is not None:
+            # Calls with other tags (a callee called on a parameter, then on its own output)
+            # mostly rewrite alike: the same object then, as JAX lowers each jaxpr object once
+            # (plain JAX emits one function for a jit called twice, and so does jamp).
+            first = (closed, key[1], state, _FIRST_REWRITE)
+            earlier = self._rewritten.get(first)
+            if earlier is None:
+                self._rewritten[first] = out
+            elif earlier is not out and compat.same_program(earlier, out):
+                out = earlier
             self._rewritten[key] = out
         return out
 

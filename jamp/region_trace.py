@@ -990,6 +990,14 @@ class RegionTrace(compat.Trace):
             entries.move_to_end(key)
             return entries[key]
         rewrite = self._walk_once(closed, list(avals), state, knowledge, sources, facts)
+        if rewrite is not None:
+            # Calls knowing other things of their operands (a parameter, then the callee's own
+            # output) mostly rewrite alike: one jaxpr object then, which JAX lowers as one
+            # function, as plain JAX does for a jit called twice (Rewriter.rewrite_closed).
+            for earlier in entries.values():
+                if earlier is not None and compat.same_program(earlier.closed, rewrite.closed):
+                    rewrite = dataclasses.replace(rewrite, closed=earlier.closed)
+                    break
         consts = compat.open_and_consts(rewrite.closed)[1] if rewrite is not None else ()
         if not any(compat.is_tracer(c) for c in consts):
             entries[key] = rewrite  # (one closing over this trace's values: this call only)

@@ -296,3 +296,47 @@ def test_a_transformed_function_pickles_after_its_calls_and_its_copy_runs():
     got = restored(X, W)
     assert got.dtype == BF16
     np.testing.assert_array_equal(got, want)
+
+
+@jax.jit
+def _layer(x):
+    return x + jnp.tanh(x @ W)  # (float32: the second call's operand type is the first's)
+
+
+def _scheduled_layer(x):
+    from jax.experimental.scheduling_groups import xla_metadata_call
+
+    return xla_metadata_call(_layer, inlineable="false")(x)
+
+
+def _in_region(fn):
+    def region(x):
+        with jamp.autocast():
+            return fn(x)
+
+    return region
+
+
+@pytest.mark.parametrize("callee, function", [(_layer, "_layer"),
+                                              (_scheduled_layer, "xla_metadata_call")])
+@pytest.mark.parametrize("form", ["transform", "region", "jit in a region"])
+def test_a_jitted_callee_called_twice_is_lowered_as_one_function_as_plain_jax_does(
+    callee, function, form
+):
+    # The rewrite of a callee was cached per what is known of its operands, which differs between
+    # a call on a parameter and one on the callee's own output: two equal rewrites, two objects,
+    # and JAX lowers each jaxpr object as a function of its own (found with JAX's
+    # scheduling_groups_test under an identity region). On jax 0.12 a region also took every
+    # jit for one JAX inlines while tracing (its inline parameter is an enum there).
+    def twice(x):
+        return callee(callee(x)).sum()
+
+    fn = {"transform": jamp.autocast_transform(twice), "region": _in_region(twice),
+          "jit in a region": _in_region(jax.jit(twice))}[form]
+    defined = f"func.func private @{function}"
+    for outer in (lambda f: f, jax.grad):
+        plain = jax.jit(outer(twice)).lower(X).as_text().count(defined)
+        mixed = jax.jit(outer(fn)).lower(X).as_text()
+        assert mixed.count(defined) == plain >= 1
+        assert "bf16" in mixed
+    np.testing.assert_allclose(fn(X), twice(X), rtol=2e-2)
