@@ -108,14 +108,13 @@ def open_and_consts(closed: Any) -> tuple[Any, list[Any]]:
 
 def same_program(a: Any, b: Any) -> bool:
     """Whether two closed jaxprs compute the same thing the same way: the same equations (the same
-    primitives, equal parameters, sub-programs the same objects), wired alike, on the same
-    constants (by identity) and types. Conservative: a parameter that cannot be compared makes
-    them differ."""
+    primitives, equal parameters, sub-programs the same objects), wired alike, on equal constants
+    and the same types. Conservative: a parameter or constant that cannot be compared makes them
+    differ. (Source lines and name stacks are not compared: a callee's are relative to its call.)"""
     (ja, ca), (jb, cb) = open_and_consts(a), open_and_consts(b)
     if (
         len(ja.eqns) != len(jb.eqns)
         or len(ca) != len(cb)
-        or not all(map(_same_constant, ca, cb))
         or len(ja.invars) != len(jb.invars)
         or len(ja.outvars) != len(jb.outvars)
     ):
@@ -137,6 +136,8 @@ def same_program(a: Any, b: Any) -> bool:
         return names.get(x) is y
 
     try:
+        if not all(map(_same_constant, ca, cb)):
+            return False
         for ea, eb in zip(ja.eqns, jb.eqns):
             if (
                 ea.primitive is not eb.primitive
@@ -154,7 +155,7 @@ def same_program(a: Any, b: Any) -> bool:
                     return False
                 names[x] = y
         return all(same_atom(x, y) for x, y in zip(ja.outvars, jb.outvars))
-    except Exception:  # (a parameter whose == raises or is ambiguous: an array)
+    except Exception:  # (a parameter whose == raises or is ambiguous, a key array's values)
         return False
 
 

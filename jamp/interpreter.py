@@ -255,11 +255,11 @@ class Hint:
 
 # ("lowered" is set in a region only: a body JAX traced with a value the region made 16-bit holds
 # jnp's float32 promotions of it, which the rules then read through, as at the call site.)
-# The cache key of a callee's first rewrite for given types and region, whatever its tags.
-_FIRST_REWRITE = "first rewrite"
-
 TAGS = ("scalar_like", "lower_outputs", "expanded", "input_view", "cotangent", "lowered")
 INPUT = Hint(tags=frozenset({"input_view"}))  # a function input (a parameter, a batch)
+
+# The cache key's last part for a callee's first rewrite at given types (Rewriter.rewrite_closed).
+_FIRST_REWRITE = "first rewrite"
 
 # Primitives that only move or replicate data; a constant stays a constant through them.
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
@@ -617,10 +617,11 @@ class Rewriter:
         sub = self.child(state)
         out = compat.trace_to_closed(lambda *args: sub.run(jaxpr, consts, args, hints), list(avals))
         if key is not None:
-            # Calls with other tags (a callee called on a parameter, then on its own output)
-            # mostly rewrite alike: the same object then, as JAX lowers each jaxpr object once
-            # (plain JAX emits one function for a jit called twice, and so does jamp).
-            first = (closed, key[1], state, _FIRST_REWRITE)
+            # Calls with other tags (a callee called on a parameter, then on its own output) or
+            # in other scopes mostly rewrite alike: the same object then, as JAX lowers each
+            # jaxpr object once (plain JAX emits one function for a jit called twice, and so
+            # does jamp). Compared with the callee's first rewrite at these types.
+            first = (closed, key[1], _FIRST_REWRITE)
             earlier = self._rewritten.get(first)
             if earlier is None:
                 self._rewritten[first] = out

@@ -193,7 +193,8 @@ def autocast_transform(
     ``jax.jit`` of the same function returns (jax Arrays, canonical dtypes).
 
     Errors raised while tracing ``fn`` name ``fn``, its file and line and the parameter (or
-    pytree path) a value came from, as ``jax.jit``'s do.
+    pytree path) a value came from, as ``jax.jit``'s do, and their tracebacks show your frames,
+    not jamp's or JAX's (``JAX_TRACEBACK_FILTERING=off`` shows every frame).
 
     Example::
 

@@ -340,3 +340,34 @@ def test_a_jitted_callee_called_twice_is_lowered_as_one_function_as_plain_jax_do
         assert mixed.count(defined) == plain >= 1
         assert "bf16" in mixed
     np.testing.assert_allclose(fn(X), twice(X), rtol=2e-2)
+
+
+@pytest.mark.parametrize("form", ["transform", "region"])
+def test_a_jitted_callee_in_two_scopes_is_one_function_unless_a_rule_tells_them_apart(form):
+    def two_scopes(x):
+        with jax.named_scope("first"):
+            y = _layer(x)
+        with jax.named_scope("second"):
+            return _layer(y).sum()
+
+    def mixed(policy):
+        if form == "transform":
+            return jamp.autocast_transform(two_scopes, policy)
+
+        def region(x):
+            with jamp.autocast(policy):
+                return two_scopes(x)
+
+        return region
+
+    defined = "func.func private @_layer"
+    shared = jax.jit(mixed(jamp.Policy())).lower(X).as_text()
+    assert shared.count(defined) == 1 and "bf16" in shared
+    # A rule for one scope makes the two calls different programs: each runs as decided.
+    apart = mixed(jamp.Policy(rules=(("second", jnp.float32),)))
+    assert jax.jit(apart).lower(X).as_text().count(defined) == 2
+    bodies = [e.params["jaxpr"] for e in jax.make_jaxpr(apart)(X).jaxpr.eqns
+              if e.primitive.name in ("jit", "pjit")]
+    dots = [[str(v.aval.dtype) for v in e.invars]
+            for body in bodies for e in body.jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert dots == [["bfloat16", "bfloat16"], ["float32", "float32"]]
