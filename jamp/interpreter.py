@@ -616,17 +616,18 @@ class Rewriter:
         jaxpr, consts = compat.open_and_consts(closed)
         sub = self.child(state)
         out = compat.trace_to_closed(lambda *args: sub.run(jaxpr, consts, args, hints), list(avals))
-        if key is not None:
-            # Calls with other tags (a callee called on a parameter, then on its own output) or
-            # in other scopes mostly rewrite alike: the same object then, as JAX lowers each
-            # jaxpr object once (plain JAX emits one function for a jit called twice, and so
-            # does jamp). Compared with the callee's first rewrite at these types.
-            first = (closed, key[1], _FIRST_REWRITE)
+        if self.recorder is None:
+            # Calls with other tags (a callee called on a parameter, then on its own output),
+            # known constants or scopes mostly rewrite alike: the same object then, as JAX
+            # lowers each jaxpr object once (plain JAX emits one function for a jit called
+            # twice, and so does jamp). Compared with the callee's first rewrite at these types.
+            first = (closed, tuple(avals), _FIRST_REWRITE)
             earlier = self._rewritten.get(first)
             if earlier is None:
                 self._rewritten[first] = out
             elif earlier is not out and compat.same_program(earlier, out):
                 out = earlier
+        if key is not None:
             self._rewritten[key] = out
         return out
 

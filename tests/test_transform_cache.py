@@ -309,16 +309,23 @@ def _scheduled_layer(x):
     return xla_metadata_call(_layer, inlineable="false")(x)
 
 
-def _in_region(fn):
+def _scheduled_doubling(x):  # (JAX's scheduling_groups_test: a linear body, transposed on the
+    from jax.experimental.scheduling_groups import xla_metadata_call  # sum's constant cotangent)
+
+    return xla_metadata_call(jax.jit(lambda v: v * 2.0), inlineable="false")(x)
+
+
+def _in_region(fn, policy=None):
     def region(x):
-        with jamp.autocast():
+        with jamp.autocast(policy):
             return fn(x)
 
     return region
 
 
 @pytest.mark.parametrize("callee, function", [(_layer, "_layer"),
-                                              (_scheduled_layer, "xla_metadata_call")])
+                                              (_scheduled_layer, "xla_metadata_call"),
+                                              (_scheduled_doubling, "xla_metadata_call")])
 @pytest.mark.parametrize("form", ["transform", "region", "jit in a region"])
 def test_a_jitted_callee_called_twice_is_lowered_as_one_function_as_plain_jax_does(
     callee, function, form
@@ -326,20 +333,24 @@ def test_a_jitted_callee_called_twice_is_lowered_as_one_function_as_plain_jax_do
     # The rewrite of a callee was cached per what is known of its operands, which differs between
     # a call on a parameter and one on the callee's own output: two equal rewrites, two objects,
     # and JAX lowers each jaxpr object as a function of its own (found with JAX's
-    # scheduling_groups_test under an identity region). On jax 0.12 a region also took every
-    # jit for one JAX inlines while tracing (its inline parameter is an enum there).
+    # scheduling_groups_test under an identity region).
     def twice(x):
         return callee(callee(x)).sum()
 
-    fn = {"transform": jamp.autocast_transform(twice), "region": _in_region(twice),
-          "jit in a region": _in_region(jax.jit(twice))}[form]
+    def mixed(g, policy=None):
+        return {"transform": jamp.autocast_transform(g, policy),
+                "region": _in_region(g, policy),
+                "jit in a region": _in_region(jax.jit(g), policy)}[form]
+
     defined = f"func.func private @{function}"
-    for outer in (lambda f: f, jax.grad):
-        plain = jax.jit(outer(twice)).lower(X).as_text().count(defined)
-        mixed = jax.jit(outer(fn)).lower(X).as_text()
-        assert mixed.count(defined) == plain >= 1
-        assert "bf16" in mixed
-    np.testing.assert_allclose(fn(X), twice(X), rtol=2e-2)
+    # The gradient taken outside, and inside: there the transposed calls see the sum's constant
+    # cotangent, which a rewrite may read (a bfloat16 policy may then decide the two transposed
+    # calls differently: a constant adapts to a 16-bit operand; a float32 one decides alike).
+    for plain, fn in ((twice, mixed(twice)), (jax.grad(twice), jax.grad(mixed(twice))),
+                      (jax.grad(twice), mixed(jax.grad(twice), jamp.Policy(F32)))):
+        count = jax.jit(plain).lower(X).as_text().count(defined)
+        assert jax.jit(fn).lower(X).as_text().count(defined) == count >= 1
+    np.testing.assert_allclose(mixed(twice)(X), twice(X), rtol=2e-2)
 
 
 @pytest.mark.parametrize("form", ["transform", "region"])
