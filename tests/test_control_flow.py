@@ -343,3 +343,40 @@ def test_a_fused_call_is_rewritten_at_its_own_input_types_and_keeps_its_output_s
         assert "MUST_FUSE" in lowered.as_text(dialect="hlo")
         grad = jax.jit(jax.grad(lambda x, w: fn(x, w)[1].astype(F32).sum(), argnums=1))
         assert grad.trace(x_host, W).lower(lowering_platforms=("cuda",)) is not None
+
+
+def _stateful_layer(xs, w):
+    # (run_state is JAX's own, with no public home: Pallas-style code reaches it)
+    from jax._src.state.discharge import run_state
+
+    def body(refs):
+        x_ref, out_ref = refs
+        out_ref[...] = jnp.tanh(x_ref[...] @ w)
+
+    return run_state(body)((xs, jnp.zeros((xs.shape[0], w.shape[1]))))[1]
+
+
+@pytest.mark.parametrize("form", ["transform", "region", "jit in a region"])
+def test_run_state_keeps_its_references_types_and_its_body_runs_under_the_policy(form):
+    # run_state had no rule: it warned and ran in its traced dtypes (JAX's state_test under
+    # the identity harness, both forms).
+    fn = {"transform": jamp.autocast_transform(_stateful_layer), "region": in_region(_stateful_layer),
+          "jit in a region": in_region(jax.jit(_stateful_layer))}[form]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jamp.UnsupportedPrimitiveWarning)
+        (kept,) = eqns_named(jax.make_jaxpr(fn)(XS, W), "run_state")
+        assert operand_dtypes(kept.params["jaxpr"], "dot_general") == [("bfloat16", "bfloat16")]
+        (traced,) = eqns_named(jax.make_jaxpr(_stateful_layer)(XS, W), "run_state")
+        assert [v.aval for v in kept.params["jaxpr"].invars] == [
+            v.aval for v in traced.params["jaxpr"].invars
+        ]
+        want = _stateful_layer(XS, W)
+        for out in (fn(XS, W), jax.jit(fn)(XS, W)):
+            assert out.dtype == F32  # (what its reference holds)
+            np.testing.assert_allclose(out, want, rtol=3e-2, atol=3e-2)
+        # (forward mode: JAX cannot reverse-differentiate this run_state, with or without jamp)
+        tangent = jnp.ones_like(W)
+        _, derivative = jax.jit(lambda w: jax.jvp(lambda v: fn(XS, v), (w,), (tangent,)))(W)
+        _, want_derivative = jax.jvp(lambda v: _stateful_layer(XS, v), (W,), (tangent,))
+        assert derivative.dtype == F32
+        np.testing.assert_allclose(derivative, want_derivative, rtol=5e-2, atol=0.1)

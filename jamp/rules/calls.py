@@ -1,6 +1,6 @@
 """Call-like primitives: ``jit`` (``pjit``), ``closed_call``/``core_call`` (``eval_jaxpr`` on jax
 0.12), ``checkpoint`` (remat), ``custom_vmap_call``, ``composite`` (``lax.composite``),
-``xla_metadata_call``, ``compute_on`` and ``fused_call``.
+``xla_metadata_call``, ``compute_on``, ``fused_call`` and ``run_state``.
 
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
@@ -22,6 +22,7 @@ from ..interpreter import (
     call_body,
     call_param,
     is_float,
+    keep_traced_rule,
     register,
     register_opaque,
     register_walk,
@@ -87,6 +88,22 @@ def fused_rule(step: Step) -> Sequence[Any]:
     return step.bind(
         step.args, **{call_param(step.eqn): step.rewrite_sub(body, avals, step.hints())}
     )
+
+
+@register("run_state")
+def run_state_rule(step: Step) -> Sequence[Any]:
+    """``run_state`` (stateful code discharged by JAX, Pallas-style: a body over references to its
+    operands). Every reference keeps its traced type, so the operands arrive cast back to theirs
+    and values stored are cast to the reference's dtype, as a ``jax.new_ref`` store is; the
+    operations on values read from the references follow the policy."""
+    traced = {i: step.traced_aval(i).dtype for i in step.floating()}
+    args = step.with_cast({i: d for i, d in traced.items() if step.aval(i).dtype != d})
+    body = step.params["jaxpr"]
+    rewritten = step.rewrite_sub(compat.as_closed(body), [v.aval for v in body.invars])
+    jaxpr, consts = compat.open_and_consts(rewritten)
+    if consts:  # (a body cannot close over values: what its rewrite made runs as traced)
+        return keep_traced_rule(step)
+    return step.bind(args, jaxpr=jaxpr)
 
 
 @register("custom_vmap_call")
