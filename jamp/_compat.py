@@ -106,6 +106,15 @@ def open_and_consts(closed: Any) -> tuple[Any, list[Any]]:
     return closed, list(getattr(closed, "consts", ()))
 
 
+def flatten_arguments(tree: Any) -> tuple[list[Any], Any]:
+    """A call's arguments flattened as ``jax.jit`` flattens them: with JAX's tracing registry,
+    which also splits a reference view (``ref.at[...]``, a leaf in user code) into the
+    reference and how it is viewed."""
+    from jax._src import tree_util
+
+    return tree_util.tracing_registry.flatten(tree)
+
+
 def same_program(a: Any, b: Any) -> bool:
     """Whether two closed jaxprs compute the same thing the same way: the same equations (the same
     primitives, equal parameters, sub-programs the same objects), wired alike, on equal constants

@@ -207,6 +207,12 @@ def _widest(dtypes: tuple, x64: bool) -> np.dtype:  # (the promotion context cos
 HOST_VALUES = (np.ndarray, np.generic, float, int, bool)
 
 
+def is_known_value(value: Any) -> bool:
+    """A value the rules may read at rewrite time: concrete, on the host or a device, not a
+    tracer, nor a symbolic dimension (``jax.export``'s shapes: no value until the program runs)."""
+    return isinstance(value, (*HOST_VALUES, jax.Array)) and not compat.is_tracer(value)
+
+
 def saturating_cast(value: Any, dtype: np.dtype) -> Any:
     """Cast a concrete value, clipping finite floats to the target's range (no overflow to inf).
 
@@ -643,7 +649,7 @@ class Rewriter:
             value = self.outer_value(value)
             env.values[var] = value
             env.input_view.add(var)
-            if not compat.is_tracer(value):
+            if is_known_value(value):
                 env.known[var] = ConstSource(value)
         for i, (var, value) in enumerate(zip(jaxpr.invars, args)):
             env.values[var] = value

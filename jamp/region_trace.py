@@ -83,6 +83,7 @@ from .interpreter import (
     convert_may_end_a_contraction,
     convert_may_round_a_reduction,
     is_float,
+    is_known_value,
     track_derived,
     widest,
 )
@@ -1071,7 +1072,7 @@ class RegionTrace(compat.Trace):
         """A value the region did not compute: a parameter or a batch, or a constant."""
         env = self.env
         env.input_view.add(var)
-        if not compat.is_tracer(value) and (getattr(aval, "weak_type", False) or not aval.shape):
+        if is_known_value(value) and (getattr(aval, "weak_type", False) or not aval.shape):
             env.known[var] = ConstSource(value)  # cast once, saturating, as the rewriter does
 
     def stage_value(self, value: Any) -> Any:
@@ -1547,11 +1548,22 @@ SAME_DTYPES_NOTE = (
     "jamp.autocast_transform(fn), which rewrites the whole program; see "
     "docs/reference/dtypes.md, 'Regions')"
 )
+# And for jnp under jax.numpy_dtype_promotion("strict"), which checks dtypes before anything
+# reaches the region: it cannot tell a 16-bit value the region made from one the user made.
+STRICT_PROMOTION_NOTE = (
+    "(inside a jamp.autocast region: a value is {dtype} because the region computed it (a "
+    "matmul's output, say), and jnp's strict dtype promotion (jax.numpy_dtype_promotion"
+    "('strict')) refuses to mix it with a float32 one; the region runs your jnp code on the "
+    "values it computed. Cast explicitly (x.astype(jnp.float32)), or use "
+    "jamp.autocast_transform(fn), which traces the float32 program and keeps strict promotion "
+    "for your own code; see docs/reference/dtypes.md, 'Regions')"
+)
 # JAX's refusals that a 16-bit value the region made can cause, and what to tell the user.
 _REFUSAL_NOTES = (
     (compat.is_loop_carry_type_error, LOOP_CARRY_NOTE),
     (compat.is_branch_type_error, BRANCH_NOTE),
     (compat.is_same_dtypes_error, SAME_DTYPES_NOTE),
+    (lambda err: isinstance(err, jax.dtypes.TypePromotionError), STRICT_PROMOTION_NOTE),
 )
 
 
@@ -1590,7 +1602,7 @@ def pushed(policy: Policy) -> Iterator[None]:
         if policy.rules:  # as autocast_transform warns once it has seen the whole program
             log = trace.rewriter.scope_log
             warn_unmatched(log.unmatched(policy.rules), "a jamp.autocast region", log.paths)
-    except TypeError as err:
+    except (TypeError, jax.dtypes.TypePromotionError) as err:
         dtype = policy.compute_dtype.name
         # (the dtype as a word: a float16 region says nothing of a bfloat16 value)
         names_dtype = re.search(rf"\b{dtype}\b", str(err)) is not None

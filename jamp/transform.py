@@ -359,7 +359,7 @@ def trace_call(
     own parameters do.
     """
     source = fn if source is None else source
-    flat, in_tree = jax.tree.flatten((args, kwargs))
+    flat, in_tree = compat.flatten_arguments((args, kwargs))
     traced_at, static = split_leaves(
         flat, in_tree, signature, numbers_are_static=compat.under_transformation()
     )

@@ -359,3 +359,25 @@ def test_an_error_in_the_users_function_shows_the_users_frames_not_jamps_or_jaxs
                           ("test_misuse_errors.py", "_fails_here")], shown
     if filtering == "remove_frames":  # the whole stack is kept beside it, as JAX keeps it
         assert type(info.value.__cause__).__name__ == "UnfilteredStackTrace"
+
+
+def test_strict_promotion_in_a_region_says_the_region_made_the_value_16_bit():
+    # jnp checks dtypes before the region sees an operation: under strict promotion a bfloat16
+    # matmul output plus a float32 bias raised JAX's bare TypePromotionError (JAX's
+    # shape_poly_test under an identity region: random_categorical on bfloat16 under vmap).
+    x, w, bias = jnp.ones((4, 8)), jnp.ones((8, 8)), jnp.ones((8,))
+    def layer(x):
+        with jamp.autocast():
+            return (x @ w) + bias
+
+    with jax.numpy_dtype_promotion("strict"):
+        for call in (layer, jax.jit(layer)):
+            with pytest.raises(jax.dtypes.TypePromotionError) as info:
+                call(x)
+            notes = "\n".join(getattr(info.value, "__notes__", []))
+            assert "inside a jamp.autocast region: a value is bfloat16" in notes
+            assert "jamp.autocast_transform(fn)" in notes
+        # the user's own mix outside a region keeps JAX's message alone
+        with pytest.raises(jax.dtypes.TypePromotionError) as info:
+            x + x.astype(jnp.bfloat16)
+        assert "jamp" not in "\n".join(getattr(info.value, "__notes__", []))

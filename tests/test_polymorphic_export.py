@@ -423,3 +423,26 @@ def test_export_with_two_symbolic_dims_under_a_policy_warns_nothing():
     assert _compat.generic_size(64 * bb * s) == 64 * 2**32
     assert _compat.generic_size(s * m) == 2**32
     assert _compat.generic_size(a * a * bb * bb * s) == 2**63 - 1   # past int64: "huge"
+
+
+@pytest.mark.parametrize("form", ["region", "transform"])
+def test_a_symbolic_dimension_used_as_a_value_exports_under_both_forms(form):
+    # A symbolic dimension passed as an operand (jnp.linspace(0, x.shape[0], n)) was taken for a
+    # known constant, which the rules cast at rewrite time: JAX cannot evaluate one outside the
+    # program (JAX's shape_poly_test under an identity region).
+    w = jnp.linspace(-0.5, 0.5, 16).reshape(4, 4)
+
+    def scaled_rows(x):
+        return (x @ w) * jnp.linspace(0, x.shape[0], 4)
+
+    def region(x):
+        with jamp.autocast():
+            return scaled_rows(x)
+
+    fn = region if form == "region" else jamp.autocast_transform(scaled_rows)
+    (batch,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(fn))(jax.ShapeDtypeStruct((batch, 4), jnp.float32))
+    assert "bf16" in exported.mlir_module()  # (the matmul; its product with the float32
+    for rows in (3, 5):                        # linspace promotes, as in torch)
+        x = jnp.linspace(-1.0, 1.0, rows * 4).reshape(rows, 4)
+        np.testing.assert_allclose(exported.call(x), scaled_rows(x), rtol=3e-2, atol=3e-2)

@@ -225,3 +225,30 @@ def test_freeze_accepts_a_dtype_as_its_policy_and_rejects_nonsense():
     np.testing.assert_allclose(frozen(X).astype(F32), X @ w, rtol=2e-2, atol=2e-2)
     with pytest.raises(TypeError, match=r"freeze: policy must be a jamp.Policy, a floating dtype"):
         tracing.freeze(apply, {"w": w}, X, policy="fast")
+
+
+def test_a_reference_view_argument_is_written_through_as_under_jax_jit():
+    # autocast_transform flattened its arguments with JAX's public pytree registry, where a view
+    # of a reference (ref.at[...]) is a leaf: it refused it as "neither an array nor a hashable
+    # static value", where jax.jit accepts it (JAX's state_test, transform form).
+    w = jnp.linspace(-0.5, 0.5, 16).reshape(4, 4)
+
+    def write_rows(view, x):
+        view[...] = jnp.tanh(x @ w)
+
+    transformed = jamp.autocast_transform(write_rows)
+
+    def filled(write):
+        ref = jax.new_ref(jnp.zeros((3, 4)))
+        write(ref.at[1:3], X[1:3])
+        return ref[...]
+
+    # (under jax.jit: jax 0.10 has no views of a concrete reference)
+    want = jax.jit(lambda: filled(jax.jit(write_rows)))()
+    out = jax.jit(lambda: filled(transformed))()
+    assert out.dtype == jnp.float32  # (the reference's)
+    np.testing.assert_array_equal(out[0], 0.0)
+    np.testing.assert_allclose(out, want, rtol=2e-2, atol=2e-2)
+    dots = [e for e in jax.make_jaxpr(lambda: filled(transformed))().jaxpr.eqns
+            if e.primitive.name == "dot_general"]
+    assert [str(v.aval.dtype) for v in dots[0].invars] == ["bfloat16", "bfloat16"]
