@@ -10,6 +10,7 @@ whole there (its vmap rule is the user's code).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from ..interpreter import (
     F64,
     Hint,
     Step,
+    UnsupportedPrimitiveWarning,
     call_bodies,
     call_body,
     call_param,
@@ -101,7 +103,14 @@ def run_state_rule(step: Step) -> Sequence[Any]:
     body = step.params["jaxpr"]
     rewritten = step.rewrite_sub(compat.as_closed(body), [v.aval for v in body.invars])
     jaxpr, consts = compat.open_and_consts(rewritten)
-    if consts:  # (a body cannot close over values: what its rewrite made runs as traced)
+    if consts:  # (a body cannot close over values; none of jamp's rules makes one here today)
+        warnings.warn(
+            f"jamp could not rewrite `run_state` (traced at {compat.source_line(step.eqn)}): "
+            "its rewritten body holds constants, which run_state cannot take; it runs "
+            "unchanged in its traced dtypes.",
+            UnsupportedPrimitiveWarning,
+            stacklevel=2,
+        )
         return keep_traced_rule(step)
     return step.bind(args, jaxpr=jaxpr)
 
