@@ -4,8 +4,8 @@
 
 The callee is rewritten under the region active at the call site; regions and rules written
 inside the callee apply on top of it (its equations' name stacks are relative to the call).
-The instrumented evaluator (probe.py) walks into their bodies inline; ``custom_vmap_call`` runs
-whole there (its vmap rule is the user's code).
+The instrumented evaluator (probe.py) walks into their bodies inline; ``custom_vmap_call`` (its
+vmap rule is the user's code) and ``run_state`` (its body works on references) run whole there.
 """
 
 from __future__ import annotations
@@ -149,3 +149,4 @@ register_walk(
     bodies=call_bodies,
 )(walk_call)
 register_opaque("custom_vmap_call")
+register_opaque("run_state")  # (its body works on references: the evaluator runs it whole)
