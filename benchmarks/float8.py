@@ -4,8 +4,9 @@
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/float8.py accuracy [--seeds 0 1]
     # GPT step time on a GPU: float32, bf16 autocast (transform, region, cast_inputs=True), hand-written
     # bf16 Flax, float8 autocast, Flax fp8_ops layers. --config gpt-539m (d=2048, 8 layers, seq 1024, batch 8; the default)
-    # or gpt-1.3b (d=2048, 24 layers, seq 2048, batch 4); --d/--layers/... override it.
-    python benchmarks/float8.py step [--config gpt-1.3b]
+    # or gpt-1.3b (d=2048, 24 layers, seq 2048, batch 4); --d/--layers/... override it; --remat
+    # dots|none saves the blocks' dense outputs or everything instead of recomputing each block.
+    python benchmarks/float8.py step [--config gpt-1.3b] [--remat full|dots|none]
     # GPU step time of a ResNet-50 train step (batch 128, 224x224, SGD with momentum): float32,
     # hand-written bf16 Flax (dtype=), bf16 autocast (both forms), float8 autocast
     python benchmarks/float8.py resnet
@@ -109,6 +110,17 @@ class Block(nn.Module):
         return x + self.dense(d, "down")(nn.gelu(h))
 
 
+# How each block keeps what its backward pass needs: recomputed whole ("full", the default, as
+# in the figures of issues 16 and 23), its dense layers' outputs saved and attention recomputed
+# ("dots"), or everything saved ("none"; a 539M model fits an H100's memory without remat).
+REMAT: dict[str, Callable[[type], type]] = {
+    "full": nn.remat,
+    "dots": functools.partial(nn.remat,
+                              policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable),
+    "none": lambda block: block,
+}
+
+
 class GPT(nn.Module):
     vocab: int
     d: int
@@ -116,13 +128,15 @@ class GPT(nn.Module):
     layers: int
     dtype: Any = jnp.float32
     dot_general_cls: Any = None
+    remat: str = "full"
 
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = nn.Embed(self.vocab, self.d, dtype=self.dtype)(tokens)
         x = x + nn.Embed(tokens.shape[1], self.d, dtype=self.dtype)(jnp.arange(tokens.shape[1]))
         for i in range(self.layers):
-            x = nn.remat(Block)(self.heads, self.dtype, self.dot_general_cls, name=f"block{i}")(x)
+            block = REMAT[self.remat](Block)
+            x = block(self.heads, self.dtype, self.dot_general_cls, name=f"block{i}")(x)
         x = nn.LayerNorm(dtype=self.dtype)(x)
         return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x)
 
@@ -278,7 +292,7 @@ def step_time(args: argparse.Namespace) -> None:
     cfg = dict(GPT_CONFIGS["tiny" if args.tiny else args.config])
     cfg.update({k: getattr(args, k) for k in cfg if getattr(args, k, None) is not None})
     print(environment())
-    print(f"device: {jax.devices()[0].device_kind}; GPT {cfg}")
+    print(f"device: {jax.devices()[0].device_kind}; GPT {cfg}, remat {args.remat}")
     tokens = jax.random.randint(jax.random.key(1), (cfg["batch"], cfg["seq"] + 1), 0,
                                 cfg["vocab"])
     tx = optax.adam(1e-4)
@@ -287,7 +301,7 @@ def step_time(args: argparse.Namespace) -> None:
         if args.only and name not in args.only:
             continue
         model = GPT(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"], spec["dtype"],
-                    _flax_fp8_cls() if spec.get("fp8_ops") else None)
+                    _flax_fp8_cls() if spec.get("fp8_ops") else None, args.remat)
         variables = dict(model.init(jax.random.key(0), tokens[:1, :-1]))
         params = params or sum(x.size for x in jax.tree.leaves(variables["params"]))
         policy = fp8_policy(args) if name == "float8 autocast" else spec["policy"]
@@ -527,6 +541,8 @@ def main() -> None:
                       help="more float8 variants, one per Policy.min_float8_flops given")
     step.add_argument("--config", choices=[c for c in GPT_CONFIGS if c != "tiny"],
                       default="gpt-539m")
+    step.add_argument("--remat", choices=list(REMAT), default="full",
+                      help="what each block saves for its backward pass (default: recompute all)")
     for key in GPT_CONFIGS["tiny"]:
         step.add_argument(f"--{key}", type=int, default=None, help="overrides --config")
     for cmd in (step, resnet):

@@ -29,6 +29,12 @@ Recipes (AdamW everywhere; "bf16 compute" = the loss under ``jamp.autocast_trans
    arithmetic inside), with stochastic rounding against the same update with nearest rounding,
    samples (``--cost-calls`` updates in a row each) interleaved, median of per-round ratios, gc
    on. Goal <= 1.3x (CPU).
+4. With ``--step-config gpt-539m`` (a GPU's figures, issue 35): the train step of
+   ``benchmarks/float8.py``'s GPT under each bf16-compute recipe, compiled then timed in
+   interleaved rounds, with its state's bytes and XLA's temporary buffer size; the cost (3.) is
+   then measured on that GPT's parameters. ``--step-config tiny`` checks the script on a CPU:
+
+       python benchmarks/optim_state.py --skip memory,accuracy --step-config gpt-539m --rounds 9
 """
 from __future__ import annotations
 
@@ -266,12 +272,17 @@ def memory_rows(work: dict, names: list[str]) -> list[list[Any]]:
 
 # --- cost -----------------------------------------------------------------------------------------
 
-def cost_rows(n_params: int, rounds: int, calls: int = 10) -> list[list[Any]]:
-    """Each sample times ``calls`` updates in a row (ms per update): one ~1 ms call after a
-    full collection is mostly cache refill and scheduling noise on the shared machine."""
+def square_params(n_params: int) -> dict[str, jax.Array]:
     side = int(np.sqrt(n_params))
-    params32 = {"w": jax.random.normal(jax.random.key(0), (side, side)) * 0.05,
-                "b": jnp.zeros((side,))}
+    return {"w": jax.random.normal(jax.random.key(0), (side, side)) * 0.05,
+            "b": jnp.zeros((side,))}
+
+
+def cost_rows(params32: Any, rounds: int, calls: int = 10) -> list[list[Any]]:
+    """The update alone on ``params32`` (float32 leaves). Each sample times ``calls`` updates in
+    a row (ms per update): one ~1 ms call after a full collection is mostly cache refill and
+    scheduling noise on the shared machine."""
+    count = sum(x.size for x in jax.tree.leaves(params32))
     grads = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3, jnp.float32), params32)
     adamw = optax.adamw(1e-3)
     pairs = {
@@ -306,10 +317,62 @@ def cost_rows(n_params: int, rounds: int, calls: int = 10) -> list[list[Any]]:
                 samples[i].append(seconds / calls)
         ms = [1e3 * statistics.median(s) for s in samples]
         spread = [1e3 * (max(s) - min(s)) for s in samples]
-        rows.append([name, f"{side * side + side:,}", f"{ms[0]:.2f} (±{spread[0] / 2:.2f})",
+        rows.append([name, f"{count:,}", f"{ms[0]:.2f} (±{spread[0] / 2:.2f})",
                      f"{ms[1]:.2f} (±{spread[1] / 2:.2f})",
                      f"{paired_ratio(samples[0], samples[1]):.2f}x"])
     return rows
+
+
+# --- train step of a larger GPT (a GPU's figures) ------------------------------------------------
+
+STEP_RECIPES = ["bf16 compute", "bf16 moments", "bf16 params, round-to-nearest",
+                "bf16 params + masters", "bf16 params + stochastic", "bf16 params + Kahan"]
+
+
+def step_rows(config: str, rounds: int, steps: int) -> tuple[list[list[Any]], Any]:
+    """The train step (loss under bf16 autocast, AdamW) of ``benchmarks/float8.py``'s GPT
+    ``config`` under each recipe: compiled, then timed in interleaved rounds (float8.py's
+    harness); returns the table's rows and the float32 parameters (for the update's cost)."""
+    import float8
+
+    cfg = float8.GPT_CONFIGS[config]
+    model = float8.GPT(cfg["vocab"], cfg["d"], cfg["heads"], cfg["layers"])
+    tokens = jax.random.randint(jax.random.key(1), (cfg["batch"], cfg["seq"] + 1), 0,
+                                cfg["vocab"])
+    params32 = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
+    count = sum(x.size for x in jax.tree.leaves(params32))
+    gpt_loss = float8.gpt_loss(model)
+    loss = jamp.autocast_transform(lambda p, t: gpt_loss({"params": p}, t))
+    variants, memory = [], {}
+    for name in STEP_RECIPES:
+        bf16_params, bf16_compute, tx = recipes(1e-4)[name]
+        assert bf16_compute, name  # every recipe here computes in bf16: the float32 row is 0.5x
+
+        def train_step(p, s, batch, tx=tx):
+            value, grads = jax.value_and_grad(loss)(p, batch)
+            updates, s = tx.update(grads, s, p)
+            return optax.apply_updates(p, updates), s, value
+
+        params = to_bf16(params32) if bf16_params else jax.tree.map(jnp.copy, params32)
+        state = tx.init(params)
+        state_bytes = nbytes(params) + nbytes(state)
+        variant = float8.Variant(name, jax.jit(train_step, donate_argnums=(0, 1)),
+                                 (params, state), tokens)
+        analysis = variant.exe.memory_analysis()
+        memory[name] = (state_bytes, analysis.temp_size_in_bytes if analysis else None)
+        variants.append(variant)
+        print(f"compiled {name}: {variant.compile_s:.0f} s", flush=True)
+    float8.time_interleaved(variants, rounds, steps)
+    base = statistics.median(variants[0].times)
+    rows = []
+    for v in variants:
+        ms = [1e3 * t for t in v.times]
+        state_bytes, temp = memory[v.name]
+        rows.append([v.name, f"{statistics.median(ms):.1f} ({min(ms):.1f}-{max(ms):.1f})",
+                     f"{base / statistics.median(v.times):.3f}x", f"{state_bytes / count:.3f}",
+                     f"{state_bytes / 2**30:.2f}",
+                     f"{temp / 2**30:.2f}" if temp is not None else "n/a", f"{v.loss:.4f}"])
+    return rows, params32
 
 
 # --- entry point ----------------------------------------------------------------------------------
@@ -326,6 +389,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cost-calls", type=int, default=10,
                         help="updates timed in a row for one cost sample")
     parser.add_argument("--skip", default="", help="comma-separated: memory, accuracy, cost")
+    parser.add_argument("--step-config", default=None,
+                        help="also time the train step of benchmarks/float8.py's GPT of this "
+                             "config (gpt-539m: a GPU's figures) under each recipe, and the "
+                             "update alone on its parameters (instead of --cost-params')")
+    parser.add_argument("--step-rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="steps a round and recipe")
     args = parser.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -364,13 +433,24 @@ def main(argv: list[str] | None = None) -> None:
             print(markdown_table(["recipe", "final loss (mean)", "per seed", "vs float32",
                                   "accuracy %", "vs float32 (points)"], rows))
 
+    cost_params = None
+    if args.step_config:
+        rows, cost_params = step_rows(args.step_config, args.step_rounds, args.steps)
+        print(f"\n### Train step: {args.step_config} GPT of benchmarks/float8.py, bf16 autocast, "
+              f"AdamW ({args.step_rounds} interleaved rounds of {args.steps} steps after 3 "
+              f"warm-up steps; median ms, range)\n")
+        print(markdown_table(["recipe", "step ms", "speed vs f32 state", "state bytes/param",
+                              "state GiB", "XLA temp GiB", "loss after the run"], rows),
+              flush=True)
+
     if "cost" not in skip:
         print(f"\n### Cost of the update: stochastic against nearest rounding "
               f"({args.rounds} interleaved rounds of {args.cost_calls} updates a side; median "
               f"ms an update, ± half the range)\n")
         print(markdown_table(["update", "parameters", "stochastic ms", "nearest ms",
                               "ratio (median of per-round)"],
-                             cost_rows(args.cost_params, args.rounds, args.cost_calls)))
+                             cost_rows(cost_params or square_params(args.cost_params),
+                                       args.rounds, args.cost_calls)))
 
 
 if __name__ == "__main__":
