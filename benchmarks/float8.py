@@ -16,6 +16,9 @@
     # one matmul, forward and backward, bf16 autocast vs float8 autocast, over torchao's shapes:
     # the data for Policy.min_float8_flops' default (measured on an H200, benchmarks/README.md)
     python benchmarks/float8.py matmul
+    # one GEMM on operands already in float8 (e4m3 x e4m3, e5m2 x e4m3) against bf16: the kernel
+    # XLA picks (cuBLASLt float8 or a Triton GEMM) and its own speed, no quantization around it
+    python benchmarks/float8.py gemm
     # every command at a tiny size, to check the script on a CPU (times mean nothing there:
     # 8-bit arithmetic is emulated)
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/float8.py step --tiny   # resnet, matmul too
@@ -519,6 +522,53 @@ def matmul_time(args: argparse.Namespace) -> None:
                           "float8 speed", "f8 GEMMs"], rows))
 
 
+# --- one GEMM on float8 operands: which kernel XLA picks, and at what speed ---------------------
+
+GEMM_SHAPES = [(4096, 4096, 4096), (4100, 4096, 4104), (8192, 8192, 2048), (1024, 1024, 1024)]
+
+
+def gemm_time(args: argparse.Namespace) -> None:
+    """``lax.dot`` of two operands already in float8 (e4m3 x e4m3, and the e5m2 x e4m3 of a
+    backward product) against the same dot in bfloat16: no quantization around it, so the ratio
+    is the kernels' own. Which kernel each compiled to comes from the fallback check."""
+    print(environment())
+    print(f"device: {jax.devices()[0].device_kind}")
+    shapes = TINY_SHAPES if args.tiny else [tuple(map(int, s.split("x"))) for s in args.shapes] \
+        if args.shapes else GEMM_SHAPES
+    pairs = {"bf16": (jnp.bfloat16, jnp.bfloat16), "e4m3 x e4m3": (jnp.float8_e4m3fn,) * 2,
+             "e5m2 x e4m3": (jnp.float8_e5m2, jnp.float8_e4m3fn)}
+    rows = []
+    for m, k, n in shapes:
+        programs, times = {}, {}
+        for name, (ta, tb) in pairs.items():
+            a = jax.random.normal(jax.random.key(0), (m, k)).astype(ta)
+            b = jax.random.normal(jax.random.key(1), (k, n)).astype(tb)
+
+            def gemm_probe(a, b):
+                return jax.lax.dot(a, b, preferred_element_type=jnp.bfloat16)
+
+            exe = jax.jit(gemm_probe).lower(a, b).compile()
+            programs[name] = (exe, a, b, float8_check.check_compiled(exe))
+            times[name] = []
+        for _ in range(args.rounds):  # interleaved
+            for name, (exe, a, b, _) in programs.items():
+                jax.block_until_ready(exe(a, b))
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    out = exe(a, b)
+                jax.block_until_ready(out)
+                times[name].append((time.perf_counter() - t0) / args.steps)
+        ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+        for name, (_, _, _, check) in programs.items():
+            kernels = ", ".join(f"{k} {n}" for k, n in sorted(check.counts().items()))
+            rows.append([f"{m}x{k}x{n}", name, kernels, f"{ms[name]:.3f}",
+                         f"{2 * m * k * n / ms[name] / 1e9:.0f}",
+                         f"**{ms['bf16'] / ms[name]:.2f}x**"])
+            print(rows[-1], flush=True)
+    print(markdown_table(["M x K x N", "operands", "kernel (fallback check)", "ms", "TFLOP/s",
+                          "speed vs bf16"], rows))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -527,7 +577,7 @@ def main() -> None:
     acc.add_argument("--digits-epochs", type=int, default=None)
     acc.add_argument("--gpt-steps", type=int, default=None)
     timed = []
-    for name in ("step", "resnet", "matmul"):
+    for name in ("step", "resnet", "matmul", "gemm"):
         cmd = sub.add_parser(name)
         cmd.add_argument("--tiny", action="store_true",
                          help="tiny sizes, to check the script on a CPU (no meaningful times)")
@@ -536,7 +586,7 @@ def main() -> None:
         cmd.add_argument("--min-float8-flops", type=int, default=None,
                          help="Policy.min_float8_flops of the float8 variant (default: jamp's)")
         timed.append(cmd)
-    step, resnet, matmul = timed
+    step, resnet, matmul, gemm = timed
     step.add_argument("--also-min-float8-flops", type=int, nargs="*", default=[],
                       help="more float8 variants, one per Policy.min_float8_flops given")
     step.add_argument("--config", choices=[c for c in GPT_CONFIGS if c != "tiny"],
@@ -554,13 +604,15 @@ def main() -> None:
     resnet.add_argument("--dtype-elements", action="store_true",
                         help="instead of timing: the floating elements each variant's train "
                              "step computes per primitive and dtype (any backend)")
-    matmul.add_argument("--shapes", nargs="*", default=None, help="MxKxN, e.g. 4096x4096x4096")
+    for cmd in (matmul, gemm):
+        cmd.add_argument("--shapes", nargs="*", default=None, help="MxKxN, e.g. 4096x4096x4096")
     args = parser.parse_args()
     if args.command == "accuracy":
         print(environment())
         accuracy(args.seeds, args.digits_epochs, args.gpt_steps)
     else:
-        {"step": step_time, "resnet": resnet_time, "matmul": matmul_time}[args.command](args)
+        {"step": step_time, "resnet": resnet_time, "matmul": matmul_time,
+         "gemm": gemm_time}[args.command](args)
 
 
 if __name__ == "__main__":

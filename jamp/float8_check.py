@@ -61,11 +61,18 @@ KERNELS = {
     "__cublas$lt$matmul": "cuBLASLt",
     "__cublas$gemm": "cuBLAS",
     "__triton_gemm": "Triton",
+    "__triton_nested_gemm_fusion": "Triton",  # XLA's name for a Triton GEMM since jax 0.11
     "__cudnn$fusion": "cuDNN",
     "__onednn$matmul": "oneDNN",
     "__ynn_fusion": "XLA:CPU (YNNPACK)",
 }
 XLA_DOT = "XLA dot emitter"  # a dot XLA codegens itself (in a loop fusion or unfused)
+# A Triton GEMM whose dot receives both matrices in float8: XLA's autotuner picks it over the
+# cuBLASLt float8 GEMM where it measures faster (seen on an H200, jax 0.11: 1024-sized backward
+# products, 8192x8192x2048 forward ones, dimensions not multiples of 16), and Triton multiplies
+# float8 operands with the float8 tensor-core instructions of compute capability 8.9+.
+TRITON_F8 = "Triton float8"
+FLOAT8_KERNELS = frozenset({KERNELS[F8_GEMM], TRITON_F8})
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
 TAG = "jamp_float8_dot_"
 # Ops a float8 value passes through on its way to a GEMM's operand (upcasts, layout, scaling).
@@ -122,8 +129,9 @@ class Gemm:
 
     @property
     def float8(self) -> bool:
-        """Whether it is a float8 GEMM (the cuBLASLt/hipBLASLt float8 custom call)."""
-        return self.kernel == KERNELS[F8_GEMM]
+        """Whether it is a float8 GEMM: the cuBLASLt/hipBLASLt float8 custom call, or a Triton
+        GEMM whose dot multiplies float8 operands."""
+        return self.kernel in FLOAT8_KERNELS
 
     @property
     def reads_float8(self) -> bool:
@@ -204,6 +212,10 @@ def find_gemms(module: Module) -> list[Gemm]:
                 continue
             matrices = instr.operands[:2]
             types = tuple(getattr(module.producer(computation, o), "type", "?") for o in matrices)
+            if kernel == KERNELS["__triton_gemm"] and all(
+                is_float8(array_type(t)[0]) for t in types
+            ):
+                kernel = TRITON_F8
             contracting, batch = _dimension_numbers(instr)
             gemms.append(
                 Gemm(
@@ -299,14 +311,20 @@ class Float8Check:
             counts[gemm.kernel] = counts.get(gemm.kernel, 0) + 1
         return counts
 
+    def runs_float8(self, gemm: Gemm) -> bool:
+        """Whether ``gemm`` multiplies in float8 on this device."""
+        return gemm.float8 and not (
+            gemm.kernel == TRITON_F8 and _before_ada(self.compute_capability)
+        )
+
     @property
     def float8_gemms(self) -> int:
-        return sum(g.float8 for g in self.gemms)
+        return sum(self.runs_float8(g) for g in self.gemms)
 
     @property
     def fallback_gemms(self) -> tuple[Gemm, ...]:
         """GEMMs that read float8 data upcast to a wider type (on any backend)."""
-        return tuple(g for g in self.gemms if g.reads_float8 and not g.float8)
+        return tuple(g for g in self.gemms if g.reads_float8 and not self.runs_float8(g))
 
     @property
     def fallbacks(self) -> tuple[DotVerdict, ...]:
@@ -351,14 +369,20 @@ def _capability(text: str | None) -> tuple[int, ...] | None:
         return None
 
 
+def _before_ada(compute_capability: str | None) -> bool:
+    """A GPU without float8 tensor cores (compute capability below 8.9): a Triton GEMM on float8
+    operands upcasts them there."""
+    cc = _capability(compute_capability)
+    return cc is not None and cc < (8, 9)
+
+
 def fallback_reasons(
     dot: Float8Dot, gemms: Sequence[Gemm], compute_capability: str | None = None
 ) -> list[str]:
     """Why XLA's GEMM rewriter likely did not make ``dot`` a float8 GEMM (its documented
     requirements, checked against the dot's shapes and formats and the device)."""
     reasons = []
-    cc = _capability(compute_capability)
-    if cc is not None and cc < (8, 9):
+    if _before_ada(compute_capability):
         reasons.append(
             f"backend: compute capability {compute_capability} has no float8 GEMMs "
             "(cuBLASLt's need 8.9, Ada, or newer)"
@@ -463,9 +487,10 @@ def _verdict(
             tuple(gemms),
             f"this check knows the float8 GEMMs of NVIDIA and AMD GPUs, not {platform}'s",
         )
-    if all(g.float8 for g in gemms):
+    before_ada = _before_ada(compute_capability)
+    if all(g.float8 and not (before_ada and g.kernel == TRITON_F8) for g in gemms):
         dims = {d for s, b in zip(dot.shapes, dot.batch) for i, d in enumerate(s) if i not in b}
-        padded = any(d % 16 for d in dims)
+        padded = any(d % 16 for d in dims) and any(g.kernel == KERNELS[F8_GEMM] for g in gemms)
         note = "padded to multiples of 16 (a pad and a slice)" if padded else ""
         return DotVerdict(dot, "float8 GEMM", tuple(gemms), note)
     reasons = "; ".join(fallback_reasons(dot, gemms, compute_capability))
