@@ -1,8 +1,10 @@
 """The float8 fallback check (jamp/float8_check.py, issue 23).
 
-The GPU cases read small optimized-HLO modules written by hand for these tests in the textual
-format XLA prints for GPU programs (tests/data/gpu_*.hlo, each file says what it represents):
-this project has no GPU, so none of it was captured on one. The CPU cases compile real programs
+The GPU cases read optimized-HLO modules: small ones written by hand for these tests in the
+textual format XLA prints for GPU programs (tests/data/gpu_*.hlo), and the programs of
+tests/float8_gpu_programs.py as an H200 compiled them (tests/data/gpu_h200_*.hlo, captured on a
+lent GPU); each file says what it represents. tests/test_float8_gpu.py compiles those programs
+live where a GPU is present. The CPU cases compile real programs
 with ``jamp.explain(..., compiled=True)``.
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ def dot(index=0, formats=(E4M3, E4M3), shapes=((16, 32), (32, 16)), contracting=
 def test_gemms_of_gpu_modules(name, kernel, operands, sources):
     (gemm,) = fc.find_gemms(fc.parse(fixture(name)))
     assert (gemm.kernel, gemm.operands, gemm.float8_sources) == (kernel, operands, sources)
-    assert gemm.float8 == (kernel == "cuBLASLt float8")
+    assert gemm.float8 == (kernel in ("cuBLASLt float8", "Triton float8"))
     assert gemm.reads_float8 == (sources != (None, None))
 
 
@@ -191,6 +193,48 @@ def test_other_backends():
                        [dot(0, (E5M2, E5M2), shapes=FALLBACK_SHAPES)], platform="cpu")
     assert cpu.dots[0].status == "emulated" and cpu.fallbacks == ()
     assert "converts the float8 operands to f16" in cpu.dots[0].reason
+
+
+# --- programs compiled on a real GPU (an H200, jax 0.11.2: tests/float8_gpu_programs.py) -------
+
+H200 = {"platform": "gpu", "device": "NVIDIA H200", "compute_capability": "9.0"}
+
+
+@pytest.mark.parametrize("name, counts, fallbacks", [
+    ("f8_forward_4096", {"cuBLASLt float8": 1}, 0),
+    ("f8_gradients_4096", {"cuBLASLt float8": 2}, 0),
+    # XLA's autotuner ran one backward product as a Triton GEMM on the float8 operands
+    ("f8_gradients_1024", {"cuBLASLt float8": 1, "Triton float8": 1}, 0),
+    ("f8_forward_not_16", {"Triton float8": 1}, 0),  # 4100x4096x4104: no padding, Triton
+    ("f8_e5m2_pair", {"cuBLASLt": 1}, 1),  # both widened to bf16: a real fallback
+])
+def test_checks_of_programs_compiled_on_an_h200(name, counts, fallbacks):
+    check = fc.check_hlo(fixture(f"gpu_h200_{name}.hlo"), **H200)
+    assert check.counts() == counts, str(check)
+    assert len(check.fallback_gemms) == fallbacks
+    assert check.float8_gemms == sum(n for k, n in counts.items() if k.endswith("float8"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if fallbacks:
+            with pytest.warns(jamp.Float8FallbackWarning, match=f"{fallbacks} of {fallbacks} "):
+                fc.warn_fallbacks(check, name)
+        else:
+            fc.warn_fallbacks(check, name)  # no warning for a float8 GEMM of either kernel
+
+
+def test_a_triton_gemm_on_float8_operands_is_a_float8_gemm_only_where_tensor_cores_take_float8():
+    text = fixture("gpu_h200_f8_forward_not_16.hlo")
+    (gemm,) = fc.find_gemms(fc.parse(text))
+    assert (gemm.kernel, gemm.operands) == (
+        "Triton float8", ("f8e4m3fn[4100,4096]{1,0}", "f8e4m3fn[4096,4104]{0,1}"))
+    layer = dot(0, shapes=((4100, 4096), (4096, 4104)))  # matched by operand sizes
+    [verdict] = fc.check_hlo(text, [layer], **H200).dots
+    assert (verdict.status, verdict.reason) == ("float8 GEMM", "")  # Triton does not pad
+    # the same program read for an Ampere GPU: Triton upcasts float8 there
+    ampere = fc.check_hlo(text, [layer], platform="gpu", compute_capability="8.0")
+    [verdict] = ampere.dots
+    assert verdict.status == "fallback" and "compute capability 8.0" in verdict.reason
+    assert ampere.float8_gemms == 0 and len(ampere.fallback_gemms) == 1
 
 
 # --- the warning -------------------------------------------------------------------------------
