@@ -1035,15 +1035,20 @@ def equalize_rule(step: Step) -> Sequence[Any]:
     return step.bind(step.with_cast(equalize_targets(step)))
 
 
-def keep_traced_rule(step: Step) -> Sequence[Any]:
-    """Run in the traced dtypes: floating operands are cast back to what was traced."""
+def traced_dtype_operands(step: Step) -> list[Any]:
+    """The operands with every floating one cast back to the dtype it was traced with."""
     avals = step.avals()
     targets = {
         i: step.traced_aval(i).dtype
         for i in step.floating()
         if avals[i].dtype != step.traced_aval(i).dtype
     }
-    return step.bind(step.with_cast(targets))
+    return step.with_cast(targets)
+
+
+def keep_traced_rule(step: Step) -> Sequence[Any]:
+    """Run in the traced dtypes: floating operands are cast back to what was traced."""
+    return step.bind(traced_dtype_operands(step))
 
 
 _warned: set[str] = set()

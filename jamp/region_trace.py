@@ -1558,12 +1558,19 @@ STRICT_PROMOTION_NOTE = (
     "jamp.autocast_transform(fn), which traces the float32 program and keeps strict promotion "
     "for your own code; see docs/reference/dtypes.md, 'Regions')"
 )
+
+
+def is_strict_promotion_error(err: BaseException) -> bool:
+    """``jax.numpy_dtype_promotion("strict")`` refused to promote (public API: no _compat)."""
+    return isinstance(err, jax.dtypes.TypePromotionError)
+
+
 # JAX's refusals that a 16-bit value the region made can cause, and what to tell the user.
 _REFUSAL_NOTES = (
     (compat.is_loop_carry_type_error, LOOP_CARRY_NOTE),
     (compat.is_branch_type_error, BRANCH_NOTE),
     (compat.is_same_dtypes_error, SAME_DTYPES_NOTE),
-    (lambda err: isinstance(err, jax.dtypes.TypePromotionError), STRICT_PROMOTION_NOTE),
+    (is_strict_promotion_error, STRICT_PROMOTION_NOTE),
 )
 
 

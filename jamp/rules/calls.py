@@ -28,6 +28,7 @@ from ..interpreter import (
     register,
     register_opaque,
     register_walk,
+    traced_dtype_operands,
     walk_call,
 )
 from ..region_stack import cast_inputs_dtype
@@ -98,8 +99,7 @@ def run_state_rule(step: Step) -> Sequence[Any]:
     operands). Every reference keeps its traced type, so the operands arrive cast back to theirs
     and values stored are cast to the reference's dtype, as a ``jax.new_ref`` store is; the
     operations on values read from the references follow the policy."""
-    traced = {i: step.traced_aval(i).dtype for i in step.floating()}
-    args = step.with_cast({i: d for i, d in traced.items() if step.aval(i).dtype != d})
+    args = traced_dtype_operands(step)
     body = step.params["jaxpr"]
     rewritten = step.rewrite_sub(compat.as_closed(body), [v.aval for v in body.invars])
     jaxpr, consts = compat.open_and_consts(rewritten)
