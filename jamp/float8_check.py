@@ -68,9 +68,10 @@ KERNELS = {
 }
 XLA_DOT = "XLA dot emitter"  # a dot XLA codegens itself (in a loop fusion or unfused)
 # A Triton GEMM whose dot receives both matrices in float8: XLA's autotuner picks it over the
-# cuBLASLt float8 GEMM where it measures faster (seen on an H200, jax 0.11: 1024-sized backward
-# products, 8192x8192x2048 forward ones, dimensions not multiples of 16), and Triton multiplies
-# float8 operands with the float8 tensor-core instructions of compute capability 8.9+.
+# cuBLASLt float8 GEMM where it times faster (seen on an H200, jax 0.11: 1024-sized backward
+# products, 8192x8192x2048 forward ones, dimensions not multiples of 16). Triton compiles a dot
+# of float8 inputs to float8 tensor-core instructions on compute capability 8.9+ and upcasts
+# them below (the PTX was not read here: XLA's dump held none for these modules).
 TRITON_F8 = "Triton float8"
 FLOAT8_KERNELS = frozenset({KERNELS[F8_GEMM], TRITON_F8})
 GPU_PLATFORMS = frozenset({"gpu", "cuda", "rocm"})
@@ -313,9 +314,7 @@ class Float8Check:
 
     def runs_float8(self, gemm: Gemm) -> bool:
         """Whether ``gemm`` multiplies in float8 on this device."""
-        return gemm.float8 and not (
-            gemm.kernel == TRITON_F8 and _before_ada(self.compute_capability)
-        )
+        return _multiplies_in_float8(gemm, self.compute_capability)
 
     @property
     def float8_gemms(self) -> int:
@@ -374,6 +373,10 @@ def _before_ada(compute_capability: str | None) -> bool:
     operands upcasts them there."""
     cc = _capability(compute_capability)
     return cc is not None and cc < (8, 9)
+
+
+def _multiplies_in_float8(gemm: Gemm, compute_capability: str | None) -> bool:
+    return gemm.float8 and not (gemm.kernel == TRITON_F8 and _before_ada(compute_capability))
 
 
 def fallback_reasons(
@@ -487,8 +490,7 @@ def _verdict(
             tuple(gemms),
             f"this check knows the float8 GEMMs of NVIDIA and AMD GPUs, not {platform}'s",
         )
-    before_ada = _before_ada(compute_capability)
-    if all(g.float8 and not (before_ada and g.kernel == TRITON_F8) for g in gemms):
+    if all(_multiplies_in_float8(g, compute_capability) for g in gemms):
         dims = {d for s, b in zip(dot.shapes, dot.batch) for i, d in enumerate(s) if i not in b}
         padded = any(d % 16 for d in dims) and any(g.kernel == KERNELS[F8_GEMM] for g in gemms)
         note = "padded to multiples of 16 (a pad and a slice)" if padded else ""
