@@ -18,9 +18,10 @@ import jamp
 from jamp import float8_check
 from tests.float8_gpu_programs import PROGRAMS
 
+_CAPABILITY = float8_check.device_info()["compute_capability"]  # None off CUDA
 pytestmark = pytest.mark.skipif(
-    jax.default_backend() != "gpu" or float8_check.device_info()["compute_capability"] is None
-    or tuple(map(int, float8_check.device_info()["compute_capability"].split("."))) < (8, 9),
+    jax.default_backend() != "gpu" or _CAPABILITY is None
+    or float8_check._before_ada(_CAPABILITY),  # the check's own rule for float8 tensor cores
     reason="compiles float8 GEMMs: needs an NVIDIA GPU of compute capability 8.9+")
 
 
