@@ -2,11 +2,15 @@
 
 Hypothesis profiles (tests/hypothesis_profiles.py): ``ci`` for the full suite, ``fast`` (a few
 examples a property) when the run deselects slow tests (``-m "not slow"``, the fast loop), or the
-one named by ``HYPOTHESIS_PROFILE``.
+one named by ``HYPOTHESIS_PROFILE``. ``JAMP_TESTS_SETTINGS=full`` gives a run that deselects slow
+tests the full suite's settings instead (compile flags and example counts): CI's first JAX version
+runs the fast tests that way (.ci/run).
 """
 import os
 import subprocess
 import sys
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # tests run on the CPU (DESIGN.md conventions)
 
@@ -56,9 +60,21 @@ except ImportError:  # hypothesis is a test extra; property tests are skipped wi
     settings = None
 
 
+SETTINGS_VARIABLE = "JAMP_TESTS_SETTINGS"
+
+
+def uses_fast_loop_settings(markexpr: str, environ=os.environ) -> bool:
+    """The fast loop's settings (both XLA switches, a few examples a property) go with
+    ``-m "not slow"``; ``JAMP_TESTS_SETTINGS`` (``fast`` or ``full``) chooses instead."""
+    chosen = environ.get(SETTINGS_VARIABLE, "")
+    if chosen not in ("", "fast", "full"):
+        raise pytest.UsageError(f"{SETTINGS_VARIABLE}={chosen!r}: expected 'fast' or 'full'")
+    return chosen == "fast" if chosen else "not slow" in markexpr
+
+
 def pytest_configure(config):
     # Runs before test modules are imported, so their @settings see the profile loaded here.
-    fast_loop = "not slow" in (config.option.markexpr or "")
+    fast_loop = uses_fast_loop_settings(config.option.markexpr or "")
     _set_compile_flags(fast_loop)
     if settings is not None:
         default = "fast" if fast_loop else "ci"
