@@ -760,9 +760,9 @@ POLICIES_OF: dict[str, tuple[str, ...]] = {
 }
 
 # JAMP_ZOO_POLICIES=bf16 (comma-separated names of POLICIES) runs the zoo under those policies
-# only. CI's second JAX version uses it: what differs between JAX versions is the programs JAX
-# and the model libraries emit, which one policy walks in full; the policies' own rules are the
-# same code on every version and are checked under all three on the first.
+# only. CI's older JAX version (jax 0.10) uses it: what differs between JAX versions is the
+# programs JAX and the model libraries emit, which one policy walks in full; the policies' own
+# rules are the same code on every version and are checked under all three on the newest.
 ONLY_POLICIES = tuple(p for p in os.environ.get("JAMP_ZOO_POLICIES", "").split(",") if p)
 _unknown = set(ONLY_POLICIES) - set(POLICIES)
 if _unknown:
