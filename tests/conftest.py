@@ -2,9 +2,9 @@
 
 Hypothesis profiles (tests/hypothesis_profiles.py): ``ci`` for the full suite, ``fast`` (a few
 examples a property) when the run deselects slow tests (``-m "not slow"``, the fast loop), or the
-one named by ``HYPOTHESIS_PROFILE``. ``JAMP_TESTS_SETTINGS=full`` gives a run that deselects slow
-tests the full suite's settings instead (compile flags and example counts): CI's first JAX version
-runs the fast tests that way (.ci/run).
+one named by ``HYPOTHESIS_PROFILE``. ``JAMP_TESTS_SETTINGS=full`` keeps the full suite's settings
+(compile flags, example counts) in a run that deselects slow tests: CI's older JAX version runs
+its fast tests that way (.ci/run).
 """
 import os
 import subprocess

@@ -1,6 +1,6 @@
 """The fast loop (``-m "not slow"``) runs every property test on a few examples; the full suite
 runs each with its own count, and so does a run of the fast tests with
-``JAMP_TESTS_SETTINGS=full`` (CI's first JAX version) (tests/hypothesis_profiles.py,
+``JAMP_TESTS_SETTINGS=full`` (CI's older JAX version) (tests/hypothesis_profiles.py,
 tests/conftest.py)."""
 import os
 
@@ -24,7 +24,7 @@ def test_the_profile_follows_the_mark_expression(request):
 @pytest.mark.parametrize("markexpr, variable, fast", [
     ("", None, False),
     ("not slow", None, True),
-    ("not slow", "full", False),  # CI's first JAX version: the fast tests, the suite's settings
+    ("not slow", "full", False),  # CI's older JAX version: the fast tests, the suite's settings
     ("", "fast", True),
     ("slow", None, False),
 ])
