@@ -1,7 +1,7 @@
 """The fast loop (``-m "not slow"``) runs every property test on a few examples; the full suite
 runs each with its own count, and so does a run of the fast tests with
-``JAMP_TESTS_SETTINGS=full`` (CI's older JAX version) (tests/hypothesis_profiles.py,
-tests/conftest.py)."""
+``JAMP_TESTS_SETTINGS=full``; ``JAMP_TESTS_SETTINGS=fast`` gives any run the fast loop's settings
+(CI's zoo on its older JAX version) (tests/hypothesis_profiles.py, tests/conftest.py)."""
 import os
 
 import pytest
@@ -24,8 +24,8 @@ def test_the_profile_follows_the_mark_expression(request):
 @pytest.mark.parametrize("markexpr, variable, fast", [
     ("", None, False),
     ("not slow", None, True),
-    ("not slow", "full", False),  # CI's older JAX version: the fast tests, the suite's settings
-    ("", "fast", True),
+    ("not slow", "full", False),  # the fast tests with the suite's settings
+    ("", "fast", True),  # CI's zoo on its older JAX version: the fast loop's settings
     ("slow", None, False),
 ])
 def test_the_settings_follow_the_mark_expression_unless_the_variable_chooses(markexpr, variable,
