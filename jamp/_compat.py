@@ -884,6 +884,16 @@ def under_staging() -> bool:
 # valid ``jax.jit`` arguments and outputs, but neither arrays nor floating values. ---
 
 
+# numpy's variable-width string dtype, which a jax.Array may hold (jax >= 0.10 with numpy >= 2)
+# but no JAX program takes: ``core.valid_jaxtype`` refuses it.
+_STRING_DTYPE_TYPE = type(getattr(_dtypes, "string_dtype", None))
+
+
+def is_string_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is numpy's StringDType (a type check: its instances are not singletons)."""
+    return dtype is not None and type(dtype) is _STRING_DTYPE_TYPE
+
+
 def is_token(x: Any) -> bool:
     """A token (``jax.lax.create_token()``) or a tracer of one (same types in jax 0.10 and 0.12)."""
     if isinstance(x, _core.Token):

@@ -47,7 +47,7 @@ class _Static:
         return f"static({self.value!r})"
 
 
-def _function_name(fn: Callable) -> str:
+def function_name(fn: Callable) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
 
@@ -102,7 +102,7 @@ class CallSignature:
         label: str = "autocast_transform",
     ) -> CallSignature:
         """``label`` is the public function the user called, named in errors."""
-        where = f"{label}({_function_name(fn)})"
+        where = f"{label}({function_name(fn)})"
         argnums = _index_tuple(static_argnums, "static_argnums", where)
         argnames = _name_tuple(static_argnames, "static_argnames", where)
         try:
@@ -126,7 +126,7 @@ class CallSignature:
 
     @property
     def where(self) -> str:
-        return f"{self.label}({_function_name(self.fn)})"
+        return f"{self.label}({function_name(self.fn)})"
 
     def parameter_name(self, index: int) -> str:
         """The name of the ``index``-th positional argument, in the user's terms."""
@@ -355,27 +355,75 @@ def static_key(static: Sequence[tuple[int, Any]]) -> tuple[Any, ...]:
     return tuple((i, type(leaf), leaf) for i, leaf in static)
 
 
+def _leaf_name(flat: Sequence[Any], in_tree: Any, i: int, signature: CallSignature | None) -> str:
+    """Leaf ``i`` of ``(args, kwargs)`` in the user's terms: ``batch['ids']``."""
+    path = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0][i][0]
+    return signature.describe(path) if signature is not None else jax.tree_util.keystr(path)
+
+
 def _raise_unhashable(
     flat: Sequence[Any],
     in_tree: Any,
     static: Sequence[tuple[int, Any]],
     signature: CallSignature | None,
 ) -> None:
-    paths = [
-        p for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(in_tree, flat))[0]
-    ]
     for i, leaf in static:
         try:
             hash(leaf)
         except TypeError as err:
-            name = (
-                signature.describe(paths[i])
-                if signature is not None
-                else jax.tree_util.keystr(paths[i])
-            )
+            name = _leaf_name(flat, in_tree, i, signature)
             where = signature.where if signature is not None else "autocast_transform"
             raise TypeError(
                 f"{where}: argument {name} is a {type(leaf).__name__}, neither an array nor a "
                 "hashable static value; pass an array or a hashable value (a tuple instead of "
                 "a list), or bind it with functools.partial before transforming"
             ) from err
+
+
+def traced_avals(
+    flat: Sequence[Any],
+    in_tree: Any,
+    traced_at: Sequence[int],
+    signature: CallSignature | None,
+    where: str,
+) -> tuple[Any, ...]:
+    """The types of the traced leaves; an array JAX has no type for (of strings, of Python
+    objects) is named as :func:`check_traceable` names it."""
+    try:
+        return tuple(compat.aval_of(flat[i]) for i in traced_at)
+    except TypeError:
+        check_traceable(flat, in_tree, traced_at, signature, where)
+        raise
+
+
+def check_traceable(
+    flat: Sequence[Any],
+    in_tree: Any,
+    traced_at: Sequence[int],
+    signature: CallSignature | None,
+    where: str,
+) -> None:
+    """Refuse, naming the argument, a traced leaf JAX cannot trace: a numpy array of strings or
+    Python objects, or a jax.Array of strings (numpy's StringDType, which JAX stores but does
+    not trace). ``jax.jit`` refuses them too, without naming the function (nor, for a string
+    jax.Array, the argument); run once per traced program (a cache miss), not per call."""
+    for i in traced_at:
+        leaf = flat[i]
+        try:
+            dtype = getattr(compat.aval_of(leaf), "dtype", None)
+        except TypeError:
+            dtype = getattr(leaf, "dtype", None)
+        else:
+            if not compat.is_string_dtype(dtype):
+                continue
+        kind = (
+            "a jax.Array"
+            if isinstance(leaf, jax.Array)
+            else f"a {type(leaf).__module__}.{type(leaf).__name__}"
+        )
+        raise TypeError(
+            f"{where}: argument {_leaf_name(flat, in_tree, i, signature)} is {kind} of dtype "
+            f"{dtype}, which JAX cannot trace (jax.jit refuses it too): JAX traces arrays of "
+            "numbers and booleans. Pass its numeric encoding, or keep it out of the function's "
+            "arguments"
+        )

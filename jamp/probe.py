@@ -31,7 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat
-from .call_args import CallSignature, split_leaves, static_key, unmarked
+from .call_args import (
+    CallSignature,
+    check_traceable,
+    split_leaves,
+    static_key,
+    traced_avals,
+    unmarked,
+)
 from .interpreter import Rewriter, is_float, walk_rules
 from .policy import Policy, RegionState
 
@@ -178,13 +185,15 @@ def trace_program(
         raise TypeError(f"{caller} expects a callable, got {type(fn).__name__}")
     argnums = normalize_argnums(grad)
     # A jax.jit-wrapped fn's static arguments stay Python values (single static leaves here).
-    flat, in_tree = jax.tree.flatten(CallSignature.of(fn, label=caller).mark_static(args, kwargs))
+    signature = CallSignature.of(fn, label=caller)
+    flat, in_tree = jax.tree.flatten(signature.mark_static(args, kwargs))
     # A token argument stays a static leaf: the checked program runs with array inputs only.
     traced_at, static = split_leaves(
         flat, in_tree, None, numbers_are_static=False, tokens_are_static=True
     )
     leaves = [flat[i] for i in traced_at]
-    avals = tuple(compat.aval_of(x) for x in leaves)
+    avals = traced_avals(flat, in_tree, traced_at, signature, signature.where)
+    check_traceable(flat, in_tree, traced_at, signature, signature.where)
     _check_inputs_finite(flat, in_tree, traced_at, caller)
     if argnums is not None and max(argnums) >= len(args):
         raise ValueError(

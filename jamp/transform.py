@@ -26,7 +26,15 @@ from jax.typing import DTypeLike
 from . import _compat as compat
 from . import graph_nodes
 from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
-from .call_args import CallSignature, short_repr, split_leaves, static_key
+from .call_args import (
+    CallSignature,
+    check_traceable,
+    function_name,
+    short_repr,
+    split_leaves,
+    static_key,
+    traced_avals,
+)
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
 from .region_stack import tracing_under
@@ -364,10 +372,14 @@ def trace_call(
         flat, in_tree, signature, numbers_are_static=compat.under_transformation()
     )
     traced_flat = [flat[i] for i in traced_at]
-    avals = tuple(compat.aval_of(x) for x in traced_flat)
+    where = (
+        signature.where if signature is not None else f"autocast_transform({function_name(source)})"
+    )
+    avals = traced_avals(flat, in_tree, traced_at, signature, where)
     key = (in_tree, avals, static_key(static), compat.trace_context())
 
     def tracer() -> _Traced:
+        check_traceable(flat, in_tree, traced_at, signature, where)
         outs_store: dict[str, Any] = {}
 
         def flat_fn(*traced_leaves: Any) -> list[Any]:

@@ -75,7 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _compat as compat
-from .call_args import split_leaves
+from .call_args import CallSignature, split_leaves
 from .interpreter import F32, Step, is_float, matmul_flops
 from .policy import FLOAT8_COMPUTE, LINE_RULE, Policy, is_float8
 from .probe import count_sites, normalize_argnums
@@ -234,7 +234,9 @@ class _Traced:
     def __init__(self, fn: Callable, policy: Policy, args: tuple, kwargs: dict):
         from .transform import trace_call
 
-        _, flat, tracer = trace_call(fn, policy, args, kwargs)
+        # (the signature names a bad argument as tune's: ``tune(loss): argument batch['x']``)
+        signature = CallSignature.of(fn, label="tune")
+        _, flat, tracer = trace_call(fn, policy, args, kwargs, signature=signature)
         self.closed = tracer().closed
         self.jaxpr = compat.open_and_consts(self.closed)[0]
         self.avals = [compat.aval_of(x) for x in flat]

@@ -217,6 +217,52 @@ def test_unhashable_jit_static_argument_names_the_callers_entry_point(entry, nam
         entry(jitted, jnp.ones(2))
 
 
+def _string_array() -> jax.Array:
+    """A jax.Array of numpy's StringDType, which JAX stores (on CPU) but no program takes."""
+    return jax.device_put(np.array(["a", "bc"], dtype=np.dtypes.StringDType()),
+                          jax.devices("cpu")[0])
+
+
+def _string_leaves() -> list:
+    """Leaves JAX has no program type for."""
+    return [pytest.param(np.array(["a", "bc"]), r"a numpy\.ndarray of dtype <U2", id="numpy-str"),
+            pytest.param(np.array([object()], dtype=object), r"a numpy\.ndarray of dtype object",
+                         id="numpy-object"),
+            pytest.param(_string_array(), r"a jax\.Array of dtype StringDType\(\)",
+                         id="jax-string")]
+
+
+def _tokens_then_scale(batch, x):
+    return x * 2.0
+
+
+@pytest.mark.parametrize("entry, name", [
+    (lambda f, *a: jamp.autocast_transform(f)(*a), "autocast_transform"),
+    (lambda f, *a: jax.vmap(jamp.autocast_transform(f), in_axes=(None, 0))(*a),
+     "autocast_transform"),
+    (jamp.explain, "explain"),
+    (jamp.find_nonfinite, "find_nonfinite"),
+    (jamp.value_ranges, "value_ranges"),
+    (jamp.tune, "tune"),
+])
+@pytest.mark.parametrize("leaf, what", _string_leaves())
+def test_an_array_jax_cannot_trace_is_named_by_its_argument_path(entry, name, leaf, what):
+    # jax.jit's own message names neither the function nor, for a string jax.Array, the argument
+    with pytest.raises(TypeError, match=rf"^{name}\(_tokens_then_scale\): argument "
+                                        rf"batch\['tokens'\] is {what}, which JAX cannot trace "
+                                        r"\(jax\.jit refuses it too\)"):
+        entry(_tokens_then_scale, {"tokens": leaf}, jnp.ones(2))
+
+
+def test_a_string_jax_array_is_named_under_an_outer_jit_too():
+    # jax.jit traces a string jax.Array (it refuses one only when it runs the program): the
+    # transform inside refuses it while tracing, by name
+    with pytest.raises(TypeError, match=r"argument batch\['tokens'\] is a jax\.Array of dtype "
+                                        r"StringDType\(\)"):
+        jax.jit(jamp.autocast_transform(_tokens_then_scale))({"tokens": _string_array()},
+                                                             jnp.ones(2))
+
+
 def test_jit_static_args_compose_with_an_outer_jit_and_grad():
     x = jnp.full((2, 2), 0.5)
     mixed = jamp.autocast_transform(jax.jit(_power, static_argnums=1))
