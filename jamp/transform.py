@@ -187,7 +187,9 @@ def autocast_transform(
     inside a pytree argument (an Equinox module's ``Dropout(p=0.0)``, a config field) is static,
     as ``equinox.filter_jit`` treats it, so library code can branch on it; a new value traces
     ``fn`` again. Bools, strings and other hashable leaves (``train=False``,
-    ``mutable=["batch_stats"]``) are always static.
+    ``mutable=["batch_stats"]``) are always static. An array JAX cannot trace (numpy strings or
+    Python objects, a ``jax.Array`` of numpy's ``StringDType``) is refused, as ``jax.jit``
+    refuses it, by the argument's name and pytree path.
     Output leaves that are not arrays or numbers (strings, functions, ``None``) are returned as
     they came, as ``equinox.filter_jit`` does. Flax NNX modules among the arguments are split
     and merged as ``nnx.jit`` does, and their final state (e.g. BatchNorm statistics) is
