@@ -405,8 +405,9 @@ def check_traceable(
 ) -> None:
     """Refuse, naming the argument, a traced leaf JAX cannot trace: a numpy array of strings or
     Python objects, or a jax.Array of strings (numpy's StringDType, which JAX stores but does
-    not trace). ``jax.jit`` refuses them too, without naming the function (nor, for a string
-    jax.Array, the argument); run once per traced program (a cache miss), not per call."""
+    not run: it traces one, and refuses it when it runs the program). ``jax.jit`` refuses them
+    too, without naming the function (nor, for a string jax.Array, the argument). Called where
+    JAX would refuse one, not on every call: the arguments' types cost a call per leaf."""
     for i in traced_at:
         leaf = flat[i]
         try:

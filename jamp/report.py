@@ -343,9 +343,10 @@ def explain(
     # A jax.jit-wrapped fn's static arguments stay Python values, as in autocast_transform.
     signature = CallSignature.of(fn, label="explain")
     args, kwargs = signature.mark_static(args, kwargs)
-    _, flat, tracer = trace_call(
+    _, flat, tracer, refuse_untraceable = trace_call(
         signature.call_unmarked, policy, args, kwargs, source=fn, signature=signature
     )
+    refuse_untraceable()  # (before the program it compiles, which refuses it unnamed)
     traced = tracer()
     recorder = Recorder(policy, tag_float8=compiled)
     program = lambda *a: rewrite_and_eval(traced.closed, policy, a, recorder)  # noqa: E731

@@ -359,12 +359,14 @@ def trace_call(
     *,
     source: Callable | None = None,
     signature: CallSignature | None = None,
-) -> tuple[Any, list[Any], Callable[[], _Traced]]:
+) -> tuple[Any, list[Any], Callable[[], _Traced], Callable[[], None]]:
     """Split a call's arguments into traced leaves and static ones and make the cache key.
 
-    Returns ``(key, flat traced leaves, tracer)`` where ``tracer()`` traces ``fn`` at the traced
-    leaves' avals (inside an enabled autocast state, for ``is_autocast_enabled``) to a
-    ``_Traced``. ``source`` is the user's function that errors should name (``fn`` by default);
+    Returns ``(key, flat traced leaves, tracer, refuse_untraceable)`` where ``tracer()`` traces
+    ``fn`` at the traced leaves' avals (inside an enabled autocast state, for
+    ``is_autocast_enabled``) to a ``_Traced``, and ``refuse_untraceable()`` raises a TypeError
+    naming an argument no JAX program takes (``call_args.check_traceable``), if there is one.
+    ``source`` is the user's function that errors should name (``fn`` by default);
     ``signature`` (the user's, with static arguments marked) names the arguments, else ``fn``'s
     own parameters do.
     """
@@ -381,7 +383,6 @@ def trace_call(
     key = (in_tree, avals, static_key(static), compat.trace_context())
 
     def tracer() -> _Traced:
-        check_traceable(flat, in_tree, traced_at, signature, where)
         outs_store: dict[str, Any] = {}
 
         def flat_fn(*traced_leaves: Any) -> list[Any]:
@@ -420,7 +421,10 @@ def trace_call(
             name=getattr(source, "__name__", "autocast"),
         )
 
-    return key, traced_flat, tracer
+    def refuse_untraceable() -> None:
+        check_traceable(flat, in_tree, traced_at, signature, where)
+
+    return key, traced_flat, tracer, refuse_untraceable
 
 
 def _check_transformable(fn: Any) -> None:
@@ -473,7 +477,9 @@ def _transform_arrays(
 
     @functools.wraps(fn)
     def transformed(*args: Any, **kwargs: Any) -> Any:
-        key, flat, tracer = trace_call(fn, policy, args, kwargs, source=source, signature=signature)
+        key, flat, tracer, refuse_untraceable = trace_call(
+            fn, policy, args, kwargs, source=source, signature=signature
+        )
         # Under jax.disable_jit() the function's Python runs on every call, as jax.jit's does
         # there (prints, counters, breakpoints): traced anew, not taken from the cache.
         debugging = compat.jit_disabled()
@@ -504,6 +510,11 @@ def _transform_arrays(
             # (as in plain eager JAX), which maps the value.
             traced.rules_close_over_values = True
             return _bound_directly(traced, policy, flat)
+        except TypeError:
+            # A string jax.Array traces (so does under jax.jit, which refuses it only here, as
+            # it runs the program, without naming it); named as the user passed it.
+            refuse_untraceable()
+            raise
         if eager:
             # jax.disable_jit() runs the program op by op, and an input returned unchanged comes
             # back as the caller's object (numpy float64); return what jax.jit returns.

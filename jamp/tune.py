@@ -236,7 +236,10 @@ class _Traced:
 
         # (the signature names a bad argument as tune's: ``tune(loss): argument batch['x']``)
         signature = CallSignature.of(fn, label="tune")
-        _, flat, tracer = trace_call(fn, policy, args, kwargs, signature=signature)
+        _, flat, tracer, refuse_untraceable = trace_call(
+            fn, policy, args, kwargs, signature=signature
+        )
+        refuse_untraceable()  # (before the programs tune compiles, which refuse it unnamed)
         self.closed = tracer().closed
         self.jaxpr = compat.open_and_consts(self.closed)[0]
         self.avals = [compat.aval_of(x) for x in flat]

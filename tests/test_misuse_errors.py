@@ -254,13 +254,29 @@ def test_an_array_jax_cannot_trace_is_named_by_its_argument_path(entry, name, le
         entry(_tokens_then_scale, {"tokens": leaf}, jnp.ones(2))
 
 
-def test_a_string_jax_array_is_named_under_an_outer_jit_too():
-    # jax.jit traces a string jax.Array (it refuses one only when it runs the program): the
-    # transform inside refuses it while tracing, by name
-    with pytest.raises(TypeError, match=r"argument batch\['tokens'\] is a jax\.Array of dtype "
-                                        r"StringDType\(\)"):
-        jax.jit(jamp.autocast_transform(_tokens_then_scale))({"tokens": _string_array()},
-                                                             jnp.ones(2))
+@pytest.mark.parametrize("form", [
+    lambda f: f, jax.jit, jamp.autocast_transform, lambda f: jax.jit(jamp.autocast_transform(f)),
+    lambda f: jax.vmap(jamp.autocast_transform(f), in_axes=(None, 0)),
+], ids=["plain", "jit", "transform", "jit-transform", "vmap-transform"])
+def test_a_string_array_the_function_uses_fails_as_under_jax_jit(form):
+    # jax.jit traces a string jax.Array and runs the function on it: an operation of the
+    # function refuses it with jnp's ValueError, which the transform leaves as it is
+    def add_positions(batch, x):
+        return batch["tokens"] + jnp.arange(2)
+
+    with pytest.raises(ValueError, match=r"StringDType\(\) is not a valid dtype"):
+        form(add_positions)({"tokens": _string_array()}, jnp.ones(2))
+
+
+def test_a_string_array_the_function_only_passes_through_is_refused_by_jit_as_it_runs():
+    # Under an outer jax.jit the transform is part of jit's program: jit refuses the argument
+    # when it runs it, with its own TypeError, as without jamp
+    def passes_through(batch, x):
+        return batch["tokens"], x * 2.0
+
+    for form in (jax.jit, lambda f: jax.jit(jamp.autocast_transform(f))):
+        with pytest.raises(TypeError, match=r"is not a valid JAX type"):
+            form(passes_through)({"tokens": _string_array()}, jnp.ones(2))
 
 
 def test_jit_static_args_compose_with_an_outer_jit_and_grad():
