@@ -13,6 +13,9 @@ are imported, so their ``from jax import jit`` picks up the patch. Environment:
   - ``region``: ``jax.jit(f, ...)`` becomes ``jax.jit(g, ...)`` where ``g(*a, **k)`` runs
     ``f(*a, **k)`` inside ``with jamp.autocast(policy):`` (front end 2: a region trace that
     applies the policy to every bind in the block);
+  - ``eager-region``: nothing is patched; every test's body runs inside ``with
+    jamp.autocast(policy):``, its eager operations and its jits alike (``with jamp.autocast():``
+    anywhere, as a torch user writes it around a whole step);
 
 - ``JAMP_IDENTITY_HELPERS=1``: also patch the ``jit`` of JAX's test helpers
   (``jtu._CompileAndCheck``, which most of ``lax_test``, ``lax_numpy_*_test`` and
@@ -52,8 +55,10 @@ from typing import Any
 import pytest
 
 FORM = os.environ.get("JAMP_IDENTITY_FORM", "transform")
-if FORM not in ("transform", "region"):
-    raise ValueError(f"JAMP_IDENTITY_FORM must be 'transform' or 'region', got {FORM!r}")
+if FORM not in ("transform", "region", "eager-region"):
+    raise ValueError(
+        f"JAMP_IDENTITY_FORM must be 'transform', 'region' or 'eager-region', got {FORM!r}"
+    )
 COUNTS = {"jit_calls": 0, "with_static_args": 0, "wrap_failed": 0, "vmap_calls": 0,
           "cast_back": 0}
 OUTCOMES: dict[str, dict[str, Any]] = {}
@@ -262,8 +267,33 @@ class _WithJit:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("JAMP_IDENTITY_PATCH") == "1":
+    if os.environ.get("JAMP_IDENTITY_PATCH") == "1" and FORM != "eager-region":
         _install()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """eager-region: the test method runs in a region; its ``setUp`` and ``tearDown`` do not
+    (JAX's ``tearDown`` checks that no trace is left open: the region would be one)."""
+    if os.environ.get("JAMP_IDENTITY_PATCH") != "1" or FORM != "eager-region":
+        return
+    if not isinstance(item, pytest.Function):
+        return
+    import jax.numpy as jnp
+
+    import jamp
+
+    COUNTS["jit_calls"] += 1  # (here: tests run in a region)
+    # (pytest binds ``item.obj`` as the test case's method before unittest runs it: JAX's tests
+    # are unittest test cases; a plain test function is ``item.obj`` too)
+    method = item.obj
+
+    @functools.wraps(method)
+    def in_region(*args: Any, **kwargs: Any) -> Any:
+        with jamp.autocast(jamp.Policy(jnp.float32)):
+            return method(*args, **kwargs)
+
+    item.obj = in_region
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -23,7 +23,9 @@ then, from the repository root::
 ``--form`` picks the front end under test (``JAMP_IDENTITY_FORM`` for the plugin):
 ``transform`` (the default) patches ``jax.jit(f)`` to ``jax.jit(autocast_transform(f, policy))``;
 ``region`` patches it to ``jax.jit(g)``, where ``g`` calls ``f`` inside
-``jamp.autocast(policy)`` (the region trace, front end 2). Use a separate ``--out`` per form.
+``jamp.autocast(policy)`` (the region trace, front end 2); ``eager-region`` patches nothing and
+runs every test's body inside ``jamp.autocast(policy)`` (its eager operations, and its jits met
+inside the region). Use a separate ``--out`` per form.
 
 ``--helpers`` patches the jit of JAX's test helpers too (``jtu._CompileAndCheck``, which calls
 ``jax._src.api.jit``): most of ``lax_test``, the ``lax_numpy_*_test`` files and
@@ -217,9 +219,11 @@ def main() -> None:
                         help="a pytest -k expression for one file, e.g. lax_autodiff_test=Grad")
     parser.add_argument("--generated-cases", type=int, default=2,
                         help="JAX_NUM_GENERATED_CASES (JAX's default is 10)")
-    parser.add_argument("--form", choices=("transform", "region"), default="transform",
+    parser.add_argument("--form", choices=("transform", "region", "eager-region"),
+                        default="transform",
                         help="transform: jit(autocast_transform(f)); region: jit of f's body "
-                             "inside a jamp.autocast region")
+                             "inside a jamp.autocast region; eager-region: each test's body "
+                             "inside one")
     parser.add_argument("--helpers", action="store_true",
                         help="also patch the jit of JAX's test helpers (jtu._CompileAndCheck), "
                              "which most lax and jnp test files compile through")

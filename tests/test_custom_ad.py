@@ -717,3 +717,43 @@ def test_custom_derivative_functions_returning_a_typed_prng_key(form):
     grad = jax.grad(lambda x: fn(x, key)[0].astype(F32))(x)
     assert grad.dtype == F32
     np.testing.assert_allclose(grad, jax.grad(lambda x: loss(x, key)[0])(x), rtol=1e-2)
+
+
+def _constant_cotangent_vjp():
+    """A custom_vjp whose bwd returns a constant cotangent (a straight-through estimator's
+    shape): its backward program's output is a literal."""
+    @jax.custom_vjp
+    def clipped(x):
+        return jnp.clip(x, -1.0, 1.0) * 3.0
+
+    def fwd(x):
+        return clipped(x), None
+
+    def bwd(_, g):
+        return (2.0,)
+
+    clipped.defvjp(fwd, bwd)
+    return clipped
+
+
+def _under_region(fn):
+    def run(x):
+        with jamp.autocast():
+            return fn(x)
+    return run
+
+
+@pytest.mark.parametrize("form", [
+    lambda g: jax.grad(jamp.autocast_transform(g)),
+    lambda g: jax.jit(jax.grad(jamp.autocast_transform(g))),
+    lambda g: _under_region(jax.grad(g)),
+    lambda g: jax.jit(_under_region(jax.grad(g))),
+], ids=["transform", "jit-transform", "eager-region", "jit-region"])
+def test_a_custom_vjp_bwd_returning_a_constant_cotangent(form):
+    # Found with JAX's custom_api_test::test_float0 run in an eager region: jamp read a literal
+    # output of the backward program as an equation's (TypeError: unhashable type: 'Literal')
+    clipped = _constant_cotangent_vjp()
+    x = jnp.float32(1.5)
+    assert jax.grad(clipped)(x) == 2.0
+    grad = form(clipped)(x)
+    assert grad == 2.0 and grad.dtype == jnp.float32

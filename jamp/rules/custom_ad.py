@@ -254,8 +254,8 @@ def _known_zeros(jaxpr: Any, n_outs: int) -> tuple[bool, ...]:
         return isinstance(atom, compat.Literal) and not np.any(np.asarray(atom.val))
 
     def is_zero(v: Any) -> bool:
-        if is_zero_literal(v):
-            return True
+        if isinstance(v, compat.Literal):  # (a literal is no equation's output, nor hashable)
+            return is_zero_literal(v)
         eqn = made_by.get(v)
         return (
             eqn is not None
