@@ -1132,7 +1132,18 @@ class RegionTrace(compat.Trace):
                     return outs
             with compat.set_current_trace(self):
                 return subfuns[0].call_wrapped(*args)
-        closed = self._staged_jaxpr(primitive, subfuns, args, params)
+        try:
+            closed = self._staged_jaxpr(primitive, subfuns, args, params)
+        except _NEEDS_VALUES:
+            # The function or its rule branches on a value (`if x > 0:`), which tracing it on
+            # types alone cannot give: bound on the parent, as without jamp. Under an eager
+            # jax.jvp or jax.grad its rule then runs on the values (and its operations in this
+            # region, one by one); inside jax.jit the parent raises the same error, as it would
+            # without jamp.
+            for fun in subfuns:
+                compat.empty_stores(fun)
+            with compat.set_current_trace(self.parent):
+                return compat.bind_custom(primitive, subfuns, args, params)
         jaxpr, consts = compat.open_and_consts(closed)
         state = self.rewriter.current_state()
         with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
@@ -1199,6 +1210,14 @@ class RegionTrace(compat.Trace):
                 lambda *xs: compat.bind_custom(primitive, subfuns, xs, params), avals
             ),
         )
+
+
+# What tracing a function on types alone raises where it reads a value (JAX's own classes).
+_NEEDS_VALUES = (
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerArrayConversionError,
+    jax.errors.TracerIntegerConversionError,
+)
 
 
 def _traced_once(key: tuple | None, fun: Any, trace: Callable[[], Any]) -> Any:

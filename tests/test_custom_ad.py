@@ -757,3 +757,60 @@ def test_a_custom_vjp_bwd_returning_a_constant_cotangent(form):
     assert jax.grad(clipped)(x) == 2.0
     grad = form(clipped)(x)
     assert grad == 2.0 and grad.dtype == jnp.float32
+
+
+def _branching_custom_derivatives():
+    """A custom_jvp and a custom_vjp function whose bodies and rules branch on their operand's
+    value, as eager code may (JAX's custom_api_test::test_python_control_flow)."""
+    w = jnp.full((3, 3), 0.25)
+
+    @jax.custom_jvp
+    def jvp_fn(x):
+        return jnp.tanh(x @ w) if jnp.sum(x) > 0 else jnp.cos(x)
+
+    @jvp_fn.defjvp
+    def _(primals, tangents):
+        (x,), (t,) = primals, tangents
+        return jvp_fn(x), (2.0 if jnp.sum(x) > 0 else 3.0) * t
+
+    @jax.custom_vjp
+    def vjp_fn(x):
+        return jnp.tanh(x @ w) if jnp.sum(x) > 0 else jnp.cos(x)
+
+    def fwd(x):
+        return vjp_fn(x), x
+
+    def bwd(x, g):
+        return ((2.0 if jnp.sum(x) > 0 else 3.0) * g,)
+
+    vjp_fn.defvjp(fwd, bwd)
+    return jvp_fn, vjp_fn
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_custom_derivatives_branching_on_values_differentiate_eagerly_in_a_region(sign):
+    # An eager jax.jvp or jax.grad in a region staged the call on types alone to rewrite it, so
+    # `if jnp.sum(x) > 0:` raised TracerBoolConversionError where plain JAX runs the rule on the
+    # values; now bound as without jamp, the rule's operations decided one by one
+    jvp_fn, vjp_fn = _branching_custom_derivatives()
+    x = sign * jnp.arange(1.0, 4.0)
+    loss = lambda f: lambda x: f(x).astype(jnp.float32).sum()  # noqa: E731
+    expected = [jax.jvp(jvp_fn, (x,), (jnp.ones(3),))[1], jax.grad(loss(jvp_fn))(x),
+                jax.grad(loss(vjp_fn))(x)]
+    with jamp.autocast():
+        got = [jax.jvp(jvp_fn, (x,), (jnp.ones(3),))[1], jax.grad(loss(jvp_fn))(x),
+               jax.grad(loss(vjp_fn))(x)]
+    for g, e in zip(got, expected):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, e)
+
+
+def test_custom_derivatives_branching_on_values_inside_jit_raise_as_without_jamp():
+    jvp_fn, _ = _branching_custom_derivatives()
+
+    def step(x):
+        with jamp.autocast():
+            return jax.grad(lambda x: jvp_fn(x).astype(jnp.float32).sum())(x)
+
+    with pytest.raises(jax.errors.TracerBoolConversionError):
+        jax.jit(step)(jnp.arange(1.0, 4.0))
