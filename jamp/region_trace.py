@@ -151,8 +151,9 @@ class RegionEquation:
 
     def set_outputs(self, outs: Sequence[Any]) -> list:
         """Variables for the values the rule returned (their avals are what ran)."""
-        if self._outvars is None or any(
-            v.aval.dtype != compat.aval_of(x).dtype for v, x in zip(self._outvars, outs)
+        if self._outvars is None or any(  # (an effect token has no dtype)
+            getattr(v.aval, "dtype", None) != getattr(compat.aval_of(x), "dtype", None)
+            for v, x in zip(self._outvars, outs)
         ):
             self._outvars = [compat.Var(compat.aval_of(x)) for x in outs]
         return self._outvars
@@ -533,7 +534,9 @@ class RegionTrace(compat.Trace):
         if region is None:
             # entered inside the policy's region: nested regions are the markers past these
             region = max(1, region_depth(compat.current_scope_names()))
-        rewritten = SubJaxprCache(_STORES.setdefault(policy, weakref.WeakKeyDictionary()))
+        rewritten = SubJaxprCache(
+            _STORES.setdefault(policy, weakref.WeakKeyDictionary()), per_call=False
+        )
         scopes = _SCOPES.setdefault(policy, ScopeLog()) if policy.rules else None
         self.rewriter = Rewriter(
             policy,
@@ -627,7 +630,7 @@ class RegionTrace(compat.Trace):
                     if var in env.upcast_of:
                         env.casts.pop((var, F32), None)
         # What a call would have returned without the policy (its body's traced types).
-        traced = [v.aval.dtype for v in eqn.outvars] if programs else []
+        traced = [getattr(v.aval, "dtype", None) for v in eqn.outvars] if programs else []
         outvars = eqn.set_outputs(outs)
         for value, var in zip(outs, outvars):
             env.remember(value, var)
@@ -641,8 +644,10 @@ class RegionTrace(compat.Trace):
                 env.lazy_squares[outvars[0]] = lazy.then(primitive, params)
         track_derived(step, outs)
         compute = state.value_dtype
-        env.lowered.update(
-            v for v, t in zip(outvars, traced) if v.aval.dtype == compute and t != compute
+        env.lowered.update(  # (an effect token has no dtype)
+            v
+            for v, t in zip(outvars, traced)
+            if getattr(v.aval, "dtype", None) == compute and t != compute
         )
         if key is not None and decisions is not None:
             decision = step.decision(outs, outvars)

@@ -256,11 +256,18 @@ class SubJaxprCache(MutableMapping):
     sub-jaxprs weakly, so rewrites of jaxprs traced afresh in one call (a custom rule's JVP) go
     with them. A rewrite whose constants hold
     tracers (values of this call's trace) is kept for this call only.
+
+    ``per_call=False`` (a region's, which lives as long as its ``with`` block): only what the
+    store cannot hold is kept here, so that a long region (a whole training loop) does not keep
+    every callee it walked, and the arrays they close over, alive until it exits.
     """
 
-    def __init__(self, store: weakref.WeakKeyDictionary[Any, dict] | None = None):
+    def __init__(
+        self, store: weakref.WeakKeyDictionary[Any, dict] | None = None, per_call: bool = True
+    ):
         self.store = weakref.WeakKeyDictionary() if store is None else store
         self.local: dict[Any, Any] = {}
+        self.per_call = per_call
 
     def for_call(self) -> SubJaxprCache:
         """A fresh per-call view on the same store."""
@@ -281,13 +288,15 @@ class SubJaxprCache(MutableMapping):
         return shared[key[1:]]
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        if not _holds_tracers(value):
+            try:
+                self.store.setdefault(key[0], {})[key[1:]] = value
+            except TypeError:  # (a jaxpr that cannot be weakly referenced)
+                pass
+            else:
+                if not self.per_call:
+                    return
         self.local[key] = value
-        if _holds_tracers(value):
-            return
-        try:
-            self.store.setdefault(key[0], {})[key[1:]] = value
-        except TypeError:
-            pass
 
     def __delitem__(self, key: Any) -> None:
         self.local.pop(key, None)

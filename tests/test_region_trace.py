@@ -1363,3 +1363,42 @@ def test_a_core_call_runs_its_body_in_the_region(wrap):
     got = wrap(in_region(fn))(x)
     assert got.dtype == jnp.bfloat16
     chex.assert_trees_all_close(got, fn(x).astype(jnp.bfloat16), rtol=2e-2, atol=2e-2)
+
+
+def test_jitted_calls_taking_and_returning_effect_tokens_in_an_eager_region():
+    # A call's outputs were read for their dtypes, which an effect token has none of
+    # (AttributeError: 'AbstractToken' object has no attribute 'dtype'); found with JAX's
+    # api_test run in an eager region (identity_policy.py --form eager-region)
+    token = jax.lax.create_token()
+
+    @jax.jit
+    def passes_token(x, tok):
+        return x @ x, tok
+
+    x = jnp.ones((4, 4))
+    with jamp.autocast():
+        made = jax.jit(jax.lax.create_token)(1.0)
+        out, passed = passes_token(x, token)
+        closed_over, captured = jax.jit(lambda x: (x + 2, token))(x)
+    assert all(compat.is_token(t) for t in (made, passed, captured))
+    assert out.dtype == jnp.bfloat16 and closed_over.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.full((4, 4), 4.0))
+
+
+def test_a_long_region_does_not_keep_what_a_dropped_jitted_function_closed_over():
+    # A region's cache of rewritten callees held them strongly for as long as the region was
+    # open, and with them the arrays they close over: a training loop inside one `with` block
+    # kept every such array alive (found with JAX's api_test::test_jit_reference_dropping in an
+    # eager region). Garbage collection stays on: the array must go by reference counting.
+    import weakref
+
+    with jamp.autocast():
+        x = jnp.ones((4, 4))
+        g = jax.jit((lambda x: lambda: x @ x)(x))
+        gone = weakref.ref(x)
+        del x
+        first, second = g(), g()
+        assert gone() is not None  # still closed over by g
+        del g
+        assert gone() is None  # the region is still open
+    assert first.dtype == second.dtype == jnp.bfloat16
