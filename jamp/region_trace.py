@@ -1137,22 +1137,23 @@ class RegionTrace(compat.Trace):
                     return outs
             with compat.set_current_trace(self):
                 return subfuns[0].call_wrapped(*args)
+        # The function or one of its rules may branch on a value (`if x > 0:`), which tracing
+        # it on types alone (staging the call, or JAX tracing a rule of the rewritten call)
+        # cannot give: then the call is bound on the parent, as without jamp. Under an eager
+        # jax.jvp or jax.grad its rules then run on the values (their operations in this
+        # region, one by one); inside jax.jit the parent raises the same error, as it would
+        # without jamp.
         try:
             closed = self._staged_jaxpr(primitive, subfuns, args, params)
+            jaxpr, consts = compat.open_and_consts(closed)
+            state = self.rewriter.current_state()
+            with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
+                return self.rewriter.child(state).run(jaxpr, consts, list(args))
         except _NEEDS_VALUES:
-            # The function or its rule branches on a value (`if x > 0:`), which tracing it on
-            # types alone cannot give: bound on the parent, as without jamp. Under an eager
-            # jax.jvp or jax.grad its rule then runs on the values (and its operations in this
-            # region, one by one); inside jax.jit the parent raises the same error, as it would
-            # without jamp.
             for fun in subfuns:
                 compat.empty_stores(fun)
             with compat.set_current_trace(self.parent):
                 return compat.bind_custom(primitive, subfuns, args, params)
-        jaxpr, consts = compat.open_and_consts(closed)
-        state = self.rewriter.current_state()
-        with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
-            return self.rewriter.child(state).run(jaxpr, consts, list(args))
 
     def _eager_body(
         self, primitive: Any, subfuns: tuple, args: Sequence[Any], params: dict

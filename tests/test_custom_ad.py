@@ -784,7 +784,16 @@ def _branching_custom_derivatives():
         return ((2.0 if jnp.sum(x) > 0 else 3.0) * g,)
 
     vjp_fn.defvjp(fwd, bwd)
-    return jvp_fn, vjp_fn
+
+    @jax.custom_vjp
+    def rules_branch(x):  # (its body does not branch: only its rules do)
+        return jnp.tanh(x @ w)
+
+    def fwd_branching(x):
+        return (jnp.tanh(x @ w) if jnp.sum(x) > 0 else jnp.tanh(x @ w) + 0.0), x
+
+    rules_branch.defvjp(fwd_branching, bwd)
+    return jvp_fn, vjp_fn, rules_branch
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -792,21 +801,21 @@ def test_custom_derivatives_branching_on_values_differentiate_eagerly_in_a_regio
     # An eager jax.jvp or jax.grad in a region staged the call on types alone to rewrite it, so
     # `if jnp.sum(x) > 0:` raised TracerBoolConversionError where plain JAX runs the rule on the
     # values; now bound as without jamp, the rule's operations decided one by one
-    jvp_fn, vjp_fn = _branching_custom_derivatives()
+    jvp_fn, vjp_fn, rules_branch = _branching_custom_derivatives()
     x = sign * jnp.arange(1.0, 4.0)
     loss = lambda f: lambda x: f(x).astype(jnp.float32).sum()  # noqa: E731
     expected = [jax.jvp(jvp_fn, (x,), (jnp.ones(3),))[1], jax.grad(loss(jvp_fn))(x),
-                jax.grad(loss(vjp_fn))(x)]
+                jax.grad(loss(vjp_fn))(x), jax.grad(loss(rules_branch))(x)]
     with jamp.autocast():
         got = [jax.jvp(jvp_fn, (x,), (jnp.ones(3),))[1], jax.grad(loss(jvp_fn))(x),
-               jax.grad(loss(vjp_fn))(x)]
+               jax.grad(loss(vjp_fn))(x), jax.grad(loss(rules_branch))(x)]
     for g, e in zip(got, expected):
         assert g.dtype == jnp.float32
         np.testing.assert_allclose(g, e)
 
 
 def test_custom_derivatives_branching_on_values_inside_jit_raise_as_without_jamp():
-    jvp_fn, _ = _branching_custom_derivatives()
+    jvp_fn, _, _ = _branching_custom_derivatives()
 
     def step(x):
         with jamp.autocast():
