@@ -1139,10 +1139,10 @@ class RegionTrace(compat.Trace):
                 return subfuns[0].call_wrapped(*args)
         # The function or one of its rules may branch on a value (`if x > 0:`), which tracing
         # it on types alone (staging the call, or JAX tracing a rule of the rewritten call)
-        # cannot give: then the call is bound on the parent, as without jamp. Under an eager
-        # jax.jvp or jax.grad its rules then run on the values (their operations in this
-        # region, one by one); inside jax.jit the parent raises the same error, as it would
-        # without jamp.
+        # cannot give. Under an eager jax.jvp or jax.grad, where the values exist, the call is
+        # then bound on the parent, as without jamp: its rules run on the values, their
+        # operations in this region one by one. Inside jax.jit the error is raised, as it is
+        # without jamp (binding on the parent there would trace the body outside the region).
         try:
             closed = self._staged_jaxpr(primitive, subfuns, args, params)
             jaxpr, consts = compat.open_and_consts(closed)
@@ -1150,6 +1150,8 @@ class RegionTrace(compat.Trace):
             with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
                 return self.rewriter.child(state).run(jaxpr, consts, list(args))
         except _NEEDS_VALUES:
+            if compat.under_staging():
+                raise
             for fun in subfuns:
                 compat.empty_stores(fun)
             with compat.set_current_trace(self.parent):
