@@ -380,22 +380,6 @@ def _raise_unhashable(
             ) from err
 
 
-def traced_avals(
-    flat: Sequence[Any],
-    in_tree: Any,
-    traced_at: Sequence[int],
-    signature: CallSignature | None,
-    where: str,
-) -> tuple[Any, ...]:
-    """The types of the traced leaves; an array JAX has no type for (of strings, of Python
-    objects) is named as :func:`check_traceable` names it."""
-    try:
-        return tuple(compat.aval_of(flat[i]) for i in traced_at)
-    except TypeError:
-        check_traceable(flat, in_tree, traced_at, signature, where)
-        raise
-
-
 def check_traceable(
     flat: Sequence[Any],
     in_tree: Any,

@@ -36,7 +36,6 @@ from .call_args import (
     check_traceable,
     split_leaves,
     static_key,
-    traced_avals,
     unmarked,
 )
 from .interpreter import Rewriter, is_float, walk_rules
@@ -192,8 +191,8 @@ def trace_program(
         flat, in_tree, None, numbers_are_static=False, tokens_are_static=True
     )
     leaves = [flat[i] for i in traced_at]
-    avals = traced_avals(flat, in_tree, traced_at, signature, signature.where)
     check_traceable(flat, in_tree, traced_at, signature, signature.where)
+    avals = tuple(compat.aval_of(x) for x in leaves)
     _check_inputs_finite(flat, in_tree, traced_at, caller)
     if argnums is not None and max(argnums) >= len(args):
         raise ValueError(

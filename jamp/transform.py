@@ -33,7 +33,6 @@ from .call_args import (
     short_repr,
     split_leaves,
     static_key,
-    traced_avals,
 )
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
@@ -385,10 +384,20 @@ def trace_call(
         flat, in_tree, signature, numbers_are_static=compat.under_transformation()
     )
     traced_flat = [flat[i] for i in traced_at]
-    where = (
-        signature.where if signature is not None else f"autocast_transform({function_name(source)})"
-    )
-    avals = traced_avals(flat, in_tree, traced_at, signature, where)
+
+    def refuse_untraceable() -> None:
+        where = (
+            signature.where
+            if signature is not None
+            else f"autocast_transform({function_name(source)})"
+        )
+        check_traceable(flat, in_tree, traced_at, signature, where)
+
+    try:
+        avals = tuple(compat.aval_of(x) for x in traced_flat)
+    except TypeError:  # (an array JAX has no type for: named, not on the calls that pass)
+        refuse_untraceable()
+        raise
     key = (in_tree, avals, static_key(static), compat.trace_context())
 
     def tracer() -> _Traced:
@@ -429,9 +438,6 @@ def trace_call(
             cacheable=cacheable,
             name=getattr(source, "__name__", "autocast"),
         )
-
-    def refuse_untraceable() -> None:
-        check_traceable(flat, in_tree, traced_at, signature, where)
 
     return key, traced_flat, tracer, refuse_untraceable
 
