@@ -213,12 +213,17 @@ def is_known_value(value: Any) -> bool:
     return isinstance(value, (*HOST_VALUES, jax.Array)) and not compat.is_tracer(value)
 
 
-def saturating_cast(value: Any, dtype: np.dtype) -> Any:
+def saturating_cast(value: Any, dtype: np.dtype, bound: float | None = None) -> Any:
     """Cast a concrete value, clipping finite floats to the target's range (no overflow to inf).
 
     Runs at rewrite time: numpy for host values, eager JAX (never staged) for device arrays.
+    A tracer (the operand of an eager region's rewrite shared by every value of a small
+    constant: ``region_trace._constant_key``) is cast in the program being traced, clipped
+    unless ``bound``, a bound of its finite values' magnitude, fits the target's range.
     """
     dtype = np.dtype(dtype)
+    if compat.is_tracer(value):
+        return _traced_saturating_cast(value, dtype, bound)
     on_host = isinstance(value, HOST_VALUES)
     xp = np if on_host else jnp
     with contextlib.nullcontext() if on_host else jax.ensure_compile_time_eval():
@@ -233,6 +238,16 @@ def saturating_cast(value: Any, dtype: np.dtype) -> Any:
         return src.astype(dtype)
 
 
+def _traced_saturating_cast(value: Any, dtype: np.dtype, bound: float | None) -> Any:
+    source = np.dtype(value.dtype)
+    with compat.set_current_trace(compat.trace_of(value)):  # (tracked after a rule: any trace)
+        if is_float(dtype) and is_float(source):
+            limit = float(jnp.finfo(dtype).max)
+            if float(jnp.finfo(source).max) > limit and (bound is None or bound > limit):
+                value = jnp.where(jnp.isfinite(value), jnp.clip(value, -limit, limit), value)
+        return jax.lax.convert_element_type(value, dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class ConstSource:
     """A value known at rewrite time: a concrete base followed by shape-only primitives.
@@ -243,9 +258,12 @@ class ConstSource:
 
     base: Any
     steps: tuple = ()
+    # For a traced base (an eager region's rewrite shared by every value of a constant): a
+    # bound of its finite values' magnitude, where one is known (saturating_cast).
+    bound: float | None = None
 
     def cast(self, dtype: np.dtype) -> Any:
-        value = saturating_cast(self.base, dtype)
+        value = saturating_cast(self.base, dtype, self.bound)
         for primitive, params in self.steps:
             value = primitive.bind(value, **params)
         return value
@@ -761,11 +779,13 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     if same_value:
         env.known[out_var] = source
     elif name in SHAPE_ONLY:
-        env.known[out_var] = ConstSource(
-            source.base, source.steps + ((step.eqn.primitive, compat.bind_params(step.eqn)),)
+        env.known[out_var] = dataclasses.replace(
+            source,
+            steps=source.steps + ((step.eqn.primitive, compat.bind_params(step.eqn)),),
         )
     elif name == "convert_element_type" and not source.steps:
-        env.known[out_var] = ConstSource(saturating_cast(source.base, step.params["new_dtype"]))
+        converted = saturating_cast(source.base, step.params["new_dtype"], source.bound)
+        env.known[out_var] = dataclasses.replace(source, base=converted)
 
 
 SIXTEEN_BIT = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})

@@ -400,6 +400,19 @@ def _raise_for_invalid_values(outs: Sequence[Any], name: str) -> None:
             raise FloatingPointError(f"invalid value ({kind}) encountered in {name}")
 
 
+def _output_knowledge(env: RegionEnv, value: Any) -> Any:
+    """What a walk (``env``) knows about an output ``value`` (``knowledge_of``), with a constant
+    it cast in the program (an operand keyed as ``_ANY_VALUE``) as ``_OWN_VALUE``: the caller
+    knows it as the value the call returns."""
+    known = env.knowledge_of(value)
+    if isinstance(known, tuple) and known[1] is not None and compat.is_tracer(known[1].base):
+        return known[0], _OWN_VALUE
+    return known
+
+
+_OWN_VALUE = "the output's own value"
+
+
 def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
     """What the trackers of ``env`` (a walk's) know about the walk's outputs, in terms of its
     operands (``in_vars``) and other outputs; None where a fact points elsewhere (the callee's
@@ -573,6 +586,10 @@ class RegionTrace(compat.Trace):
             # in the region: differentiation_routed_above), and a backward pass the transposes
             # of ops decided in the forward pass: both run as they are, as torch's backward does.
             return compat.bind_on(self.parent, primitive, args, params, avals)
+        if programs and compat.is_eager(self.parent):
+            outs = self._eager_program(primitive, args, params)
+            if outs is not None:
+                return outs if primitive.multiple_results else outs[0]
         env = self.env
         invars = []
         for value, aval in zip(args, avals):
@@ -845,6 +862,47 @@ class RegionTrace(compat.Trace):
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 
+    def _eager_program(
+        self, primitive: Any, args: Sequence[Any], params: dict
+    ) -> list[Any] | None:
+        """Eagerly, a primitive carrying programs (``lax.scan``, ``while_loop``, ``cond``) is
+        rewritten as a one-equation jaxpr, once per equation, operand types, region state and
+        operand knowledge (as :meth:`_inline_call` does for a ``jnp`` function), and then runs as
+        one compiled call. Rewritten at every call instead, its rule would rebuild the loop
+        around a new body, which JAX compiles again at every call, where plain JAX compiles it
+        once. None where the equation goes the way it always went (a ``jax.jit`` call, whose
+        rewritten body JAX caches already; ``'@file:line'`` rules; operands the region knows
+        more of than a key holds; a rule that binds the equation as it came)."""
+        if primitive.name in _BOUND_AS_CALLS or self.rewriter.line_rules:
+            return None
+        anchor, params_key = _program_key(params)
+        if anchor is None:
+            return None
+        known = self._operand_knowledge(args)
+        if known is None:
+            return None
+        knowledge, sources, facts, in_vars, avals = known
+        env = self.env
+        if _any_in(in_vars, env.lazy_squares) or _any_in(in_vars, env.promotions.by_var):
+            return None  # (recomputed or read through by the rules: the way it always went)
+        try:
+            rewrite = self._call_rewrite(
+                anchor,
+                self.rewriter.current_state(),
+                knowledge,
+                sources,
+                facts,
+                avals,
+                equation=(primitive, params, params_key),
+            )
+        except TypeError:  # a parameter that cannot be hashed
+            return None
+        outs = None if rewrite is None else rewrite.run_eagerly(args)
+        if outs is None:  # (or a failure under jax.debug_nans: the way it always went)
+            return None
+        assert rewrite is not None  # (outs are its call's)
+        return self._adopt_call_outputs(rewrite, outs, in_vars)
+
     def _walk(self, closed: Any, args: Sequence[Any], failed: str | None) -> list[Any]:
         """A call's jaxpr ``closed`` run op by op in this region. ``failed``: the name of the
         call where its compiled run failed JAX's value checks (``CallRewrite.run_eagerly``),
@@ -902,6 +960,8 @@ class RegionTrace(compat.Trace):
             var = out_vars[-1] = _variable_for(value, aval)
             env.remember(value, var)
             env.add_tags(var, bits)
+            if source is _OWN_VALUE:  # (a constant the call cast in its program: _ANY_VALUE)
+                source = ConstSource(value) if is_known_value(value) else None
             if source is not None:
                 env.known[var] = source
             else:
@@ -925,6 +985,7 @@ class RegionTrace(compat.Trace):
         points outside the call)."""
         env, keys, sources, vars_, avals = self.env, [], [], [], []
         parts = env.key_parts
+        eager = compat.is_eager(self.parent)  # (constants keyed by what the rules read: any value)
         first: dict[int, int] = {}  # id(var) -> the first operand that is that value
         more_than_tags = False
         for i, value in enumerate(args):
@@ -942,7 +1003,7 @@ class RegionTrace(compat.Trace):
                     return None
                 source = env.known.get(var)
                 if source is not None:
-                    constant = _constant_key(source)
+                    constant = _constant_key(source, aval if eager else None)
                     if constant is None:
                         return None
                 bits = env.tag_bits(var)
@@ -972,9 +1033,13 @@ class RegionTrace(compat.Trace):
         sources: list,
         facts: tuple,
         avals: list,
+        equation: tuple | None = None,
     ) -> CallRewrite | None:
         """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
-        cannot be reused, or its jaxpr cannot be weakly referenced)."""
+        cannot be reused, or its jaxpr cannot be weakly referenced). With ``equation``
+        (``(primitive, params, params_key)``, :meth:`_eager_program`), ``closed`` is the first
+        program of that equation's parameters, which keys the store, and the jaxpr walked is the
+        equation itself."""
         key = (
             self.rewriter.region,
             tuple(avals),  # (an aval's equality includes its weak type)
@@ -983,6 +1048,7 @@ class RegionTrace(compat.Trace):
             state if self.policy.rules else (state.enabled, state.dtype, state.keep_compute_dtype),
             knowledge,
             facts,
+            None if equation is None else equation[2],
         )
         store = self._calls
         entries: collections.OrderedDict[tuple, CallRewrite | None] | None
@@ -995,7 +1061,15 @@ class RegionTrace(compat.Trace):
         if key in entries:
             entries.move_to_end(key)
             return entries[key]
+        anchor = closed
+        if equation is not None:
+            primitive, params, _ = equation
+            closed = _equation_jaxpr(primitive, params, avals)
         rewrite = self._walk_once(closed, list(avals), state, knowledge, sources, facts)
+        if rewrite is not None and equation is not None and _mentions(rewrite.closed, anchor):
+            # (a rule that bound the equation as it came: kept, the store's value would hold
+            # its key alive; the equation is then bound as it is, which JAX caches itself)
+            rewrite = None
         if rewrite is not None:
             # Calls knowing other things of their operands (a parameter, then the callee's own
             # output) mostly rewrite alike: one jaxpr object then, which JAX lowers as one
@@ -1033,11 +1107,13 @@ class RegionTrace(compat.Trace):
             )
             try:
                 in_vars = []
-                for value, (bits, _, _), source in zip(operands, knowledge, sources):
+                for value, (bits, constant, _), source in zip(operands, knowledge, sources):
                     var, _ = sub.env.var_for(value)
                     in_vars.append(var)
                     sub.env.add_tags(var, bits)
-                    if source is not None:  # cast from the value (in the key), as op by op
+                    if source is not None and constant[0] == _ANY_VALUE:  # cast in the program
+                        sub.env.known[var] = ConstSource(value, bound=constant[-1])
+                    elif source is not None:  # cast from the value (in the key), as op by op
                         sub.env.known[var] = source
                 for name, i, j in facts:  # (in the key)
                     sub.env.facts.setdefault(name, {})[in_vars[i]] = in_vars[j]
@@ -1046,7 +1122,7 @@ class RegionTrace(compat.Trace):
                 # a square the callee returns leaves it in float32: the caller may sum it, and
                 # the rewrite it keeps cannot say what recomputes it (jnp.square: torch's pow)
                 outs = list(sub._all_squares_summed(outs))
-                found["outputs"] = [sub.env.knowledge_of(x) for x in outs]
+                found["outputs"] = [_output_knowledge(sub.env, x) for x in outs]
                 found["facts"] = _output_facts(sub.env, in_vars, outs)
             finally:
                 sub.invalidate()
@@ -1467,6 +1543,54 @@ _STATES_KEPT = 4096
 _CALLS_PER_CALLEE = 64  # rewrites kept per inline jit (least recently used dropped)
 
 
+# Primitives carrying programs an eager region binds as they always went (_eager_program): a
+# jax.jit call binds its rewritten body, cached (Rewriter.rewrite_closed), which JAX compiles once.
+_BOUND_AS_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_ANCHOR = object()  # (the anchor's place in a key: the store holds the anchor weakly)
+
+
+def _program_key(params: dict) -> tuple[Any, tuple | None]:
+    """The first program among an equation's parameters (the ``scan``'s body, a ``cond``'s
+    first branch), which keys a region's store of rewrites weakly, and the parameters as a key
+    with that program left out (a key holding it would keep it alive); ``(None, None)`` for
+    none."""
+    anchor = None
+
+    def part(value: Any) -> Any:
+        nonlocal anchor
+        if isinstance(value, tuple):
+            return tuple(part(v) for v in value)
+        if anchor is None and compat.is_jaxpr_like(value):
+            anchor = value
+            return _ANCHOR
+        return value
+
+    key = tuple((name, part(value)) for name, value in params.items())
+    return (anchor, key) if anchor is not None else (None, None)
+
+
+def _equation_jaxpr(primitive: Any, params: dict, avals: Sequence[Any]) -> Any:
+    """One equation, ``primitive`` bound with ``params`` on operands of types ``avals``, as a
+    closed jaxpr."""
+
+    def bound(*xs: Any) -> list[Any]:
+        out = primitive.bind(*xs, **params)
+        return list(out) if primitive.multiple_results else [out]
+
+    return compat.trace_to_closed(bound, avals)
+
+
+def _mentions(closed: Any, program: Any) -> bool:
+    """Whether an equation of ``closed`` carries ``program`` (or its open jaxpr) as it is."""
+    targets = (program, getattr(program, "jaxpr", program))
+    for eqn in compat.open_and_consts(closed)[0].eqns:
+        for value in eqn.params.values():
+            for item in value if isinstance(value, tuple) else (value,):
+                if any(item is t for t in targets):
+                    return True
+    return False
+
+
 def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
     """A small host constant operand's part of a decision key, its tags and its value (the rules
     cast it from its value: a replay does too); None for a device array (keying it by value would
@@ -1491,17 +1615,55 @@ def _promotion_part(env: RegionEnv, var: Any) -> tuple | None:
     return env.tag_bits(var), "read as", compat.aval_of(source)
 
 
-def _constant_key(source: ConstSource) -> tuple | None:
+def _constant_key(source: ConstSource, aval: Any = None) -> tuple | None:
     """A constant operand's value as part of a cache key: a small concrete value without shape
-    ops (a Python or numpy scalar, a rank-0 array), else None (not keyed: walked op by op)."""
+    ops (a Python or numpy scalar, a rank-0 array), else None (not keyed: walked op by op).
+
+    With ``aval`` (the operand's type in an eager region), a key every value shares that the
+    rules cast alike: the rules read a constant only to cast it, saturating (``ConstSource``),
+    so the rewrite takes it as an operand (``_ANY_VALUE``, :meth:`RegionTrace._walk_once`) and
+    casts it in the program, clipping where the key's bound of its magnitude does not fit the
+    target's range. An eager loop passing a new learning rate or step count to ``x * c`` then
+    compiles once, as plain JAX does. A device array's bound is not read (that would wait for
+    it): it is clipped wherever a cast narrows it. Keyed by value: a host value that its own
+    type cannot hold (a Python float over float32's range), or of another kind (complex)."""
     base = source.base
     if source.steps or compat.is_tracer(base) or getattr(base, "size", 1) > 16:
         return None  # (a large array's size read before numpy copies it to the host)
     dtype = getattr(base, "dtype", None)
     if dtype is not None and not isinstance(dtype, np.dtype):
         return None  # an extended dtype (a typed PRNG key, ``jax.random.key``): no numpy value
+    if aval is not None and not isinstance(base, HOST_VALUES):
+        return _ANY_VALUE, dtype, base.shape, type(base), None
     value = np.asarray(base)
+    if aval is not None and value.dtype.kind in "biu":  # (a cast clips floats only)
+        return _ANY_VALUE, value.dtype, value.shape, type(base), None
+    if aval is not None and value.dtype.kind == "f":
+        bound = _magnitude_bound(value, aval)
+        if bound is not None:
+            return _ANY_VALUE, value.dtype, value.shape, type(base), bound
     return value.dtype, value.shape, value.tobytes(), type(base)
+
+
+_ANY_VALUE = "any value"  # (a key part: the rewrite takes the constant as an operand)
+
+
+def _magnitude_bound(value: np.ndarray, aval: Any) -> float | None:
+    """The least of the float dtypes' largest finite values (``_CAST_LIMITS``) that bounds the
+    magnitude of ``value``'s finite elements: every value under one bound is clipped, or not,
+    alike by a cast to any of those dtypes. None where ``aval``'s float dtype cannot hold it."""
+    finite = value[np.isfinite(value)]
+    largest = float(np.abs(finite.astype(np.float64)).max()) if finite.size else 0.0
+    if is_float(aval.dtype) and largest > float(jax.numpy.finfo(aval.dtype).max):
+        return None
+    return next((limit for limit in _CAST_LIMITS if largest <= limit), float("inf"))
+
+
+# (float16's, bfloat16's, float32's, float64's: a target with a smaller range, float8, is
+# clipped in the program whatever the bound)
+_CAST_LIMITS = tuple(
+    sorted(float(jax.numpy.finfo(t).max) for t in ("float16", "bfloat16", "float32", "float64"))
+)
 
 
 def region_above(differentiating: Any) -> RegionTrace | None:
