@@ -269,12 +269,83 @@ class ConstSource:
         return value
 
 
+def constant_key(source: ConstSource, aval: Any = None) -> tuple | None:
+    """A constant operand's value as part of a cache key: a small concrete value without shape
+    ops (a Python or numpy scalar, a rank-0 array), else None (not keyed: walked op by op).
+
+    With ``aval`` (the operand's type in an eager region), a key every value shares that the
+    rules cast alike: the rules read a constant only to cast it, saturating (``ConstSource``),
+    so the rewrite takes it as an operand (``ANY_VALUE``, ``region_trace``; a call given it: :meth:`Rewriter.rewrite_closed`) and
+    casts it in the program, clipping where the key's bound of its magnitude does not fit the
+    target's range. An eager loop passing a new learning rate or step count to ``x * c`` then
+    compiles once, as plain JAX does. A device array's bound is not read (that would wait for
+    it): it is clipped wherever a cast narrows it. Keyed by value: a host value that its own
+    type cannot hold (a Python float over float32's range), or of another kind (complex)."""
+    base = source.base
+    if source.steps or compat.is_tracer(base) or getattr(base, "size", 1) > 16:
+        return None  # (a large array's size read before numpy copies it to the host)
+    dtype = getattr(base, "dtype", None)
+    if dtype is not None and not isinstance(dtype, np.dtype):
+        return None  # an extended dtype (a typed PRNG key, ``jax.random.key``): no numpy value
+    if aval is not None and not isinstance(base, HOST_VALUES):
+        return ANY_VALUE, dtype, base.shape, type(base), None
+    value = np.asarray(base)
+    if aval is not None and value.dtype.kind in "biu":  # (a cast clips floats only)
+        return ANY_VALUE, value.dtype, value.shape, type(base), None
+    if aval is not None and value.dtype.kind == "f":
+        bound = _magnitude_bound(value, aval)
+        if bound is not None:
+            return ANY_VALUE, value.dtype, value.shape, type(base), bound
+    return value.dtype, value.shape, value.tobytes(), type(base)
+
+
+ANY_VALUE = "any value"  # (a key part: the rewrite takes the constant as an operand)
+
+
+def _magnitude_bound(value: np.ndarray, aval: Any) -> float | None:
+    """The least of the float dtypes' largest finite values (``_CAST_LIMITS``) that bounds the
+    magnitude of ``value``'s finite elements: every value under one bound is clipped, or not,
+    alike by a cast to any of those dtypes. None where ``aval``'s float dtype cannot hold it."""
+    finite = value[np.isfinite(value)]
+    largest = float(np.abs(finite.astype(np.float64)).max()) if finite.size else 0.0
+    if is_float(aval.dtype) and largest > float(jnp.finfo(aval.dtype).max):
+        return None
+    return next((limit for limit in _CAST_LIMITS if largest <= limit), float("inf"))
+
+
+# (float16's, bfloat16's, float32's, float64's: a target with a smaller range, float8, is
+# clipped in the program whatever the bound)
+_CAST_LIMITS = tuple(
+    sorted(float(jnp.finfo(t).max) for t in ("float16", "bfloat16", "float32", "float64"))
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hint:
     """What a sub-jaxpr's input is known to be at its call site (see ``Env``)."""
 
     source: ConstSource | None = None
     tags: frozenset = frozenset()
+
+
+OPERAND = "the operand"  # a Hint's constant that the rewrite takes as its operand (_shared)
+
+
+def _shared(hint: Hint | None, aval: Any) -> Hint | None:
+    """``hint``, with a small constant that every value of its kind shares a rewrite for
+    (``constant_key``) replaced by ``OPERAND`` and the bound its key holds."""
+    if hint is None or hint.source is None:
+        return hint
+    key = constant_key(hint.source, aval)
+    if key is None or key[0] != ANY_VALUE:
+        return hint
+    return Hint(ConstSource(OPERAND, bound=key[-1]), hint.tags)
+
+
+def _hint_key(hint: Hint | None) -> Any:
+    if hint is None:
+        return None
+    return hint.tags if hint.source is None else (hint.tags, OPERAND, hint.source.bound)
 
 
 # ("lowered" is set in a region only: a body JAX traced with a value the region made 16-bit holds
@@ -564,6 +635,9 @@ class Rewriter:
         # The equation context of the program ``run`` binds into: an equation traced in the
         # same one is staged directly (``compat.stage_like``); None outside ``run``.
         self.outer_ctx: Any = None
+        # An eager region's own rewriter: a call's small constant operands key its rewrite by
+        # what the rules read of them, not their values (constant_key, rewrite_closed).
+        self.shares_constants = False
 
     def child(self, state: RegionState) -> Rewriter:
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
@@ -633,8 +707,12 @@ class Rewriter:
         hints: Sequence[Hint | None] = (),
     ) -> Any:
         key = None
-        if self.recorder is None and not any(h is not None and h.source is not None for h in hints):
-            key = (closed, tuple(avals), state, tuple(h.tags if h else None for h in hints))
+        if self.shares_constants:
+            hints = [_shared(h, avals[i]) for i, h in enumerate(hints)]
+        if self.recorder is None and not any(
+            h is not None and h.source is not None and h.source.base is not OPERAND for h in hints
+        ):
+            key = (closed, tuple(avals), state, tuple(_hint_key(h) for h in hints))
             if key in self._rewritten:
                 return self._rewritten[key]
         jaxpr, consts = compat.open_and_consts(closed)
@@ -673,8 +751,12 @@ class Rewriter:
             env.values[var] = value
             hint = hints[i] if i < len(hints) else None
             if hint is not None:
-                if hint.source is not None:
-                    env.known[var] = hint.source
+                source = hint.source
+                if source is not None and (source.base is OPERAND or compat.is_tracer(source.base)):
+                    # (a constant the rewrite takes as an operand: cast in the program from it)
+                    source = ConstSource(value, bound=source.bound)
+                if source is not None:
+                    env.known[var] = source
                 for tag in hint.tags:
                     (env.cotangent_inputs if tag == "cotangent" else getattr(env, tag)).add(var)
         self._active.append(env)

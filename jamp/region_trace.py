@@ -73,6 +73,7 @@ from .interpreter import (
     ACCUMULATED_THROUGH,
     ACCUMULATING,
     F32,
+    ANY_VALUE,
     HOST_VALUES,
     SCALED_FORMATS,
     ConstSource,
@@ -80,6 +81,7 @@ from .interpreter import (
     Rewriter,
     Step,
     carries_programs,
+    constant_key,
     convert_may_end_a_contraction,
     convert_may_round_a_reduction,
     is_float,
@@ -402,7 +404,7 @@ def _raise_for_invalid_values(outs: Sequence[Any], name: str) -> None:
 
 def _output_knowledge(env: RegionEnv, value: Any) -> Any:
     """What a walk (``env``) knows about an output ``value`` (``knowledge_of``), with a constant
-    it cast in the program (an operand keyed as ``_ANY_VALUE``) as ``_OWN_VALUE``: the caller
+    it cast in the program (an operand keyed as ``ANY_VALUE``) as ``_OWN_VALUE``: the caller
     knows it as the value the call returns."""
     known = env.knowledge_of(value)
     if isinstance(known, tuple) and known[1] is not None and compat.is_tracer(known[1].base):
@@ -561,6 +563,7 @@ class RegionTrace(compat.Trace):
             # (the scope log, when the policy has rules, is kept across regions as well)
             states=_shared_states(policy) if base is None else None,
         )
+        self.rewriter.shares_constants = compat.is_eager(parent)
         self.env = RegionEnv()
         self._tables: dict[int, tuple[RegionState, dict]] = {}  # id(state) -> (state, decisions)
         calls = _CALLS.get(policy)
@@ -960,7 +963,7 @@ class RegionTrace(compat.Trace):
             var = out_vars[-1] = _variable_for(value, aval)
             env.remember(value, var)
             env.add_tags(var, bits)
-            if source is _OWN_VALUE:  # (a constant the call cast in its program: _ANY_VALUE)
+            if source is _OWN_VALUE:  # (a constant the call cast in its program: ANY_VALUE)
                 source = ConstSource(value) if is_known_value(value) else None
             if source is not None:
                 env.known[var] = source
@@ -1003,7 +1006,7 @@ class RegionTrace(compat.Trace):
                     return None
                 source = env.known.get(var)
                 if source is not None:
-                    constant = _constant_key(source, aval if eager else None)
+                    constant = constant_key(source, aval if eager else None)
                     if constant is None:
                         return None
                 bits = env.tag_bits(var)
@@ -1111,7 +1114,7 @@ class RegionTrace(compat.Trace):
                     var, _ = sub.env.var_for(value)
                     in_vars.append(var)
                     sub.env.add_tags(var, bits)
-                    if source is not None and constant[0] == _ANY_VALUE:  # cast in the program
+                    if source is not None and constant[0] == ANY_VALUE:  # cast in the program
                         sub.env.known[var] = ConstSource(value, bound=constant[-1])
                     elif source is not None:  # cast from the value (in the key), as op by op
                         sub.env.known[var] = source
@@ -1601,7 +1604,7 @@ def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
         return None
     if not isinstance(source.base, HOST_VALUES):
         return None
-    constant = _constant_key(source)
+    constant = constant_key(source)
     return None if constant is None else (env.tag_bits(var), constant)
 
 
@@ -1613,57 +1616,6 @@ def _promotion_part(env: RegionEnv, var: Any) -> tuple | None:
     if source is None or var in env.known or _has_fact(env, var):
         return None
     return env.tag_bits(var), "read as", compat.aval_of(source)
-
-
-def _constant_key(source: ConstSource, aval: Any = None) -> tuple | None:
-    """A constant operand's value as part of a cache key: a small concrete value without shape
-    ops (a Python or numpy scalar, a rank-0 array), else None (not keyed: walked op by op).
-
-    With ``aval`` (the operand's type in an eager region), a key every value shares that the
-    rules cast alike: the rules read a constant only to cast it, saturating (``ConstSource``),
-    so the rewrite takes it as an operand (``_ANY_VALUE``, :meth:`RegionTrace._walk_once`) and
-    casts it in the program, clipping where the key's bound of its magnitude does not fit the
-    target's range. An eager loop passing a new learning rate or step count to ``x * c`` then
-    compiles once, as plain JAX does. A device array's bound is not read (that would wait for
-    it): it is clipped wherever a cast narrows it. Keyed by value: a host value that its own
-    type cannot hold (a Python float over float32's range), or of another kind (complex)."""
-    base = source.base
-    if source.steps or compat.is_tracer(base) or getattr(base, "size", 1) > 16:
-        return None  # (a large array's size read before numpy copies it to the host)
-    dtype = getattr(base, "dtype", None)
-    if dtype is not None and not isinstance(dtype, np.dtype):
-        return None  # an extended dtype (a typed PRNG key, ``jax.random.key``): no numpy value
-    if aval is not None and not isinstance(base, HOST_VALUES):
-        return _ANY_VALUE, dtype, base.shape, type(base), None
-    value = np.asarray(base)
-    if aval is not None and value.dtype.kind in "biu":  # (a cast clips floats only)
-        return _ANY_VALUE, value.dtype, value.shape, type(base), None
-    if aval is not None and value.dtype.kind == "f":
-        bound = _magnitude_bound(value, aval)
-        if bound is not None:
-            return _ANY_VALUE, value.dtype, value.shape, type(base), bound
-    return value.dtype, value.shape, value.tobytes(), type(base)
-
-
-_ANY_VALUE = "any value"  # (a key part: the rewrite takes the constant as an operand)
-
-
-def _magnitude_bound(value: np.ndarray, aval: Any) -> float | None:
-    """The least of the float dtypes' largest finite values (``_CAST_LIMITS``) that bounds the
-    magnitude of ``value``'s finite elements: every value under one bound is clipped, or not,
-    alike by a cast to any of those dtypes. None where ``aval``'s float dtype cannot hold it."""
-    finite = value[np.isfinite(value)]
-    largest = float(np.abs(finite.astype(np.float64)).max()) if finite.size else 0.0
-    if is_float(aval.dtype) and largest > float(jax.numpy.finfo(aval.dtype).max):
-        return None
-    return next((limit for limit in _CAST_LIMITS if largest <= limit), float("inf"))
-
-
-# (float16's, bfloat16's, float32's, float64's: a target with a smaller range, float8, is
-# clipped in the program whatever the bound)
-_CAST_LIMITS = tuple(
-    sorted(float(jax.numpy.finfo(t).max) for t in ("float16", "bfloat16", "float32", "float64"))
-)
 
 
 def region_above(differentiating: Any) -> RegionTrace | None:

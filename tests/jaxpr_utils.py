@@ -102,3 +102,22 @@ def bound_only() -> Iterator[None]:
         yield
     finally:
         compat._stage, compat._stage_now, compat._inline_now = stage, stage_now, inline_now
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_compiles() -> Iterator[list[int]]:
+    """Counts XLA compilations in the block (jax.monitoring's backend-compile event)."""
+    count = [0]
+
+    def listener(event: str, duration_secs: float, **kwargs: Any) -> None:
+        if event == _COMPILE_EVENT:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)

@@ -17,6 +17,7 @@ import jamp
 from jamp import _compat as compat
 from jamp import region_trace
 from tests.jaxpr_utils import (
+    count_compiles,
     dtype_signatures,
     eqns_named,
     fresh,
@@ -1292,6 +1293,140 @@ def test_an_inline_jit_on_constants_is_keyed_by_their_value(monkeypatch):
         _op_by_op(m)
         with jamp.autocast(jnp.float16):
             assert scale((X @ W).astype(jnp.float32), jnp.ones(())).dtype == promoted.dtype
+
+
+# Loops an eager step calls (module-level bodies: a new function at every call is traced and
+# compiled again by plain JAX too).
+def _scan_body(c, w):
+    return jnp.tanh(c @ w), jnp.sum(c)
+
+
+def _fori_body(i, c):
+    return jnp.tanh(c @ W) + i
+
+
+def _while_cond(c):
+    return c[1] < 3
+
+
+def _while_body(c):
+    return jnp.tanh(c[0] @ W), c[1] + 1
+
+
+def _grows(a):
+    return jnp.exp(a @ W)
+
+
+def _shrinks(a):
+    return a @ W
+
+
+EAGER_LOOPS = {
+    "scan": lambda x: lax.scan(_scan_body, x, jnp.stack([W, W])),
+    "fori_loop": lambda x: lax.fori_loop(0, 3, _fori_body, x),
+    "while_loop": lambda x: lax.while_loop(_while_cond, _while_body, (x, 0))[0],
+    "cond": lambda x: lax.cond(x[0, 0] > 0, _grows, _shrinks, x),
+    "cond on a Python bool": lambda x: lax.cond(True, _grows, _shrinks, x),
+    "switch": lambda x: lax.switch(1, [_grows, _shrinks, jnp.sin], x),
+}
+
+
+@pytest.mark.parametrize("loop", EAGER_LOOPS)
+def test_an_eager_loop_in_a_region_compiles_its_control_flow_once(monkeypatch, loop):
+    """Eagerly, a region rewrote ``lax.scan``/``while_loop``/``cond`` at every call, and JAX
+    compiled the rebuilt loop at every call (its body a new jaxpr each time), where plain JAX
+    compiles it once: an eager training loop paid a compile per step. The equation is now
+    rewritten once per equation, operand types, region state and operand knowledge, and runs
+    as one compiled call: the same decisions and values as the way it went before."""
+    step = EAGER_LOOPS[loop]
+    x = X[:, :16] * 0.5
+    with jamp.autocast():
+        first = step(x)
+        with count_compiles() as compiles:
+            later = [step(x) for _ in range(3)]
+    assert compiles[0] == 0
+    chex.assert_trees_all_equal(later[-1], first)
+    monkeypatch.setattr(region_trace.RegionTrace, "_eager_program", lambda self, *a: None)
+    with jamp.autocast():
+        before = step(x)
+    assert dtypes(first) == dtypes(before)
+    chex.assert_trees_all_close(first, before, rtol=1e-2, atol=1e-2)
+    assert dtypes(first) == dtypes(jax.jit(in_region(step))(x))  # as the program decides
+
+
+def test_an_eager_region_does_not_keep_what_a_dropped_loop_body_closed_over():
+    """A loop's rewrite is kept by the loop body's jaxpr, weakly: a body closing over an array
+    and dropped by the step frees the array while the region is still open."""
+    import weakref
+
+    with jamp.autocast():
+        w = jnp.ones((16, 16))
+        body = (lambda w: lambda c, _: (c @ w, None))(w)
+        gone = weakref.ref(w)
+        del w
+        out, _ = lax.scan(body, X, None, length=2)
+        out2, _ = lax.scan(body, X, None, length=2)
+        assert gone() is not None  # still closed over by body
+        del body
+        assert gone() is None
+    assert out.dtype == out2.dtype == F32  # (a loop carry keeps its traced dtype)
+
+
+SMALL_CONSTANTS = {
+    "Python float": lambda i: 0.5 * i,
+    "Python int": lambda i: i,
+    "numpy float32": lambda i: np.float32(0.5 * i),
+    "rank-0 jax array": lambda i: jnp.float32(0.5 * i),
+}
+
+
+@pytest.mark.parametrize("make", SMALL_CONSTANTS)
+def test_an_eager_region_compiles_once_for_every_value_of_a_small_constant(monkeypatch, make):
+    """A small constant operand of a ``jnp`` function or of ``lax.cond`` (a learning rate, a
+    step count) keyed the reuse of the call's rewrite by its value: an eager loop passing a new
+    one at every step compiled at every step (up to 64 programs a callee). The rules read a
+    constant only to cast it, so every value the cast treats alike shares one program, which
+    casts it: the values the rewrite kept by value gave."""
+    constant = SMALL_CONSTANTS[make]
+
+    def step(i):
+        h = X @ W
+        # (jnp.clip is a jax.jit of its own, not inline: its rewrite is the region's)
+        return h * constant(i), lax.cond(i % 2, jnp.sin, jnp.cos, h), jnp.clip(h, 0, constant(i))
+
+    with jamp.autocast():
+        step(1)
+        with count_compiles() as compiles:
+            shared = [step(i) for i in range(2, 6)]
+    assert compiles[0] <= 1  # (a numpy scalar's float32 array: jnp.float32's own convert)
+    _op_by_op(monkeypatch)
+    with jamp.autocast():
+        walked = [step(i) for i in range(2, 6)]
+    assert dtypes(shared) == dtypes(walked)
+    chex.assert_trees_all_equal(shared, walked)
+
+
+def test_a_constant_shared_by_its_values_still_saturates_where_it_does_not_fit(monkeypatch):
+    """The program casting a shared constant clips it to the target's range where the key's
+    bound of its magnitude says it may not fit (float16: 65504, not inf; 0 * 65504 is 0, where
+    0 * inf would be nan): 1e6 and 2e6 share that program, 2.0 and 3.0 one without the clip.
+    A Python float that float32 cannot hold is keyed by its value, cast from it as before: the
+    program would see it as float32's inf."""
+    scale = jax.jit(lambda y, c: jnp.sin(y) * c, inline=True)
+    full = jax.jit(lambda y, c: y @ jnp.full((16, 16), c), inline=True)  # the rule casts c
+    walks = _count_walks(monkeypatch)
+    zeros = jnp.zeros((8, 16))
+    with jamp.autocast(jnp.float16):
+        zero = (X @ W) * 0
+        big = [scale(zero, np.float32(c)) for c in (1e6, 2e6)]
+        small = [scale(zero + np.pi / 2, np.float32(c)) for c in (2.0, 3.0)]
+        huge = [full(zeros, c) for c in (1e39, 2e39)]
+    assert len([w for w in walks if "sin" in w]) == 2
+    assert len([w for w in walks if "broadcast_in_dim" in w]) == 2  # one per value
+    assert dtypes([*big, *small, *huge]) == [F16] * 6
+    for out in (*big, *huge):
+        assert np.isfinite(np.asarray(out, np.float32)).all() and not np.asarray(out).any()
+    assert [float(np.asarray(s, np.float32).max()) for s in small] == [2.0, 3.0]
 
 
 def test_a_jnp_function_in_an_eager_region_runs_its_rewrite_as_one_call():

@@ -1,6 +1,5 @@
 """The rewrite cache keys on what jax.jit keys on, and eager calls run a compiled program once
 compiled (counted with jax.monitoring's backend-compile events, no timings)."""
-import contextlib
 import os
 import pathlib
 import subprocess
@@ -14,27 +13,11 @@ import pytest
 from jax import lax
 
 import jamp
+from tests.jaxpr_utils import count_compiles
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
 W = jnp.linspace(0.5, 1.5, 16).reshape(4, 4)
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA compilations in the block (jax.monitoring's backend-compile event)."""
-    count = [0]
-
-    def listener(event, duration_secs, **kwargs):
-        if event == _COMPILE_EVENT:
-            count[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield count
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def test_named_axis_size_is_part_of_the_key():
