@@ -275,12 +275,13 @@ def constant_key(source: ConstSource, aval: Any = None) -> tuple | None:
 
     With ``aval`` (the operand's type in an eager region), a key every value shares that the
     rules cast alike: the rules read a constant only to cast it, saturating (``ConstSource``),
-    so the rewrite takes it as an operand (``ANY_VALUE``, ``region_trace``; a call given it: :meth:`Rewriter.rewrite_closed`) and
-    casts it in the program, clipping where the key's bound of its magnitude does not fit the
-    target's range. An eager loop passing a new learning rate or step count to ``x * c`` then
-    compiles once, as plain JAX does. A device array's bound is not read (that would wait for
-    it): it is clipped wherever a cast narrows it. Keyed by value: a host value that its own
-    type cannot hold (a Python float over float32's range), or of another kind (complex)."""
+    so the rewrite takes it as an operand (``ANY_VALUE``: ``region_trace``'s walks; a call
+    given it, :meth:`Rewriter.rewrite_closed`) and casts it in the program, clipping where the
+    key's bound of its magnitude does not fit the target's range. An eager loop passing a new
+    learning rate or step count to ``x * c`` then compiles once, as plain JAX does. A device
+    array's bound is not read (that would wait for it): it is clipped wherever a cast narrows
+    it. Keyed by value: a host value that its own type cannot hold (a Python float over
+    float32's range), or of another kind (complex)."""
     base = source.base
     if source.steps or compat.is_tracer(base) or getattr(base, "size", 1) > 16:
         return None  # (a large array's size read before numpy copies it to the host)

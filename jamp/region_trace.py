@@ -72,8 +72,8 @@ from . import _compat as compat
 from .interpreter import (
     ACCUMULATED_THROUGH,
     ACCUMULATING,
-    F32,
     ANY_VALUE,
+    F32,
     HOST_VALUES,
     SCALED_FORMATS,
     ConstSource,
@@ -821,7 +821,8 @@ class RegionTrace(compat.Trace):
         it inlines the callee, eagerly it runs as one compiled call, as the callee does.
 
         A small constant operand (a weak or rank-0 concrete value, which the rules cast once,
-        saturating, from its value) is keyed by its value. Walked op by op on every call
+        saturating, from its value) is keyed by its value; eagerly by what the rules read of it
+        (``constant_key``), the rewrite casting it in the program. Walked op by op on every call
         instead, because the walk reads more than a key holds (docs/reference/dtypes.md,
         "Regions"): an operand or output that is jnp's float32 promotion of a value the policy
         made 16-bit (the rules use the 16-bit value itself, which is not an operand), a constant
@@ -865,9 +866,7 @@ class RegionTrace(compat.Trace):
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 
-    def _eager_program(
-        self, primitive: Any, args: Sequence[Any], params: dict
-    ) -> list[Any] | None:
+    def _eager_program(self, primitive: Any, args: Sequence[Any], params: dict) -> list[Any] | None:
         """Eagerly, a primitive carrying programs (``lax.scan``, ``while_loop``, ``cond``) is
         rewritten as a one-equation jaxpr, once per equation, operand types, region state and
         operand knowledge (as :meth:`_inline_call` does for a ``jnp`` function), and then runs as
@@ -878,7 +877,7 @@ class RegionTrace(compat.Trace):
         more of than a key holds; a rule that binds the equation as it came)."""
         if primitive.name in _BOUND_AS_CALLS or self.rewriter.line_rules:
             return None
-        anchor, params_key = _program_key(params)
+        anchor, params_key, others = _program_key(params)
         if anchor is None:
             return None
         known = self._operand_knowledge(args)
@@ -896,7 +895,7 @@ class RegionTrace(compat.Trace):
                 sources,
                 facts,
                 avals,
-                equation=(primitive, params, params_key),
+                equation=(primitive, params, params_key, others),
             )
         except TypeError:  # a parameter that cannot be hashed
             return None
@@ -980,7 +979,8 @@ class RegionTrace(compat.Trace):
 
     def _operand_knowledge(self, args: Sequence[Any]) -> tuple | None:
         """Per operand, the region's tags for it (bits), for a small constant the rules read (a
-        weak or rank-0 concrete value, cast once, saturating) its value, and the first operand
+        weak or rank-0 concrete value, cast once, saturating) its value (eagerly its kind:
+        ``constant_key``), and the first operand
         that is the same value (its own index if none is); those
         constants' sources; what the trackers know of one operand in terms of another
         (``(tracker, i, j)``: a softmax's max ``i`` of ``j``); and the operands' variables and
@@ -1040,9 +1040,9 @@ class RegionTrace(compat.Trace):
     ) -> CallRewrite | None:
         """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
         cannot be reused, or its jaxpr cannot be weakly referenced). With ``equation``
-        (``(primitive, params, params_key)``, :meth:`_eager_program`), ``closed`` is the first
-        program of that equation's parameters, which keys the store, and the jaxpr walked is the
-        equation itself."""
+        (``(primitive, params, params_key, other programs)``, :meth:`_eager_program`),
+        ``closed`` is the first program of that equation's parameters, which keys the store, and
+        the jaxpr walked is the equation itself; its entry goes with any of its programs."""
         key = (
             self.rewriter.region,
             tuple(avals),  # (an aval's equality includes its weak type)
@@ -1064,14 +1064,15 @@ class RegionTrace(compat.Trace):
         if key in entries:
             entries.move_to_end(key)
             return entries[key]
-        anchor = closed
+        programs = [closed]
         if equation is not None:
-            primitive, params, _ = equation
+            primitive, params, _, others = equation
+            programs += others
             closed = _equation_jaxpr(primitive, params, avals)
         rewrite = self._walk_once(closed, list(avals), state, knowledge, sources, facts)
-        if rewrite is not None and equation is not None and _mentions(rewrite.closed, anchor):
+        if rewrite is not None and equation is not None and _mentions(rewrite.closed, programs):
             # (a rule that bound the equation as it came: kept, the store's value would hold
-            # its key alive; the equation is then bound as it is, which JAX caches itself)
+            # its programs alive; the equation is then bound as it is, which JAX caches itself)
             rewrite = None
         if rewrite is not None:
             # Calls knowing other things of their operands (a parameter, then the callee's own
@@ -1084,6 +1085,8 @@ class RegionTrace(compat.Trace):
         consts = compat.open_and_consts(rewrite.closed)[1] if rewrite is not None else ()
         if not any(compat.is_tracer(c) for c in consts):
             entries[key] = rewrite  # (one closing over this trace's values: this call only)
+            for program in programs[1:]:  # (the first keys the store: its entries go with it)
+                weakref.finalize(program, entries.pop, key, None)
             if len(entries) > _CALLS_PER_CALLEE:  # an eager loop passing a new scalar each step
                 entries.popitem(last=False)
         return rewrite
@@ -1552,27 +1555,32 @@ _BOUND_AS_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _ANCHOR = object()  # (the anchor's place in a key: the store holds the anchor weakly)
 
 
-def _program_key(params: dict) -> tuple[Any, tuple | None]:
+def _program_key(params: dict) -> tuple[Any, tuple | None, list]:
     """The first program among an equation's parameters (the ``scan``'s body, a ``cond``'s
-    first branch), which keys a region's store of rewrites weakly, and the parameters as a key
-    with that program left out (a key holding it would keep it alive); ``(None, None)`` for
-    none."""
+    first branch), which keys a region's store of rewrites weakly; the parameters as a key
+    that holds no program (the anchor left out, the others by weak reference: a key holding
+    one would keep it, and what it closes over, alive); and those other programs. ``(None,
+    None, [])`` for none."""
     anchor = None
+    others: list[Any] = []
 
     def part(value: Any) -> Any:
         nonlocal anchor
         if isinstance(value, tuple):
             return tuple(part(v) for v in value)
-        if anchor is None and compat.is_jaxpr_like(value):
+        if not compat.is_jaxpr_like(value):
+            return value
+        if anchor is None:
             anchor = value
             return _ANCHOR
-        return value
+        others.append(value)
+        return weakref.ref(value)
 
     key = tuple((name, part(value)) for name, value in params.items())
-    return (anchor, key) if anchor is not None else (None, None)
+    return (anchor, key, others) if anchor is not None else (None, None, [])
 
 
-def _equation_jaxpr(primitive: Any, params: dict, avals: Sequence[Any]) -> Any:
+def _equation_jaxpr(primitive: Any, params: dict, avals: list) -> Any:
     """One equation, ``primitive`` bound with ``params`` on operands of types ``avals``, as a
     closed jaxpr."""
 
@@ -1583,9 +1591,10 @@ def _equation_jaxpr(primitive: Any, params: dict, avals: Sequence[Any]) -> Any:
     return compat.trace_to_closed(bound, avals)
 
 
-def _mentions(closed: Any, program: Any) -> bool:
-    """Whether an equation of ``closed`` carries ``program`` (or its open jaxpr) as it is."""
-    targets = (program, getattr(program, "jaxpr", program))
+def _mentions(closed: Any, programs: Sequence[Any]) -> bool:
+    """Whether an equation of ``closed`` carries one of ``programs`` (or its open jaxpr) as it
+    is."""
+    targets = [*programs, *(getattr(p, "jaxpr", p) for p in programs)]
     for eqn in compat.open_and_consts(closed)[0].eqns:
         for value in eqn.params.values():
             for item in value if isinstance(value, tuple) else (value,):

@@ -1354,18 +1354,31 @@ def test_an_eager_loop_in_a_region_compiles_its_control_flow_once(monkeypatch, l
     assert dtypes(first) == dtypes(jax.jit(in_region(step))(x))  # as the program decides
 
 
-def test_an_eager_region_does_not_keep_what_a_dropped_loop_body_closed_over():
-    """A loop's rewrite is kept by the loop body's jaxpr, weakly: a body closing over an array
+def _below_three(c):
+    return c[1] < 3
+
+
+DROPPED_BODIES = {  # a loop whose body, made per step, closes over an array
+    "scan": lambda w: lambda x: lax.scan(lambda c, _: (c @ w, None), x, None, length=2)[0],
+    # the condition a module's function, kept: the loop's rewrite still goes with the body
+    "while_loop": lambda w: lambda x: lax.while_loop(
+        _below_three, lambda c: (c[0] @ w, c[1] + 1), (x, 0)
+    )[0],
+}
+
+
+@pytest.mark.parametrize("loop", DROPPED_BODIES)
+def test_an_eager_region_does_not_keep_what_a_dropped_loop_body_closed_over(loop):
+    """A loop's rewrite is kept by the loop's programs, weakly: a body closing over an array
     and dropped by the step frees the array while the region is still open."""
     import weakref
 
     with jamp.autocast():
         w = jnp.ones((16, 16))
-        body = (lambda w: lambda c, _: (c @ w, None))(w)
+        body = DROPPED_BODIES[loop](w)
         gone = weakref.ref(w)
         del w
-        out, _ = lax.scan(body, X, None, length=2)
-        out2, _ = lax.scan(body, X, None, length=2)
+        out, out2 = body(X), body(X)
         assert gone() is not None  # still closed over by body
         del body
         assert gone() is None
