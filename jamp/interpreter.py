@@ -218,7 +218,7 @@ def saturating_cast(value: Any, dtype: np.dtype, bound: float | None = None) -> 
 
     Runs at rewrite time: numpy for host values, eager JAX (never staged) for device arrays.
     A tracer (the operand of an eager region's rewrite shared by every value of a small
-    constant: ``region_trace._constant_key``) is cast in the program being traced, clipped
+    constant: ``constant_key``) is cast in the program being traced, clipped
     unless ``bound``, a bound of its finite values' magnitude, fits the target's range.
     """
     dtype = np.dtype(dtype)

@@ -1086,7 +1086,7 @@ class RegionTrace(compat.Trace):
         if not any(compat.is_tracer(c) for c in consts):
             entries[key] = rewrite  # (one closing over this trace's values: this call only)
             for program in programs[1:]:  # (the first keys the store: its entries go with it)
-                weakref.finalize(program, entries.pop, key, None)
+                weakref.finalize(program, _drop_entry, weakref.ref(entries), key)
             if len(entries) > _CALLS_PER_CALLEE:  # an eager loop passing a new scalar each step
                 entries.popitem(last=False)
         return rewrite
@@ -1578,6 +1578,14 @@ def _program_key(params: dict) -> tuple[Any, tuple | None, list]:
 
     key = tuple((name, part(value)) for name, value in params.items())
     return (anchor, key, others) if anchor is not None else (None, None, [])
+
+
+def _drop_entry(entries_ref: weakref.ref, key: tuple) -> None:
+    """Drop ``key`` from a store's entries for one program, if they are still alive (the
+    finalizer of another program of the same equation: it must not keep them alive)."""
+    entries = entries_ref()
+    if entries is not None:
+        entries.pop(key, None)
 
 
 def _equation_jaxpr(primitive: Any, params: dict, avals: list) -> Any:

@@ -1385,6 +1385,30 @@ def test_an_eager_region_does_not_keep_what_a_dropped_loop_body_closed_over(loop
     assert out.dtype == out2.dtype == F32  # (a loop carry keeps its traced dtype)
 
 
+def test_a_loops_rewrite_goes_when_any_of_its_programs_goes(monkeypatch):
+    """An eager loop's rewrite is stored under its first program (a while_loop's condition),
+    weakly, and goes when another of its programs (the body) goes: a condition kept alive (a
+    module's function) keeps no rewrite, nor its compiled program, for each body a step made."""
+    anchors = []
+    program_key = region_trace._program_key
+
+    def recorded(params):
+        found = program_key(params)
+        anchors.append(found[0])
+        return found
+
+    monkeypatch.setattr(region_trace, "_program_key", recorded)
+    x = X[:, :16]
+    with jamp.autocast():
+        for _ in range(3):
+            body = (lambda w: lambda c: (c[0] @ w, c[1] + 1))(W)
+            lax.while_loop(_below_three, body, (x, 0))
+            del body
+    assert len(anchors) == 3 and all(a is anchors[0] for a in anchors)  # JAX traced it once
+    stored = [calls[anchors[0]] for calls in region_trace._CALLS.values() if anchors[0] in calls]
+    assert len(stored) == 1 and len(stored[0]) == 0
+
+
 SMALL_CONSTANTS = {
     "Python float": lambda i: 0.5 * i,
     "Python int": lambda i: i,
