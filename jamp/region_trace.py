@@ -872,10 +872,10 @@ class RegionTrace(compat.Trace):
         operand knowledge (as :meth:`_inline_call` does for a ``jnp`` function), and then runs as
         one compiled call. Rewritten at every call instead, its rule would rebuild the loop
         around a new body, which JAX compiles again at every call, where plain JAX compiles it
-        once. None where the equation goes the way it always went (a ``jax.jit`` call, whose
-        rewritten body JAX caches already; ``'@file:line'`` rules; operands the region knows
-        more of than a key holds; a rule that binds the equation as it came)."""
-        if primitive.name in _BOUND_AS_CALLS or self.rewriter.line_rules:
+        once. None where the equation goes the way it always went (other primitives:
+        ``_REBUILT_LOOPS``; ``'@file:line'`` rules; operands the region knows more of than a key
+        holds; a rule that binds the equation as it came)."""
+        if primitive.name not in _REBUILT_LOOPS or self.rewriter.line_rules:
             return None
         anchor, params_key, others = _program_key(params)
         if anchor is None:
@@ -1549,9 +1549,12 @@ _STATES_KEPT = 4096
 _CALLS_PER_CALLEE = 64  # rewrites kept per inline jit (least recently used dropped)
 
 
-# Primitives carrying programs an eager region binds as they always went (_eager_program): a
-# jax.jit call binds its rewritten body, cached (Rewriter.rewrite_closed), which JAX compiles once.
-_BOUND_AS_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call"})
+# The primitives carrying programs that JAX compiles when bound eagerly and whose rules rebuild
+# them around new bodies (control_flow.py), which would compile again at every call: an eager
+# region runs them as one rewritten call (_eager_program). The others go as they always went: a
+# jax.jit call binds its rewritten body, cached (Rewriter.rewrite_closed), which JAX compiles
+# once; a checkpoint's body JAX evaluates op by op eagerly (its impl), as the region does.
+_REBUILT_LOOPS = frozenset({"scan", "while", "cond"})
 _ANCHOR = object()  # (the anchor's place in a key: the store holds the anchor weakly)
 
 
