@@ -873,9 +873,11 @@ class RegionTrace(compat.Trace):
         one compiled call. Rewritten at every call instead, its rule would rebuild the loop
         around a new body, which JAX compiles again at every call, where plain JAX compiles it
         once. None where the equation goes the way it always went (other primitives:
-        ``_REBUILT_LOOPS``; ``'@file:line'`` rules; operands the region knows more of than a key
-        holds; a rule that binds the equation as it came)."""
+        ``_REBUILT_LOOPS``; ``'@file:line'`` rules; ``jax.disable_jit()``; operands the region
+        knows more of than a key holds; a rule that binds the equation as it came)."""
         if primitive.name not in _REBUILT_LOOPS or self.rewriter.line_rules:
+            return None
+        if compat.jit_disabled():  # (nothing compiles: JAX's loop runs op by op, as the rules')
             return None
         anchor, params_key, others = _program_key(params)
         if anchor is None:

@@ -1354,6 +1354,19 @@ def test_an_eager_loop_in_a_region_compiles_its_control_flow_once(monkeypatch, l
     assert dtypes(first) == dtypes(jax.jit(in_region(step))(x))  # as the program decides
 
 
+def test_an_eager_loop_under_disable_jit_runs_as_without_jamp():
+    """Under ``jax.disable_jit()`` nothing compiles: a ``while`` that ``vmap``'s batching rule
+    binds (JAX's ``test_disable_jit_while_loop_with_vmap`` in an eager region) runs op by op, as
+    the rules rebuild it; running it as one compiled call failed there on jax 0.12."""
+
+    def trivial_while(y):
+        return lax.while_loop(lambda x: x < 10.0, lambda x: x + 1.0, y)
+
+    with jamp.autocast(jamp.Policy(jnp.float32)), jax.disable_jit():
+        out = jax.vmap(trivial_while)(jnp.array([3.0, 4.0]))
+    np.testing.assert_array_equal(out, [10.0, 10.0])
+
+
 def _below_three(c):
     return c[1] < 3
 
