@@ -338,7 +338,7 @@ def _shared(hint: Hint | None, aval: Any) -> Hint | None:
     if hint is None or hint.source is None:
         return hint
     key = constant_key(hint.source, aval)
-    if key is None or key[0] != ANY_VALUE:
+    if key is None or key[0] is not ANY_VALUE:
         return hint
     return Hint(ConstSource(OPERAND, bound=key[-1]), hint.tags)
 

@@ -1119,7 +1119,7 @@ class RegionTrace(compat.Trace):
                     var, _ = sub.env.var_for(value)
                     in_vars.append(var)
                     sub.env.add_tags(var, bits)
-                    if source is not None and constant[0] == ANY_VALUE:  # cast in the program
+                    if source is not None and constant[0] is ANY_VALUE:  # cast in the program
                         sub.env.known[var] = ConstSource(value, bound=constant[-1])
                     elif source is not None:  # cast from the value (in the key), as op by op
                         sub.env.known[var] = source

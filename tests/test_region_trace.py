@@ -1275,10 +1275,11 @@ def test_an_inline_jit_is_walked_once_per_types_state_and_operand_knowledge(monk
     assert walked == reused and reused[("dot_general", ("bfloat16",) * 2, ("bfloat16",))] == 4
 
 
-def test_an_inline_jit_on_constants_is_keyed_by_their_value(monkeypatch):
-    """A small constant operand (a concrete rank-0 or weak value) is cast once, saturating, from
-    its value: its rewrite is reused for that value only. jnp's float32 promotion of a 16-bit
-    value (the rules use the 16-bit value, not an operand) is walked op by op every time."""
+def test_an_inline_jit_on_constants_is_keyed_by_how_they_cast(monkeypatch):
+    """A small constant operand (a concrete rank-0 or weak value) is cast saturating: eagerly
+    its rewrite is reused for the values that cast alike (1e6 saturates in float16, 2.0 fits:
+    two rewrites; below, values that share one). jnp's float32 promotion of a 16-bit value (the
+    rules use the 16-bit value, not an operand) is walked op by op every time."""
     scale = jax.jit(lambda y, c: jnp.sin(y) * c, inline=True)
     walks = _count_walks(monkeypatch)
     with jamp.autocast(jnp.float16):
