@@ -222,30 +222,19 @@ def saturating_cast(value: Any, dtype: np.dtype, bound: float | None = None) -> 
     unless ``bound``, a bound of its finite values' magnitude, fits the target's range.
     """
     dtype = np.dtype(dtype)
-    if compat.is_tracer(value):
-        return _traced_saturating_cast(value, dtype, bound)
     on_host = isinstance(value, HOST_VALUES)
     xp = np if on_host else jnp
-    with contextlib.nullcontext() if on_host else jax.ensure_compile_time_eval():
+    if compat.is_tracer(value):  # (tracked after a rule, under any current trace: its own)
+        context: Any = compat.set_current_trace(compat.trace_of(value))
+    else:
+        context = contextlib.nullcontext() if on_host else jax.ensure_compile_time_eval()
+    with context:
         src = xp.asarray(value)
-        if (
-            is_float(dtype)
-            and is_float(src.dtype)
-            and jnp.finfo(src.dtype).max > jnp.finfo(dtype).max
-        ):
+        if is_float(dtype) and is_float(src.dtype):
             limit = float(jnp.finfo(dtype).max)
-            src = xp.where(xp.isfinite(src), xp.clip(src, -limit, limit), src)
+            if float(jnp.finfo(src.dtype).max) > limit and (bound is None or bound > limit):
+                src = xp.where(xp.isfinite(src), xp.clip(src, -limit, limit), src)
         return src.astype(dtype)
-
-
-def _traced_saturating_cast(value: Any, dtype: np.dtype, bound: float | None) -> Any:
-    source = np.dtype(value.dtype)
-    with compat.set_current_trace(compat.trace_of(value)):  # (tracked after a rule: any trace)
-        if is_float(dtype) and is_float(source):
-            limit = float(jnp.finfo(dtype).max)
-            if float(jnp.finfo(source).max) > limit and (bound is None or bound > limit):
-                value = jnp.where(jnp.isfinite(value), jnp.clip(value, -limit, limit), value)
-        return jax.lax.convert_element_type(value, dtype)
 
 
 @dataclasses.dataclass(frozen=True)
