@@ -607,6 +607,29 @@ def value_checks() -> tuple[bool, bool]:
     return bool(_config.debug_nans.value), bool(_config.debug_infs.value)
 
 
+def converts_to_itself(primitive: Any, args: Sequence[Any], params: dict) -> bool:
+    """Whether binding ``primitive`` on ``args`` is a ``convert_element_type`` of a concrete
+    tracer to its own dtype and weak type, with no sharding: the bind JAX's
+    ``_convert_element_type`` makes only for a concrete tracer (for any other value it returns
+    the value itself)."""
+    if primitive is not _lax_internal.convert_element_type_p or params.get("sharding") is not None:
+        return False
+    x = args[0]
+    if not isinstance(x, _core.Tracer) or not _core.is_concrete(x):
+        return False
+    aval = x.aval
+    return getattr(aval, "dtype", None) == params["new_dtype"] and bool(
+        getattr(aval, "weak_type", False)
+    ) == bool(params["weak_type"])
+
+
+def eval_context() -> Any:
+    """A context binding on JAX's eval trace (operations run now) whatever trace is current,
+    none included: inside a trace's ``process_primitive`` jax 0.12 leaves none current, where
+    ``jax.ensure_compile_time_eval`` (a constant-folding switch) binds on nothing."""
+    return _core.eval_context()
+
+
 def is_eager(trace: Any) -> bool:
     """Whether binding on ``trace`` runs operations now (JAX's eval trace)."""
     return isinstance(trace, _core.EvalTrace)

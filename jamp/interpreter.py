@@ -227,7 +227,7 @@ def saturating_cast(value: Any, dtype: np.dtype, bound: float | None = None) -> 
     if compat.is_tracer(value):  # (tracked after a rule, under any current trace: its own)
         context: Any = compat.set_current_trace(compat.trace_of(value))
     else:
-        context = contextlib.nullcontext() if on_host else jax.ensure_compile_time_eval()
+        context = contextlib.nullcontext() if on_host else compat.eval_context()
     with context:
         src = xp.asarray(value)
         if is_float(dtype) and is_float(src.dtype):

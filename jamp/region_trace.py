@@ -578,6 +578,12 @@ class RegionTrace(compat.Trace):
     def process_primitive(self, primitive: Any, args: Sequence[Any], params: dict) -> Any:
         if compat.is_inline_jit(primitive, params):
             return self._inline_call(primitive, args, params)
+        if compat.converts_to_itself(primitive, args, params):
+            # JAX binds a convert of a value to its own type where the value is a concrete
+            # tracer (``jnp.asarray`` of a value under eager ``jax.grad``: Flax's
+            # ``promote_dtype`` calls it on every operand) and returns the value itself
+            # elsewhere: here too, as nothing about it changes.
+            return args[0]
         state = self.rewriter.current_state()
         programs = carries_programs(primitive, params)
         avals = [compat.aval_of(a) for a in args]

@@ -1369,6 +1369,64 @@ def test_an_eager_loop_under_disable_jit_runs_as_without_jamp():
     np.testing.assert_array_equal(out, [10.0, 10.0])
 
 
+@pytest.mark.parametrize("outside", ["grad", "vjp"])
+def test_a_concrete_value_converted_to_its_own_type_comes_back_unbound(outside):
+    """Under an eager ``jax.grad`` the values are concrete tracers, for which JAX binds
+    ``jnp.asarray(x)`` as a convert of ``x`` to its own type (for any other value it returns
+    ``x``), and differentiates that convert by tracing its JVP. Flax's ``promote_dtype`` calls
+    it on every operand of every layer: it was most of what an eager train step with a region
+    cost more than without one. A region returns the value itself; what it computes and
+    differentiates is the same."""
+    w = jax.random.normal(jax.random.key(0), (8, 4))
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+    returned_itself = []
+
+    def loss(w, asarray):
+        with jamp.autocast():
+            v = jnp.asarray(w) if asarray else w
+            if asarray:
+                returned_itself.append(v is w)
+            return jnp.sum(jnp.tanh(x @ v))
+
+    def differentiated(asarray):
+        if outside == "grad":
+            return jax.value_and_grad(loss)(w, asarray)
+        value, pullback = jax.vjp(lambda w: loss(w, asarray), w)
+        return value, pullback(jnp.ones_like(value))[0]
+
+    value, grad = differentiated(asarray=True)
+    assert returned_itself == [True]
+    expected_value, expected_grad = differentiated(asarray=False)
+    np.testing.assert_array_equal(value, expected_value)
+    np.testing.assert_array_equal(grad, expected_grad)
+    assert grad.dtype == w.dtype
+
+
+@pytest.mark.parametrize("outside", ["grad", "jit of grad"])
+def test_a_device_array_constant_in_a_region_under_grad(outside):
+    """A region casts a constant operand from its value (saturating) when a rule reads it:
+    a device array (``jnp.asarray(2.0)``, multiplying a bfloat16 value) at once, on JAX's eval
+    trace. Inside a trace's ``process_primitive`` jax 0.12 leaves no trace current, so the
+    cast, bound under ``jax.ensure_compile_time_eval`` (a constant-folding switch, not a trace),
+    failed under an eager ``jax.grad`` with "'NoneType' object has no attribute
+    'process_primitive'"."""
+    w = jax.random.normal(jax.random.key(0), (8, 4))
+    x = jax.random.normal(jax.random.key(1), (2, 8))
+
+    def loss(w, scale):
+        with jamp.autocast():
+            return jnp.sum(jnp.tanh(x @ w) * scale)
+
+    grad = jax.grad(loss) if outside == "grad" else jax.jit(jax.grad(loss))
+    got = grad(w, jnp.asarray(2.0))
+    assert got.dtype == jnp.float32
+    # a Python float is a literal the rules cast the same way
+    np.testing.assert_array_equal(got, grad(w, 2.0))
+    np.testing.assert_allclose(
+        got, jax.grad(lambda w: 2.0 * jnp.sum(jnp.tanh(x @ w)))(w), rtol=2e-2
+    )
+
+
 def _below_three(c):
     return c[1] < 3
 
