@@ -18,7 +18,8 @@ What is counted, per side (the sides of ``region_overhead.py``, (a), (a') and (c
   alone, from a program traced beforehand: "rewrite alone" (``jamp.autocast_jaxpr``) and
   "re-emitted by JAX" (``make_jaxpr`` of JAX's own interpreter, ``jaxpr_as_fun``);
 - an eager forward step of the digits CNN (``--eager``): "plain", "hand bf16", "region", counted
-  in Python function calls instead (below).
+  in Python function calls instead (below); ``--eager-modes forward "train step"`` adds the eager
+  train step of ``region_overhead.py``'s part (c) (``jax.value_and_grad`` and an optax update).
 
 Each side runs in its own process under ``valgrind --tool=callgrind --instr-atstart=no``: the
 process builds the side and runs it twice uncounted (imports, JAX's caches, jamp's decisions: the
@@ -49,6 +50,7 @@ Usage::
 
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py
     JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/instructions.py --blocks 4 12 --eager
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks --eager --eager-modes forward "train step"
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks 12 --sides "hand bf16" region --simulate-caches
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks 12 --sides "hand bf16" region \
         --simulate-caches --simulated-last-level 1048576,8,64
@@ -65,7 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -200,6 +202,9 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="also the eager digits CNN forward")
     parser.add_argument("--eager-calls", type=int, default=3,
                         help="counted eager forward calls per side (default 3)")
+    parser.add_argument("--eager-modes", nargs="+", choices=("forward", "train step"),
+                        default=["forward"],
+                        help="with --eager: the eager calls counted (default: forward)")
     parser.add_argument("--sides", nargs="+", choices=TRACE_SIDES, default=TRACE_SIDES,
                         help="traced sides to count (default: all; the ratios need theirs)")
     parser.add_argument("--simulate-caches", action="store_true",
@@ -226,7 +231,7 @@ def main() -> None:
     jobs = [("trace", side, n) for n in args.blocks for side in args.sides]
     results = run_all(jobs, args.calls, args.simulate_caches, args.simulated_last_level)
     if args.eager:
-        results.update(eager_calls(args.eager_calls))
+        results.update(eager_calls(args.eager_calls, args.eager_modes))
     print(f"# jamp: instructions per side (callgrind)\n\n{environment()}\n")
     if args.blocks:
         report_traces(results, args)
@@ -286,44 +291,47 @@ def report_simulation(results: dict, args: argparse.Namespace, sides: list[str],
         print(f"- {a} / {b} in estimated cycles: {per_size} (weights {CYCLE_WEIGHTS})")
 
 
-def eager_calls(calls: int) -> dict:
-    """Python function calls of one eager forward of the digits CNN per side (``cProfile``'s
-    count, after two warm-up calls), ``calls`` times each, sorted (they agree to a few calls:
-    a garbage collection's weakref callbacks)."""
+def eager_calls(calls: int, modes: Sequence[str] = ("forward",)) -> dict:
+    """Python function calls of one eager call of the digits CNN (each of ``modes``: the
+    forward, the train step) per side (``cProfile``'s count, after two warm-up calls), ``calls``
+    times each, sorted (they agree to a few calls: a garbage collection's weakref callbacks)."""
     import cProfile
     import pstats
 
     import jax
     import region_overhead as ro
 
-    new, args = ro.eager_case("forward")
     results = {}
-    for side in EAGER_SIDES:
-        fn = new(side)
-        for _ in range(2):
-            jax.block_until_ready(fn(*args))
-        counts = []
-        for _ in range(calls):
-            profile = cProfile.Profile()
-            profile.enable()
-            jax.block_until_ready(fn(*args))
-            profile.disable()
-            counts.append(pstats.Stats(profile).total_calls)
-        results["eager", side, 0] = sorted(counts)
+    for mode in modes:
+        new, args = ro.eager_case(mode)
+        for side in EAGER_SIDES:
+            fn = new(side)
+            for _ in range(2):
+                jax.block_until_ready(fn(*args))
+            counts = []
+            for _ in range(calls):
+                profile = cProfile.Profile()
+                profile.enable()
+                jax.block_until_ready(fn(*args))
+                profile.disable()
+                counts.append(pstats.Stats(profile).total_calls)
+            results["eager", side, mode] = sorted(counts)
     return results
 
 
 def report_eager(results: dict, args: argparse.Namespace) -> None:
-    counts = {side: results["eager", side, 0] for side in EAGER_SIDES}
-    n = {side: c[len(c) // 2] for side, c in counts.items()}  # the median
-    print("\n## Eager forward of the digits CNN, in Python function calls (natively, one forward)\n")
-    print(table([*(f"{s} (calls)" for s in EAGER_SIDES),
-                 *(f"{a} / {b}" for a, b, _ in EAGER_RATIOS)],
-                [[*(f"{n[s]}" for s in EAGER_SIDES),
-                  *(f"{n[a] / n[b]:.3f}x" for a, b, _ in EAGER_RATIOS)]]))
-    spread = ", ".join(f"{side} {c[0]}-{c[-1]}" for side, c in counts.items())
-    print(f"\n(Medians of {args.eager_calls} calls a side, ranges: {spread}. XLA's execution of "
-          "the operations is not in it: a few percent of an eager forward's time here.)")
+    for mode in args.eager_modes:
+        counts = {side: results["eager", side, mode] for side in EAGER_SIDES}
+        n = {side: c[len(c) // 2] for side, c in counts.items()}  # the median
+        print(f"\n## Eager {mode} of the digits CNN, in Python function calls (natively, one "
+              "call)\n")
+        print(table([*(f"{s} (calls)" for s in EAGER_SIDES),
+                     *(f"{a} / {b}" for a, b, _ in EAGER_RATIOS)],
+                    [[*(f"{n[s]}" for s in EAGER_SIDES),
+                      *(f"{n[a] / n[b]:.3f}x" for a, b, _ in EAGER_RATIOS)]]))
+        spread = ", ".join(f"{side} {c[0]}-{c[-1]}" for side, c in counts.items())
+        print(f"\n(Medians of {args.eager_calls} calls a side, ranges: {spread}. XLA's execution "
+              "of the operations is not in it: a few percent of an eager call's time here.)")
 
 
 if __name__ == "__main__":
