@@ -608,14 +608,16 @@ def value_checks() -> tuple[bool, bool]:
 
 
 def converts_to_itself(primitive: Any, args: Sequence[Any], params: dict) -> bool:
-    """Whether binding ``primitive`` on ``args`` is a ``convert_element_type`` of a concrete
-    tracer to its own dtype and weak type, with no sharding: the bind JAX's
-    ``_convert_element_type`` makes only for a concrete tracer (for any other value it returns
-    the value itself)."""
+    """Whether binding ``primitive`` on ``args`` is a ``convert_element_type`` of a tracer of
+    a ``jax.Array`` (an eager ``jax.grad``'s) to its own dtype and weak type, with no sharding:
+    a bind JAX's ``_convert_element_type`` makes only for a concrete tracer, where the value it
+    holds may be a Python or numpy number, which the convert makes an array (``jax.jvp`` of
+    ``jnp.asarray`` returns arrays: JAX's ``test_jvp_asarray_returns_array``); of an array it
+    changes nothing."""
     if primitive is not _lax_internal.convert_element_type_p or params.get("sharding") is not None:
         return False
     x = args[0]
-    if not isinstance(x, _core.Tracer) or not _core.is_concrete(x):
+    if not isinstance(x, _core.Tracer) or type(_core.to_concrete_value(x)) is not _ArrayImpl:
         return False
     aval = x.aval
     return getattr(aval, "dtype", None) == params["new_dtype"] and bool(

@@ -582,7 +582,7 @@ class RegionTrace(compat.Trace):
             # JAX binds a convert of a value to its own type where the value is a concrete
             # tracer (``jnp.asarray`` of a value under eager ``jax.grad``: Flax's
             # ``promote_dtype`` calls it on every operand) and returns the value itself
-            # elsewhere: here too, as nothing about it changes.
+            # elsewhere: here too, for a tracer of an array, which it leaves as it is.
             return args[0]
         state = self.rewriter.current_state()
         programs = carries_programs(primitive, params)

@@ -1402,6 +1402,16 @@ def test_a_concrete_value_converted_to_its_own_type_comes_back_unbound(outside):
     assert grad.dtype == w.dtype
 
 
+def test_jvp_of_asarray_in_a_region_returns_arrays():
+    """JAX binds ``jnp.asarray`` of a concrete tracer so that a tracer of a Python number
+    comes out as an array (JAX's ``test_jvp_asarray_returns_array``): a region returns only
+    a tracer of an array unbound (the test above)."""
+    with jamp.autocast():
+        primal, tangent = jax.jvp(jnp.asarray, (1.0,), (2.0,))
+    assert isinstance(primal, jax.Array) and isinstance(tangent, jax.Array)
+    assert (float(primal), float(tangent)) == (1.0, 2.0)
+
+
 @pytest.mark.parametrize("outside", ["grad", "jit of grad"])
 def test_a_device_array_constant_in_a_region_under_grad(outside):
     """A region casts a constant operand from its value (saturating) when a rule reads it:
