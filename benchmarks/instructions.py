@@ -199,9 +199,10 @@ def main() -> None:
                         help="stack depths of the traced transformer (default 4 12; none: "
                              "eager only)")
     parser.add_argument("--calls", type=int, default=2, help="counted traces per side (default 2)")
-    parser.add_argument("--eager", action="store_true", help="also the eager digits CNN forward")
+    parser.add_argument("--eager", action="store_true",
+                        help="also eager calls of the digits CNN (--eager-modes)")
     parser.add_argument("--eager-calls", type=int, default=3,
-                        help="counted eager forward calls per side (default 3)")
+                        help="counted eager calls per side and mode (default 3)")
     parser.add_argument("--eager-modes", nargs="+", choices=("forward", "train step"),
                         default=["forward"],
                         help="with --eager: the eager calls counted (default: forward)")
