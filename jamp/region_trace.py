@@ -383,7 +383,11 @@ class CallRewrite:
                 functools.partial(compat.eval_jaxpr_flat, jaxpr, consts)
             )
         try:
-            return jitted(*args)
+            # (on JAX's eval trace: under jax.disable_jit() the jit runs eval_jaxpr in Python,
+            # which binds on the current trace, and inside a region's operation jax 0.12
+            # leaves none current)
+            with compat.eval_context():
+                return jitted(*args)
         except Exception:
             if any(compat.value_checks()):
                 return None

@@ -1437,6 +1437,22 @@ def test_a_device_array_constant_in_a_region_under_grad(outside):
     )
 
 
+@pytest.mark.parametrize("fn", [jax.nn.relu, jnp.i0, lambda x: jnp.hypot(x, 2.0 * x)])
+def test_a_custom_jvp_function_under_disable_jit_in_an_eager_region(fn):
+    """``jax.nn.relu``, ``jnp.i0`` and ``jnp.hypot`` are ``custom_jvp`` functions, which an eager
+    region runs as one rewritten call. Under ``jax.disable_jit()`` that call's ``jax.jit``
+    evaluates the rewritten jaxpr in Python, binding on the current trace, and inside the
+    region's operation jax 0.12 leaves none current: it failed with "'NoneType' object has no
+    attribute 'process_primitive'" (JAX's ``array_extensibility_test`` in an eager region)."""
+    x = jnp.linspace(-2.0, 2.0, 8)
+    with jax.disable_jit():
+        expected = fn(x)
+        with jamp.autocast(jamp.Policy(jnp.bfloat16)):
+            got = fn(x)
+    assert got.dtype == expected.dtype
+    np.testing.assert_array_equal(got, expected)
+
+
 def _below_three(c):
     return c[1] < 3
 
