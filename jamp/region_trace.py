@@ -374,8 +374,8 @@ class CallRewrite:
         """The call on concrete ``args``; None where it failed under ``jax.debug_nans`` or
         ``debug_infs``: the caller then runs it op by op in the region, where the operation that
         made the value raises JAX's FloatingPointError naming it. (JAX's own re-run, op by op,
-        of this jitted ``eval_jaxpr`` cannot: inside a region's operation it found no current
-        trace on jax 0.12, and a nested jit's failure there raises JAX's internal error type.)"""
+        of this jitted ``eval_jaxpr`` cannot: a nested jit's failure there raises JAX's
+        internal error type.)"""
         jitted = self.eager.get("jit")
         if jitted is None:
             jaxpr, consts = compat.open_and_consts(self.closed)
