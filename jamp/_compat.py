@@ -617,12 +617,14 @@ def converts_to_itself(primitive: Any, args: Sequence[Any], params: dict) -> boo
     if primitive is not _lax_internal.convert_element_type_p or params.get("sharding") is not None:
         return False
     x = args[0]
-    if not isinstance(x, _core.Tracer) or type(_core.to_concrete_value(x)) is not _ArrayImpl:
+    if not isinstance(x, _core.Tracer):
         return False
     aval = x.aval
-    return getattr(aval, "dtype", None) == params["new_dtype"] and bool(
+    if getattr(aval, "dtype", None) != params["new_dtype"] or bool(
         getattr(aval, "weak_type", False)
-    ) == bool(params["weak_type"])
+    ) != bool(params["weak_type"]):
+        return False  # (a real convert: decided before asking for the value it holds)
+    return type(_core.to_concrete_value(x)) is _ArrayImpl
 
 
 def eval_context() -> Any:
