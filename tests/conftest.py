@@ -4,8 +4,7 @@ Hypothesis profiles (tests/hypothesis_profiles.py): ``ci`` for the full suite, `
 examples a property) when the run deselects slow tests (``-m "not slow"``, the fast loop), or the
 one named by ``HYPOTHESIS_PROFILE``. ``JAMP_TESTS_SETTINGS`` chooses instead of the mark
 expression: ``full`` keeps the full suite's settings (compile flags, example counts) in a run that
-deselects slow tests, ``fast`` gives the fast loop's to a run that does not (CI's zoo on its older
-JAX version, .ci/run).
+deselects slow tests, ``fast`` gives the fast loop's to a run that does not.
 """
 import os
 import subprocess

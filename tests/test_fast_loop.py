@@ -1,7 +1,7 @@
 """The fast loop (``-m "not slow"``) runs every property test on a few examples; the full suite
 runs each with its own count, and so does a run of the fast tests with
 ``JAMP_TESTS_SETTINGS=full``; ``JAMP_TESTS_SETTINGS=fast`` gives any run the fast loop's settings
-(CI's zoo on its older JAX version) (tests/hypothesis_profiles.py, tests/conftest.py)."""
+(tests/hypothesis_profiles.py, tests/conftest.py)."""
 import os
 
 import pytest
