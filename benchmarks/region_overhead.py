@@ -78,7 +78,10 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   The forward of (c) with a fourth side, the region passing every operation through to JAX
   unchanged (``region_passes_through``, an ablation): what being the current trace costs eagerly
   before the policy decides anything (JAX runs a ``jnp`` call's Python ``jit`` path, not its C++
-  fast path, under any trace but its own eager one).
+  fast path, under any trace but its own eager one). Then the same per operation: a ``jnp``
+  call, a primitive the policy leaves float32 and one it casts, each called eagerly in a row,
+  plain, passed through and in a region (``EAGER_OPERATIONS``): what being a trace costs per
+  call, and what the policy's decision and replay add.
 
 Conventions (as in the other benchmarks)
   Garbage collector on; a ``gc.collect()`` before every sample and the time of full (generation-2)
@@ -136,6 +139,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, ROOT)
 from common import (  # noqa: E402
     BF16,
+    F32,
     Transformer,
     count_converts,
     count_eqns,
@@ -933,6 +937,65 @@ def measure_eager_floor(reps: int, warmup: int) -> None:
         ["side", "ms", "/ plain float32"],
         [[side, f"{median(t[side]) * 1e3:.2f}",
           fmt_spread(spread(ratios(t[side], t["plain"])), side != "plain")] for side in sides]))
+    print()
+    measure_eager_operations(reps)
+
+
+# One eager operation each, on float32 operands (64x64), and the dtype the policy runs it in
+# ("hand": the same operation on operands cast to that dtype beforehand, without jamp).
+EAGER_OPERATIONS: dict[str, tuple[Callable[[Any, Any], Any], Any]] = {
+    "jnp.multiply (a jnp function: an inline jit)": (lambda x, w: jnp.multiply(x, w), F32),
+    "lax.mul (a primitive the policy leaves float32)": (lambda x, w: jax.lax.mul(x, w), F32),
+    "lax.dot (a primitive the policy casts to bfloat16)": (lambda x, w: jax.lax.dot(x, w), BF16),
+}
+OPERATION_CALLS = 200  # calls per sample (one sample: ~3-40 ms)
+
+
+def measure_eager_operations(reps: int) -> None:
+    """(c') per operation: one ``jnp`` call and two primitives called eagerly
+    ``OPERATION_CALLS`` times in a row: plain float32; by hand in the dtype the policy gives it
+    (operands cast beforehand); in a region passing every operation through; in a region;
+    interleaved. Where an eager region's time goes per call: the Python ``jit`` path JAX takes
+    for a ``jnp`` call under any trace, and the policy's decision and replay (the region's time
+    less the pass-through's, less what the operation costs in its new dtype by hand)."""
+    x = jax.random.normal(jax.random.key(0), (64, 64), F32)
+    w = jax.random.normal(jax.random.key(1), (64, 64), F32)
+    sides = ("plain", "hand", "region, passed through", "region")
+
+    def sample(operation: Callable, dtype: Any, side: str) -> float:
+        a, b = (x.astype(dtype), w.astype(dtype)) if side == "hand" else (x, w)
+
+        def run() -> None:
+            for _ in range(OPERATION_CALLS):  # (each waited for: no call overlaps the next)
+                jax.block_until_ready(operation(a, b))
+
+        if side in ("plain", "hand"):
+            return timed(run)[0] / OPERATION_CALLS
+        through = region_passes_through() if side != "region" else contextlib.nullcontext()
+        with through, jamp.autocast():
+            return timed(run)[0] / OPERATION_CALLS
+
+    rows = []
+    for name, (operation, dtype) in EAGER_OPERATIONS.items():
+        for side in sides:
+            sample(operation, dtype, side)  # (warm-up: JAX's executables, the region's decisions)
+        t: dict[str, list[float]] = {side: [] for side in sides}
+        for i in range(reps):
+            for side in rotated(sides, i):
+                t[side].append(sample(operation, dtype, side))
+        us = {side: median(t[side]) * 1e6 for side in sides}
+        trace = us["region, passed through"] - us["plain"]
+        policy = us["region"] - us["region, passed through"] - (us["hand"] - us["plain"])
+        rows.append([name, *(f"{us[side]:.1f}" for side in sides), f"{trace:+.1f}",
+                     f"{policy:+.1f}"])
+    print(f"Per operation: {OPERATION_CALLS} eager calls in a row per sample, each waited for, "
+          f"{reps} interleaved samples per side, µs per call (medians); 'hand': the operation "
+          "on operands cast beforehand to the dtype the policy runs it in.\n")
+    print(markdown_table(
+        ["operation", "plain µs", "hand µs", "passed through µs", "region µs",
+         "being a trace (passed through - plain)",
+         "the policy (region - passed through - (hand - plain))"],
+        rows))
     print()
 
 
