@@ -80,8 +80,9 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   before the policy decides anything (JAX runs a ``jnp`` call's Python ``jit`` path, not its C++
   fast path, under any trace but its own eager one). Then the same per operation: a ``jnp``
   call, a primitive the policy leaves float32 and one it casts, each called eagerly in a row,
-  plain, passed through and in a region (``EAGER_OPERATIONS``): what being a trace costs per
-  call, and what the policy's decision and replay add.
+  plain, by hand in the dtype the policy gives it, passed through and in a region
+  (``EAGER_OPERATIONS``): what being a trace costs per call, and what the policy's decision and
+  replay add.
 
 Conventions (as in the other benchmarks)
   Garbage collector on; a ``gc.collect()`` before every sample and the time of full (generation-2)
@@ -957,7 +958,10 @@ def measure_eager_operations(reps: int) -> None:
     (operands cast beforehand); in a region passing every operation through; in a region;
     interleaved. Where an eager region's time goes per call: the Python ``jit`` path JAX takes
     for a ``jnp`` call under any trace, and the policy's decision and replay (the region's time
-    less the pass-through's, less what the operation costs in its new dtype by hand)."""
+    less the pass-through's, less what the operation costs in its new dtype by hand; for a
+    ``jnp`` call that difference can fall below zero: the region runs its rewrite of the call
+    through ``jax.jit``'s C++ dispatch, where the pass-through binds the call on JAX's Python
+    path)."""
     x = jax.random.normal(jax.random.key(0), (64, 64), F32)
     w = jax.random.normal(jax.random.key(1), (64, 64), F32)
     sides = ("plain", "hand", "region, passed through", "region")
