@@ -939,7 +939,6 @@ def measure_eager_floor(reps: int, warmup: int) -> None:
         [[side, f"{median(t[side]) * 1e3:.2f}",
           fmt_spread(spread(ratios(t[side], t["plain"])), side != "plain")] for side in sides]))
     print()
-    measure_eager_operations(reps)
 
 
 # One eager operation each, on float32 operands (64x64), and the dtype the policy runs it in
@@ -1164,6 +1163,7 @@ def main() -> None:
                      eager_reps, eager_warmup, fresh_reps, cold_reps)
     if "eager-floor" in args.parts:
         measure_eager_floor(eager_reps, eager_warmup)
+        measure_eager_operations(eager_reps)
     if "alive" in args.parts:
         measure_alive(blocks)
     if args.profile:
