@@ -229,10 +229,15 @@ def state_dtype(
     glob in ``keep``, which stay as ``tx`` made them. Paths are '/'-joined names such as
     ``0/nu/dense/kernel`` for ``optax.adamw``'s second moment (``keep=("*nu*",)`` keeps it;
     a glob that matches nothing warns with :class:`UnmatchedKeepWarning`). Integer leaves (step
-    counts) and float64 leaves are left alone. ``update`` widens the stored leaves to float32,
-    runs ``tx``, and stores the new state back with ``rounding``: ``"stochastic"`` (unbiased,
-    so a moving average such as Adam's ``b2 = 0.999`` keeps moving; the bits come from ``seed``
-    and a counter in the state) or ``"nearest"``. Updates come back in the gradients' dtype.
+    counts), float64 leaves and scalars (rank 0) are left alone: a floating scalar is a
+    hyperparameter (``optax.inject_hyperparams``'s; in bfloat16 Adam's ``b2 = 0.999`` is 1 and
+    its bias correction divides by zero) or bookkeeping (``optax.contrib.reduce_on_plateau``'s
+    best loss, which must see a 0.1% improvement), and narrowing it saves nothing (so a scalar
+    parameter's moments stay as ``tx`` made them too). ``update`` widens the stored leaves to
+    float32, runs ``tx``, and stores the new state back with ``rounding``: ``"stochastic"``
+    (unbiased, so a moving average such as Adam's ``b2 = 0.999`` keeps moving; the bits come
+    from ``seed`` and a counter in the state) or ``"nearest"``. Updates come back in the
+    gradients' dtype.
 
     ``dtype`` must be narrower than float32: an integer or float64 dtype raises ``ValueError``.
 
@@ -253,8 +258,8 @@ def state_dtype(
     seed = _check_seed(seed, where)
 
     def narrowed(path: Any, leaf: Any) -> bool:
-        """Stored in ``target``: floating, not float64, not kept."""
-        if not _floating(leaf) or leaf.dtype == np.float64:
+        """Stored in ``target``: floating, not float64, not a scalar, not kept."""
+        if not _floating(leaf) or leaf.dtype == np.float64 or not np.ndim(leaf):
             return False
         text = _path_text(path)
         return not any(fnmatch.fnmatchcase(text, g) for g in globs)

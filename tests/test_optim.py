@@ -121,6 +121,34 @@ def test_keep_globs_and_unmatched_keep_warns():
     assert s.inner_state[0].mu["w"].dtype == jnp.float16 and s.inner_state[0].nu["w"].dtype == F32
 
 
+def test_scalar_state_leaves_hyperparameters_and_bookkeeping_stay_as_tx_made_them():
+    """Narrowed to bfloat16, ``inject_hyperparams``' b2 = 0.999 was 1 (Adam's bias correction
+    divided by zero: NaN updates) and ``reduce_on_plateau``'s best loss missed 0.1% gains (it
+    cut the learning rate of a loss that kept improving)."""
+    params, grads = {"w": jnp.ones((4,))}, {"w": jnp.full((4,), 0.1)}
+    injected = optax.inject_hyperparams(optax.adam)(learning_rate=1e-3)
+    tx = optim.state_dtype(injected)
+    state = tx.init(params)
+    assert {v.dtype for v in state.inner_state.hyperparams.values()} == {F32}
+    assert state.inner_state.inner_state[0].mu["w"].dtype == BF16  # moments still narrowed
+    updates, _ = jax.jit(tx.update)(grads, state, params)
+    expected, _ = injected.update(grads, injected.init(params), params)
+    np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-2)
+
+    def plateau():
+        return optax.chain(optax.sgd(1.0), optax.contrib.reduce_on_plateau(patience=3, rtol=1e-4))
+
+    scales = {}
+    for name, tx in (("optax", plateau()), ("state_dtype", optim.state_dtype(plateau()))):
+        state, loss = tx.init(params), 3.0
+        for _ in range(20):
+            loss *= 0.999
+            _, state = tx.update(grads, state, params, value=jnp.float32(loss))
+        inner = state if name == "optax" else state.inner_state
+        scales[name] = float(inner[1].scale)
+    assert scales == {"optax": 1.0, "state_dtype": 1.0}
+
+
 def identity_tx():
     """A transformation whose update is the incoming 'gradient' itself (to aim updates)."""
     return optax.GradientTransformation(lambda p: optax.EmptyState(),
