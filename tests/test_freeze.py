@@ -698,6 +698,32 @@ def test_errors_name_what_was_wrong():
         frozen(x, rngs={"dropout": jax.random.key(0)})
 
 
+def test_a_traced_flag_or_count_is_a_tracing_check_error_naming_the_target():
+    """An example input is traced: a Python branch on it was JAX's raw error naming freeze's
+    own wrapper (``flat_fn``, ``flat[9]``); it is trace's error, with freeze's hint."""
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train):
+            return nn.Dropout(0.5, deterministic=not train)(nn.Dense(4)(x))
+
+    x = jnp.ones((2, 3))
+    variables = Net().init(jax.random.key(0), x, False)
+    with pytest.raises(tracing.TracingCheckError,
+                       match=r"(?s)Tracing freeze\(Net\) failed: it needs the concrete value.*"
+                             r"keyword of freeze.*TracerBoolConversionError") as info:
+        tracing.freeze(Net(), variables, x, False)
+    assert "flat_fn" not in str(info.value)
+    assert isinstance(info.value.__cause__, jax.errors.TracerBoolConversionError)
+    frozen = tracing.freeze(Net(), variables, x, train=False)  # the hint's way
+    chex.assert_trees_all_close(frozen(x), Net().apply(variables, x, False), **F32_TOL)
+
+    def repeated(w, x, n):
+        return sum(x * w for _ in range(n))
+
+    with pytest.raises(tracing.TracingCheckError, match=r"(?s)freeze\(.*repeated\).*Integer"):
+        tracing.freeze(repeated, jnp.ones(3), jnp.ones(3), 3)
+
+
 def test_freezing_guide_example_runs():
     guide = (pathlib.Path(__file__).parents[1] / "docs" / "guides" / "freezing.md").read_text()
     section = guide.split("## Freeze a linen module", 1)[1]

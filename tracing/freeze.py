@@ -37,6 +37,7 @@ from .passes.fold_constants import with_aval
 from .passes.quantize_weights import Kernel, Rules, kernel_report, kernels, weight_rules
 from .program import CannotRetrace, Program, callable_name
 from .signature import Signature, leaf_aval
+from .trace import trace_errors_named
 
 _NO_RNGS = object()  # the frozen function has no rngs input
 
@@ -363,6 +364,7 @@ def freeze(
     paths, leaves = _variable_leaves(resolved.variables)
     freezer = _Freezer(  # not the target itself: it holds the variables
         resolved.call,
+        name,
         jax.tree.structure(resolved.variables),
         apply_kwargs,
         has_rngs,
@@ -383,11 +385,21 @@ def freeze(
     return frozen
 
 
+# Freezing traces every example input: a flag such as ``train`` is static as a keyword.
+_FREEZE_ERROR_HINT = (
+    "Hint: every example input is traced, so a Python `if`, `int()` or `bool()` on one (a "
+    "`train` flag, a count) needs a value the trace does not have. Pass such an argument as a "
+    "keyword of freeze (freeze(model, variables, x, train=False)), which stays a Python value, "
+    "or branch on data with lax.cond / jnp.where."
+)
+
+
 @dataclasses.dataclass
 class _Freezer:
     """The freeze pipeline for one target, at any input signature (symbolic ones included)."""
 
     call: Callable[[Any, tuple, dict], Any]  # the target's
+    name: str  # freeze(the target's name), for errors
     var_tree: Any
     apply_kwargs: dict
     has_rngs: bool
@@ -408,7 +420,10 @@ class _Freezer:
                 inputs, kwargs["rngs"] = inputs[:-1], inputs[-1]
             return self.call(frozen_vars, tuple(inputs), kwargs)
 
-        closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*var_avals, *signature.avals)
+        with trace_errors_named(self.name, _FREEZE_ERROR_HINT):
+            closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
+                *var_avals, *signature.avals
+            )
         if self.policy is not None:
             from jamp.transform import autocast_jaxpr
 

@@ -9,11 +9,12 @@ every ``check_inputs`` entry, and compare.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -111,6 +112,31 @@ _TRACE_ERROR_HINT = (
 )
 
 
+@contextlib.contextmanager
+def trace_errors_named(name: str, hint: str = _TRACE_ERROR_HINT) -> Iterator[None]:
+    """JAX's errors for a trace that needed a concrete value, or used a leaked tracer, as a
+    :class:`TracingCheckError` naming ``name`` (the user's function) with ``hint``: JAX's own
+    name the function it traced, a wrapper of ours, and its flattened arguments."""
+    try:
+        yield
+    except (
+        jax.errors.ConcretizationTypeError,
+        jax.errors.TracerArrayConversionError,
+        jax.errors.TracerIntegerConversionError,
+        jax.errors.TracerBoolConversionError,
+    ) as err:
+        raise TracingCheckError(
+            f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
+            f"{hint}\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from err
+    except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
+        raise TracingCheckError(
+            f"Tracing {name} failed: it used a traced value that leaked out of an earlier trace "
+            "(kept in a global, a closure, a list or an object attribute).\n"
+            f"{hint}\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from err
+
+
 def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
     """Trace ``fn`` at ``inputs``' avals, for real (never answered from JAX's trace cache)."""
     signature = Signature.of(inputs)
@@ -131,26 +157,8 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
         skeleton.append(order_skeleton(outputs))
         return outputs
 
-    try:
+    with trace_errors_named(name):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*signature.avals)
-    except (
-        jax.errors.ConcretizationTypeError,
-        jax.errors.TracerArrayConversionError,
-        jax.errors.TracerIntegerConversionError,
-        jax.errors.TracerBoolConversionError,
-    ) as err:
-        raise TracingCheckError(
-            f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
-            f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
-            f"{str(err).splitlines()[0]}"
-        ) from err
-    except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
-        raise TracingCheckError(
-            f"Tracing {name} failed: it used a traced value that leaked out of an earlier trace "
-            "(kept in a global, a closure, a list or an object attribute).\n"
-            f"{_TRACE_ERROR_HINT}\nOriginal error: {type(err).__name__}: "
-            f"{str(err).splitlines()[0]}"
-        ) from err
     leaked = leaks.find_leaked_tracer(fn, name)
     if leaked is not None:
         tracer, where = leaked
