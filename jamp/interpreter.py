@@ -1087,6 +1087,7 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
     )
     return (
         step.eqn.primitive.name in BIAS_EPILOGUE
+        and step.state.enabled  # (disabled: no casts, so the bias add promotes as JAX's)
         and bias_like
         and any(step.has_tag(j, "lower_outputs") for j in members if j != i)
     )

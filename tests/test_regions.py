@@ -33,6 +33,31 @@ def test_disabled_region_sees_arriving_dtypes_and_mixed_operands_promote():
     assert (log_b.dtype, mixed.dtype) == (BF16, F32)
 
 
+def test_disabled_region_bias_add_promotes_as_jax_in_both_forms():
+    """A bias (a parameter broadcast over the batch) added to a matmul's bfloat16 output is
+    cast to bfloat16 where autocast is on (torch's linear includes it); in a disabled region
+    nothing is cast: the add runs in float32, as JAX promotes bf16 + f32. The transform cast
+    the bias all the same."""
+    w, b = jnp.ones((4, 4)), jnp.linspace(0, 1, 4)
+
+    def f(a):
+        y = a @ w  # bf16
+        with jamp.autocast(enabled=False):
+            off = y + b
+        return off, y + b
+
+    def in_region(a):
+        with jamp.autocast():
+            return f(a)
+
+    for form in (jamp.autocast_transform(f), in_region, jax.jit(in_region)):
+        off, on = form(A)
+        assert (off.dtype, on.dtype) == (F32, BF16), form
+    adds = [e for e in jax.make_jaxpr(jamp.autocast_transform(f))(A).jaxpr.eqns
+            if e.primitive.name == "add"]
+    assert [e.outvars[0].aval.dtype for e in adds] == [F32, BF16]
+
+
 def test_nesting_innermost_wins_and_implicit_nesting():
     def f(a):
         with jamp.autocast(enabled=False):
