@@ -1093,13 +1093,13 @@ def _adapts(step: Step, i: int, aval: Any, members: Sequence[int]) -> bool:
     )
 
 
-def equalize_targets(step: Step) -> dict[int, np.dtype]:
+def equalize_targets(step: Step, fixed: Sequence[int] = ()) -> dict[int, np.dtype]:
     """Operands traced with one floating dtype must agree again: cast them to the widest of them.
 
     Operands that adapt (weakly typed, rank-0 and broadcast scalars, like zero-dim tensors in
     PyTorch's promotion; a bias added to a matmul/conv output, which torch's linear and conv
-    include) take the dtype of the others, unless every operand of the group adapts.
-    float64 is never narrowed.
+    include) take the dtype of the others, unless every operand of the group adapts; the
+    operands in ``fixed`` never adapt (a scatter's buffer). float64 is never narrowed.
     """
     floating = step.floating()
     if len(floating) < 2:
@@ -1117,7 +1117,9 @@ def equalize_targets(step: Step) -> dict[int, np.dtype]:
         avals = {i: step.aval(i) for i in members}
         if len({a.dtype for a in avals.values()}) == 1:
             continue
-        strong = [a.dtype for i, a in avals.items() if not _adapts(step, i, a, members)]
+        strong = [
+            a.dtype for i, a in avals.items() if i in fixed or not _adapts(step, i, a, members)
+        ]
         target = widest(*(strong or [a.dtype for a in avals.values()]))
         targets.update({i: np.dtype(target) for i in members if avals[i].dtype != target})
     return targets

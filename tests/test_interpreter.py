@@ -256,6 +256,28 @@ def test_scatters_equalize_operands_and_rebuild_their_combiner():
     jax.jit(f)(x)  # lowers (a combiner traced for float32 would not)
 
 
+def test_a_scatter_into_a_fresh_buffer_keeps_the_buffers_dtype_in_both_forms():
+    """``jnp.zeros(...).at[i].add(u)`` with ``u`` a matmul's bfloat16 output: the zeros are a
+    broadcast scalar, which adapts elsewhere, but here they are the result's storage: float32,
+    as JAX's ``.at`` and the region form keep it (the transform made it bfloat16, and 256
+    duplicates of an index summed in bfloat16)."""
+    x, w = _rand(256, 8), _rand(8, 8)
+    idx = jnp.zeros(256, jnp.int32)
+
+    def f(x, w):
+        return jnp.zeros((4, 8)).at[idx].add(x @ w), jnp.zeros_like(x).at[idx].set(x @ w)
+
+    def in_region(x, w):
+        with jamp.autocast():
+            return f(x, w)
+
+    want = f(x, w)
+    for form in (jamp.autocast_transform(f), in_region, jax.jit(in_region)):
+        summed, stored = form(x, w)
+        assert (summed.dtype, stored.dtype) == (F32, F32), form
+        np.testing.assert_allclose(summed, want[0], rtol=2e-2, atol=0.05)
+
+
 @pytest.mark.parametrize("name,fn", [
     ("random", lambda x: jax.random.normal(jax.random.PRNGKey(0), (4,)) * (x @ x)),
     ("solve", lambda x: jnp.linalg.solve(x @ x.T + 3 * jnp.eye(4), x[0])),
