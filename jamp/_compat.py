@@ -1439,6 +1439,16 @@ def is_same_dtypes_error(error: BaseException) -> bool:
     )
 
 
+def is_float32_only_refusal(error: BaseException) -> bool:
+    """Whether ``error`` is JAX's refusal of a 16-bit input by a function that takes float32:
+    ``jnp.fft.rfft``'s check in Python, and on jax 0.12 the dtype check of ``svd``, ``qr`` and
+    ``eigh`` as JAX traces ``jnp.linalg``'s functions (the wording is JAX's)."""
+    text = str(error)
+    return (isinstance(error, ValueError) and "input must be float32 or float64" in text) or (
+        isinstance(error, TypeError) and "does not accept dtype" in text
+    )
+
+
 def share_trace_identity(trace: Any, parent: Any) -> None:
     """Make ``trace`` answer to ``parent``'s identity where JAX and libraries ask which trace is
     current: ``get_opaque_trace_state`` (Flax NNX's check that a Variable is updated at the trace

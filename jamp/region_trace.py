@@ -1733,6 +1733,17 @@ STRICT_PROMOTION_NOTE = (
 )
 
 
+# And for jnp functions that take float32 only (the FFT of real input; on jax 0.12 svd, qr,
+# eigh and what is built on them): jnp or JAX checks the dtype before the region sees anything.
+FLOAT32_ONLY_NOTE = (
+    "(inside a jamp.autocast region: the value is {dtype} because the region computed it (a "
+    "matmul's output, say), and this function takes float32: jnp checks its input, or JAX "
+    "traces it, before the region sees the operation, so the region cannot run it in float32 as "
+    "jamp.autocast_transform(fn) does. Pass x.astype(jnp.float32), which is float32 in a region, "
+    "or use jamp.autocast_transform(fn); see docs/reference/dtypes.md, 'Regions')"
+)
+
+
 def is_strict_promotion_error(err: BaseException) -> bool:
     """``jax.numpy_dtype_promotion("strict")`` refused to promote (public API: no _compat)."""
     return isinstance(err, jax.dtypes.TypePromotionError)
@@ -1744,6 +1755,7 @@ _REFUSAL_NOTES = (
     (compat.is_branch_type_error, BRANCH_NOTE),
     (compat.is_same_dtypes_error, SAME_DTYPES_NOTE),
     (is_strict_promotion_error, STRICT_PROMOTION_NOTE),
+    (compat.is_float32_only_refusal, FLOAT32_ONLY_NOTE),
 )
 
 
@@ -1782,7 +1794,7 @@ def pushed(policy: Policy) -> Iterator[None]:
         if policy.rules:  # as autocast_transform warns once it has seen the whole program
             log = trace.rewriter.scope_log
             warn_unmatched(log.unmatched(policy.rules), "a jamp.autocast region", log.paths)
-    except (TypeError, jax.dtypes.TypePromotionError) as err:
+    except (TypeError, ValueError) as err:  # (jax.dtypes.TypePromotionError is a ValueError)
         dtype = policy.compute_dtype.name
         # (the dtype as a word: a float16 region says nothing of a bfloat16 value)
         names_dtype = re.search(rf"\b{dtype}\b", str(err)) is not None

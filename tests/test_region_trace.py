@@ -996,6 +996,42 @@ def test_an_unrelated_loop_type_error_gets_no_region_note():
     assert not any("jamp.autocast region" in n for n in getattr(raised.value, "__notes__", ()))
 
 
+def test_a_float32_only_function_given_a_value_the_region_made_16_bit_gets_a_note():
+    """``jnp.fft.rfft`` checks its input's dtype in Python (and on jax 0.12 ``svd``, ``qr`` and
+    ``eigh`` as JAX traces ``jnp.linalg``): a matmul's bfloat16 output is refused before the
+    region sees the call. The note says why; the cast it names runs in float32."""
+    x, w = jnp.ones((4, 8)), jnp.linspace(-1, 1, 64).reshape(8, 8)
+    note = "inside a jamp.autocast region: the value is bfloat16 because the region computed it"
+
+    def rfft(x, cast):
+        with jamp.autocast():
+            h = x @ w
+            return jnp.fft.rfft(h.astype(jnp.float32) if cast else h)
+
+    with pytest.raises(ValueError, match="RFFT input must be float32") as raised:
+        rfft(x, False)
+    notes = "".join(getattr(raised.value, "__notes__", ()))
+    assert note in notes and "x.astype(jnp.float32)" in notes
+    assert rfft(x, True).dtype == jnp.complex64
+    np.testing.assert_allclose(rfft(x, True), jnp.fft.rfft(x @ w), rtol=2e-2, atol=2e-2)
+
+    def singular_values(x):
+        with jamp.autocast():
+            return jnp.linalg.svd(x @ w, compute_uv=False)
+
+    try:  # jax 0.12 checks svd's dtype as it traces jnp's function; 0.10 lets the region cast
+        values = singular_values(x)
+    except TypeError as err:
+        assert "does not accept dtype bfloat16" in str(err)
+        assert note in "".join(getattr(err, "__notes__", ()))
+    else:
+        assert values.dtype == jnp.float32
+    with pytest.raises(ValueError, match="RFFT") as raised:  # the user's own bfloat16
+        with jamp.autocast(dtype=jnp.float16):
+            jnp.fft.rfft(x.astype(jnp.bfloat16))
+    assert not any("jamp.autocast region" in n for n in getattr(raised.value, "__notes__", ()))
+
+
 def test_an_explicit_float32_cast_of_the_result_is_honoured_in_a_region():
     """A model that ends with ``jnp.asarray(x, jnp.float32)`` (Flax's ResNet) returns float32
     from a region, as torch does; autocast_transform traced that cast as a no-op of a float32
