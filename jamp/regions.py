@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,15 @@ class AutocastWarning(UserWarning):
 
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)  # what a cast_inputs call passes as traced
+# The regions this thread entered with ``__enter__`` and has not exited, innermost last: their
+# contexts (JAX's current trace, the name stack) can only be left in the reverse order.
+_open = threading.local()
+
+
+def _open_regions() -> list[contextlib.ExitStack]:
+    if not hasattr(_open, "stacks"):
+        _open.stacks = []
+    return _open.stacks
 
 
 class autocast:  # noqa: N801 - named like torch.autocast on purpose
@@ -58,7 +68,9 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
             ...                                # a whole policy (outermost region only)
 
     Nested regions (``enabled=False`` inside, another ``dtype=`` inside) win inside, and leaving
-    a block (also by an exception) restores the state before it. Inside a function transformed
+    a block (also by an exception) restores the state before it. Entered and exited by hand,
+    regions leave in the reverse order they entered, in the thread that entered them; exiting
+    one twice or out of order raises ``RuntimeError`` and changes nothing. Inside a function transformed
     by :func:`jamp.autocast_transform` a region changes that transform's state instead.
 
     As a decorator, ``@jamp.autocast(dtype=...)`` makes a region when the function is called
@@ -94,10 +106,25 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 "jamp.autocast(cast_inputs=...) applies to decorated functions only; "
                 "cast explicitly with x.astype(...) inside a `with` block"
             )
-        self._entered.append(self._open_region())
+        exits = self._open_region()
+        self._entered.append(exits)
+        _open_regions().append(exits)
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        stacks = _open_regions()
+        if not self._entered or self._entered[-1] not in stacks:
+            raise RuntimeError(
+                "jamp.autocast: __exit__ of a region that is not open here (exited twice, never "
+                "entered, or entered in another thread)"
+            )
+        if stacks[-1] is not self._entered[-1]:
+            # (leaving it would restore the state before it under the regions entered since)
+            raise RuntimeError(
+                "jamp.autocast: a region exited while a region entered after it is still open; "
+                "exit regions in the reverse order of entering them, as `with` blocks do"
+            )
+        stacks.pop()
         # The exception goes through the region's contexts (the region trace notes loop errors).
         self._entered.pop().__exit__(*exc)
 

@@ -1,4 +1,5 @@
 """Regions, rules over Flax module paths, the decorator and trace-time queries."""
+import threading
 import warnings
 
 import flax.linen as nn
@@ -85,6 +86,46 @@ def test_one_instance_entered_repeatedly_and_nested():
             w = a @ a
         return x, y, z, w, a @ a
     assert [o.dtype for o in jamp.autocast_transform(f)(A)] == [F32] * 4 + [BF16]
+
+
+def test_exiting_a_region_twice_or_out_of_order_is_a_clear_error_that_changes_nothing():
+    """Entered and exited by hand (a notebook, an ExitStack kept by an object): exiting twice was
+    an IndexError from jamp's internals, and exiting the outer region first silently turned
+    autocast off under the inner one still open."""
+    region = jamp.autocast()
+    region.__enter__()
+    region.__exit__(None, None, None)
+    with pytest.raises(RuntimeError, match=r"__exit__ of a region that is not open here"):
+        region.__exit__(None, None, None)
+    outer, inner = jamp.autocast(), jamp.autocast(dtype=F16)
+    outer.__enter__()
+    inner.__enter__()
+    try:
+        with pytest.raises(RuntimeError, match=r"entered after it is still open.*reverse order"):
+            outer.__exit__(None, None, None)
+        assert (A @ A).dtype == F16 and jamp.get_autocast_dtype() == F16  # both still open
+    finally:
+        inner.__exit__(None, None, None)
+        assert (A @ A).dtype == BF16
+        outer.__exit__(None, None, None)
+    assert (A @ A).dtype == F32 and not jamp.is_autocast_enabled()
+    elsewhere = jamp.autocast()
+    elsewhere.__enter__()
+    try:
+        thread_error = []
+
+        def exit_here():
+            try:
+                elsewhere.__exit__(None, None, None)
+            except RuntimeError as err:
+                thread_error.append(err)
+
+        worker = threading.Thread(target=exit_here)
+        worker.start()
+        worker.join()
+        assert "entered in another thread" in str(thread_error[0])
+    finally:
+        elsewhere.__exit__(None, None, None)
 
 
 def test_enabled_region_without_dtype_inherits_the_enclosing_dtype():
