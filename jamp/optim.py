@@ -286,6 +286,7 @@ def state_dtype(
     def update(
         updates: Any, state: StateDtypeState, params: Any = None, **extra: Any
     ) -> tuple[Any, StateDtypeState]:
+        _check_state(state, StateDtypeState, f"{where}(tx)")
         stored = state.inner_state
         wide = jax.tree_util.tree_map_with_path(
             lambda p, x: x.astype(F32) if narrowed(p, x) else x, stored
@@ -324,8 +325,47 @@ def _split(params: Any) -> tuple[list[Any], Any, list[bool]]:
     return leaves, treedef, narrow
 
 
-def _widened_grads(grads: Any, treedef: Any, narrow: list[bool]) -> tuple[list[Any], Any]:
-    flat = treedef.flatten_up_to(grads)
+def _check_state(state: Any, cls: type, where: str) -> None:
+    """``update`` was given the state its ``init`` made (an AttributeError deep inside else)."""
+    if not isinstance(state, cls):
+        raise TypeError(
+            f"{where}.update(grads, opt_state, params): opt_state must be the {cls.__name__} "
+            f"this transformation's init returned, got {type(state).__name__} (the state of "
+            "another optimizer, or the arguments in another order?)"
+        )
+
+
+def _flat_like(tree: Any, treedef: Any, what: str, where: str) -> list[Any]:
+    """``tree``'s leaves at the parameters' leaves, or an error naming ``what`` mismatched."""
+    try:
+        return treedef.flatten_up_to(tree)
+    except (ValueError, TypeError) as err:
+        raise ValueError(
+            f"{where}.update: {what} and params differ in structure: {err}"
+        ) from err
+
+
+def _check_narrow_unchanged(
+    params: Any, kept: list[Any], narrow: list[bool], what: str, where: str
+) -> None:
+    """Each parameter is 16-bit where init kept ``what`` for it (a ``MaskedNode`` elsewhere):
+    a parameter cast since (a checkpoint restored in float32) would leave it stale, silently."""
+    for i, (held, is_narrow_now) in enumerate(zip(kept, narrow)):
+        if isinstance(held, optax.MaskedNode) != is_narrow_now:
+            continue
+        path, leaf = jax.tree_util.tree_flatten_with_path(params)[0][i]
+        was = "not 16-bit, so the state holds none" if is_narrow_now else "16-bit"
+        raise ValueError(
+            f"{where}.update: params{jax.tree_util.keystr(path)} is {leaf.dtype} but was {was} "
+            f"when init made the state ({what}); make the state again with init(params) after "
+            "changing a parameter's dtype, or cast the parameters back"
+        )
+
+
+def _widened_grads(
+    grads: Any, treedef: Any, narrow: list[bool], where: str
+) -> tuple[list[Any], Any]:
+    flat = _flat_like(grads, treedef, "grads", where)
     return flat, treedef.unflatten(
         [g.astype(F32) if n and _floating(g) else g for g, n in zip(flat, narrow)]
     )
@@ -346,7 +386,8 @@ def master_weights(
 
     Put ``optax.MultiSteps`` inside (``master_weights(optax.MultiSteps(tx, k))``): it then
     accumulates float32 gradients. Parameters with no 16-bit leaf raise ``ValueError``
-    (nothing to do); ``update`` needs ``params``.
+    (nothing to do); ``update`` needs ``params``, and raises ``ValueError`` for a parameter
+    whose dtype changed since ``init`` (its master copy would go stale).
 
     Example::
 
@@ -375,10 +416,12 @@ def master_weights(
         grads: Any, state: MasterWeightsState, params: Any = None, **extra: Any
     ) -> tuple[Any, MasterWeightsState]:
         _need_params(params, f"{where}(tx)")
+        _check_state(state, MasterWeightsState, f"{where}(tx)")
         leaves, treedef, narrow = _split(params)
-        master = treedef.flatten_up_to(state.master)
+        master = _flat_like(state.master, treedef, "opt_state.master", f"{where}(tx)")
+        _check_narrow_unchanged(params, master, narrow, "its float32 master copy", f"{where}(tx)")
         view = [m if n else x for m, x, n in zip(master, leaves, narrow)]
-        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
+        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow, f"{where}(tx)")
         inner_updates, inner_state = inner.update(
             wide_grads, state.inner_state, treedef.unflatten(view), **extra
         )
@@ -439,8 +482,9 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
         grads: Any, state: StochasticRoundingState, params: Any = None, **extra: Any
     ) -> tuple[Any, StochasticRoundingState]:
         _need_params(params, f"{where}(tx)")
+        _check_state(state, StochasticRoundingState, f"{where}(tx)")
         leaves, treedef, narrow = _split(params)
-        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
+        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow, f"{where}(tx)")
         inner_updates, inner_state = inner.update(
             wide_grads, state.inner_state, widened(leaves, treedef, narrow), **extra
         )
@@ -470,7 +514,8 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
     compensated parameters (parameter + compensation, in float32), adds the compensation to
     ``tx``'s update, rounds to nearest, and keeps the new rounding error. Deterministic: no
     random bits. float32/float64 parameters are passed through; parameters with no 16-bit leaf
-    raise ``ValueError``.
+    raise ``ValueError``, and so does ``update`` for a parameter whose dtype changed since
+    ``init``.
 
     Example::
 
@@ -498,12 +543,14 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
         grads: Any, state: CompensatedState, params: Any = None, **extra: Any
     ) -> tuple[Any, CompensatedState]:
         _need_params(params, f"{where}(tx)")
+        _check_state(state, CompensatedState, f"{where}(tx)")
         leaves, treedef, narrow = _split(params)
-        carried = treedef.flatten_up_to(state.compensation)
+        carried = _flat_like(state.compensation, treedef, "opt_state.compensation", f"{where}(tx)")
+        _check_narrow_unchanged(params, carried, narrow, "its compensation", f"{where}(tx)")
         view = [
             x.astype(F32) + c.astype(F32) if n else x for x, c, n in zip(leaves, carried, narrow)
         ]
-        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow)
+        flat_grads, wide_grads = _widened_grads(grads, treedef, narrow, f"{where}(tx)")
         inner_updates, inner_state = inner.update(
             wide_grads, state.inner_state, treedef.unflatten(view), **extra
         )

@@ -383,6 +383,37 @@ def test_errors_in_the_users_terms():
         optim.master_weights(optax.sgd(0.1), rounding="up")
 
 
+def test_update_with_the_wrong_state_or_structure_or_recast_params_names_it():
+    """Each was an AttributeError or a bare pytree error from inside jamp, or (a parameter cast
+    to float32 after init) a master copy silently left stale."""
+    params = {"a": jnp.ones((3,), BF16), "b": jnp.ones((2,))}
+    wrappers = {"master_weights": optim.master_weights, "compensated": optim.compensated,
+                "stochastic_rounding": optim.stochastic_rounding,
+                "state_dtype": optim.state_dtype}
+    for name, wrapper in wrappers.items():
+        tx = wrapper(optax.adam(1e-3))
+        state = tx.init(params)
+        for wrong in (optax.adam(1e-3).init(params), params):  # another's state; swapped
+            with pytest.raises(TypeError, match=rf"{name}\(tx\)\.update\(grads, opt_state, "
+                                                rf"params\): opt_state must be the .*State"):
+                tx.update(params, wrong, state)
+        if name == "state_dtype":  # (no per-parameter state of its own)
+            continue
+        with pytest.raises(ValueError, match=rf"{name}\(tx\)\.update: grads and params differ "
+                                             r"in structure: Dict key mismatch"):
+            tx.update({"a": params["a"]}, state, params)
+    widened = {"a": params["a"].astype(F32), "b": params["b"]}  # e.g. restored as float32
+    for wrapper, what in ((optim.master_weights, "its float32 master copy"),
+                          (optim.compensated, "its compensation")):
+        tx = wrapper(optax.adam(1e-3))
+        with pytest.raises(ValueError, match=rf"params\['a'\] is float32 but was 16-bit when "
+                                             rf"init made the state \({what}\)"):
+            tx.update(widened, tx.init(params), widened)
+    tx = optim.stochastic_rounding(optax.adam(1e-3))  # holds nothing per parameter: runs
+    updates, _ = tx.update(widened, tx.init(params), widened)
+    assert updates["a"].dtype == F32
+
+
 def test_float32_and_float64_parameters_are_left_alone():
     with jax.enable_x64(True):
         params = {"half": jnp.ones((3,), BF16), "single": jnp.ones((3,), F32),
