@@ -201,6 +201,25 @@ class StaticLossScale(_LossScale):
         _check_scale("StaticLossScale", "loss_scale", self.loss_scale)
         object.__setattr__(self, "loss_scale", _coerce(self.loss_scale, F32))
 
+    def scale(self, tree: Any) -> Any:
+        """As :meth:`DynamicLossScale.scale`; a leaf whose dtype cannot hold the scale (a
+        float16 loss and a scale of 2**16) raises ``ValueError``: it and every gradient would be
+        inf at every step, where a dynamic scale backs off (checked where the scale is known,
+        not under ``jax.jit`` with the scale an argument)."""
+        if not isinstance(self.loss_scale, jax.core.Tracer):
+            scale = float(self.loss_scale)
+            for x in jax.tree.leaves(tree):
+                dtype = jnp.result_type(x)
+                if jnp.issubdtype(dtype, jnp.floating) and scale > float(jnp.finfo(dtype).max):
+                    raise ValueError(
+                        f"StaticLossScale({scale:g}).scale: the scale is past {dtype}'s largest "
+                        f"value ({float(jnp.finfo(dtype).max):g}), so a {dtype} loss scaled by "
+                        "it is inf, and so is every gradient: every step would be skipped. "
+                        "Compute the loss in float32 (autocast_transform and a region return "
+                        f"a float32 mean or sum), or use a scale under {jnp.finfo(dtype).max:g}"
+                    )
+        return super().scale(tree)
+
 
 @_register
 @dataclasses.dataclass(frozen=True)

@@ -145,6 +145,24 @@ def test_static_scale_is_validated(value, culprit):
         jamp.StaticLossScale(value)
 
 
+def test_a_static_scale_past_the_losss_dtype_is_refused_where_a_dynamic_one_backs_off():
+    """2**16 is inf in float16: a float16 loss scaled by it, and every gradient, is inf at every
+    step, and a static scale never backs off (every step was skipped, silently)."""
+    params, x = {"w": jnp.full((4, 2), 0.1)}, jnp.ones((8, 4))
+
+    def loss16(p, x):
+        return jnp.mean((x.astype(F16) @ p["w"].astype(F16)) ** 2)
+
+    with pytest.raises(ValueError, match=r"StaticLossScale\(65536\)\.scale: the scale is past "
+                                         r"float16's largest value \(65504\).*every step"):
+        jamp.scaled_value_and_grad(loss16)(jamp.StaticLossScale(2.0 ** 16), params, x)
+    fits = jamp.scaled_value_and_grad(loss16)(jamp.StaticLossScale(2.0 ** 12), params, x)
+    assert bool(fits[3])  # finite at a scale float16 holds
+    assert jamp.StaticLossScale(2.0 ** 16).scale(jnp.float32(0.5)) == 2.0 ** 15  # float32 loss
+    dynamic = jamp.scaled_value_and_grad(loss16)(jamp.DynamicLossScale(2.0 ** 16), params, x)
+    assert not bool(dynamic[3]) and float(dynamic[2].loss_scale) == 2.0 ** 15  # backs off
+
+
 def test_min_loss_scale_none_means_no_minimum_as_flax():
     scale = jamp.DynamicLossScale(loss_scale=1.0, min_loss_scale=None, factor=2)
     for _ in range(10):
