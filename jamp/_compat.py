@@ -1449,6 +1449,14 @@ def is_float32_only_refusal(error: BaseException) -> bool:
     )
 
 
+def is_traced_static_argument_error(error: BaseException) -> bool:
+    """Whether ``error`` is ``jax.jit``'s refusal of a static argument it was given a tracer for
+    (a jitted function with ``static_argnums`` traced at abstract inputs; JAX's wording)."""
+    return isinstance(error, ValueError) and "Non-hashable static arguments" in str(error) and (
+        "Tracer" in str(error)
+    )
+
+
 def share_trace_identity(trace: Any, parent: Any) -> None:
     """Make ``trace`` answer to ``parent``'s identity where JAX and libraries ask which trace is
     current: ``get_opaque_trace_state`` (Flax NNX's check that a Variable is updated at the trace

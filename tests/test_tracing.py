@@ -1,5 +1,6 @@
 """tracing.trace / check_trace / TracedFunction / export: the API and each of the six checks."""
 import collections
+import functools
 import subprocess
 import sys
 import warnings
@@ -641,6 +642,20 @@ def test_damaged_blob_is_a_clear_value_error_without_mlir_noise(capfd):
     assert failures >= 3
     captured = capfd.readouterr()
     assert captured.err == "" and captured.out == ""
+
+
+def test_a_jitted_function_with_static_arguments_traced_whole_says_to_bind_them():
+    """Every example input is traced: a ``static_argnums`` argument reached ``jax.jit`` as a
+    tracer, and JAX's "Non-hashable static arguments" came out as it was."""
+    scaled = jax.jit(lambda x, n: x * n, static_argnums=1)
+    with pytest.raises(tracing.TracingCheckError,
+                       match=r"(?s)static arguments.*functools\.partial.*Non-hashable") as info:
+        tracing.trace(scaled, (X, 2))
+    assert isinstance(info.value.__cause__, ValueError)
+    bound = tracing.trace(functools.partial(scaled, n=2), (X,))
+    chex.assert_trees_all_close(bound(X), X * 2)
+    with pytest.raises(ValueError, match="not this"):  # a ValueError of the function's own
+        tracing.trace(lambda x: (_ for _ in ()).throw(ValueError("not this")), (X,))
 
 
 def test_a_check_inputs_entry_the_function_cannot_be_traced_at_is_named_by_its_index():

@@ -129,6 +129,15 @@ def trace_errors_named(name: str, hint: str = _TRACE_ERROR_HINT) -> Iterator[Non
             f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
             f"{hint}\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
         ) from err
+    except ValueError as err:
+        if not compat.is_traced_static_argument_error(err):
+            raise
+        raise TracingCheckError(
+            f"Tracing {name} failed: a jax.jit function with static arguments (it, or one it "
+            "calls) got a traced value for one, which jax.jit cannot hash: every example input "
+            "is traced. Bind static arguments first (functools.partial(fn, n=2)) and trace the "
+            f"rest.\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from err
     except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
         raise TracingCheckError(
             f"Tracing {name} failed: it used a traced value that leaked out of an earlier trace "
