@@ -147,7 +147,11 @@ class _LossScale:
         Python and numpy floats are multiplied too (``StaticLossScale(8.0).scale(3.0)`` is a
         float32 ``24.0``); integer leaves are returned unchanged."""
         _check_array_leaves(tree, f"{type(self).__name__}.scale")
+        self._check_fits(tree)
         return jax.tree.map(lambda x: _scale_leaf(x, self.loss_scale), tree)
+
+    def _check_fits(self, tree: Any) -> None:
+        """Refuse a scale the leaves' dtypes cannot hold, where that is an error (a static one)."""
 
     def unscale(self, tree: Any) -> Any:
         """Divide every floating leaf by the loss scale, in float32 (float64 stays float64)."""
@@ -193,7 +197,9 @@ class NoOpLossScale(_LossScale):
 class StaticLossScale(_LossScale):
     """A fixed loss scale: ``jamp.StaticLossScale(2.0 ** 12)``.
 
-    ``loss_scale`` must be finite, > 0 and fit float32 (``ValueError`` naming the field)."""
+    ``loss_scale`` must be finite, > 0 and fit float32 (``ValueError`` naming the field);
+    ``scale`` of a leaf whose dtype cannot hold it (a float16 loss at ``2.0 ** 16``) raises
+    ``ValueError`` too, since it never backs off."""
 
     loss_scale: Any
 
@@ -201,11 +207,11 @@ class StaticLossScale(_LossScale):
         _check_scale("StaticLossScale", "loss_scale", self.loss_scale)
         object.__setattr__(self, "loss_scale", _coerce(self.loss_scale, F32))
 
-    def scale(self, tree: Any) -> Any:
-        """As :meth:`DynamicLossScale.scale`; a leaf whose dtype cannot hold the scale (a
-        float16 loss and a scale of 2**16) raises ``ValueError``: it and every gradient would be
-        inf at every step, where a dynamic scale backs off (checked where the scale is known,
-        not under ``jax.jit`` with the scale an argument)."""
+    def _check_fits(self, tree: Any) -> None:
+        """A leaf whose dtype cannot hold the scale (a float16 loss and a scale of 2**16) raises
+        ``ValueError``: it and every gradient would be inf at every step, where a dynamic scale
+        backs off (checked where the scale is known, not under ``jax.jit`` with the scale an
+        argument)."""
         if not isinstance(self.loss_scale, jax.core.Tracer):
             scale = float(self.loss_scale)
             for x in jax.tree.leaves(tree):
@@ -218,7 +224,6 @@ class StaticLossScale(_LossScale):
                         "Compute the loss in float32 (autocast_transform and a region return "
                         f"a float32 mean or sum), or use a scale under {jnp.finfo(dtype).max:g}"
                     )
-        return super().scale(tree)
 
 
 @_register
