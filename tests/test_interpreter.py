@@ -278,6 +278,21 @@ def test_a_scatter_into_a_fresh_buffer_keeps_the_buffers_dtype_in_both_forms():
         np.testing.assert_allclose(summed, want[0], rtol=2e-2, atol=0.05)
 
 
+def test_float32_updates_into_a_16_bit_buffer_differ_between_the_forms_as_documented():
+    """docs/reference/dtypes.md, "Regions": in a region jnp's ``.at`` casts float32 updates to
+    the buffer the policy made bfloat16 (JAX's FutureWarning says so); the transform sees a
+    float32 scatter and promotes."""
+    x = _rand(4, 4)
+
+    def f(x):
+        return (x @ x).at[0].set(x[0])
+
+    with pytest.warns(FutureWarning, match="scatter inputs have incompatible types"):
+        with jamp.autocast():
+            in_region = f(x)
+    assert (in_region.dtype, jamp.autocast_transform(f)(x).dtype) == (BF16, F32)
+
+
 @pytest.mark.parametrize("name,fn", [
     ("random", lambda x: jax.random.normal(jax.random.PRNGKey(0), (4,)) * (x @ x)),
     ("solve", lambda x: jnp.linalg.solve(x @ x.T + 3 * jnp.eye(4), x[0])),
