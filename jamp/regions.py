@@ -70,8 +70,9 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
     Nested regions (``enabled=False`` inside, another ``dtype=`` inside) win inside, and leaving
     a block (also by an exception) restores the state before it. Entered and exited by hand,
     regions leave in the reverse order they entered, in the thread that entered them; exiting
-    one twice or out of order raises ``RuntimeError`` and changes nothing. Inside a function transformed
-    by :func:`jamp.autocast_transform` a region changes that transform's state instead.
+    one twice or out of order raises ``RuntimeError`` and changes nothing. Inside a function
+    transformed by :func:`jamp.autocast_transform` a region changes that transform's state
+    instead.
 
     As a decorator, ``@jamp.autocast(dtype=...)`` makes a region when the function is called
     inside a region or a transformed function and applies ``autocast_transform`` itself when

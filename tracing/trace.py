@@ -114,9 +114,10 @@ _TRACE_ERROR_HINT = (
 
 @contextlib.contextmanager
 def trace_errors_named(name: str, hint: str = _TRACE_ERROR_HINT) -> Iterator[None]:
-    """JAX's errors for a trace that needed a concrete value, or used a leaked tracer, as a
-    :class:`TracingCheckError` naming ``name`` (the user's function) with ``hint``: JAX's own
-    name the function it traced, a wrapper of ours, and its flattened arguments."""
+    """JAX's errors for a trace that needed a concrete value, used a leaked tracer or gave
+    ``jax.jit`` a tracer for a static argument, as a :class:`TracingCheckError` naming ``name``
+    (the user's function) with ``hint``: JAX's own name the function it traced, a wrapper of
+    ours, and its flattened arguments."""
     try:
         yield
     except (
@@ -129,6 +130,12 @@ def trace_errors_named(name: str, hint: str = _TRACE_ERROR_HINT) -> Iterator[Non
             f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
             f"{hint}\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
         ) from err
+    except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
+        raise TracingCheckError(
+            f"Tracing {name} failed: it used a traced value that leaked out of an earlier trace "
+            "(kept in a global, a closure, a list or an object attribute).\n"
+            f"{hint}\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
+        ) from err
     except ValueError as err:
         if not compat.is_traced_static_argument_error(err):
             raise
@@ -137,12 +144,6 @@ def trace_errors_named(name: str, hint: str = _TRACE_ERROR_HINT) -> Iterator[Non
             "calls) got a traced value for one, which jax.jit cannot hash: every example input "
             "is traced. Bind static arguments first (functools.partial(fn, n=2)) and trace the "
             f"rest.\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
-        ) from err
-    except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
-        raise TracingCheckError(
-            f"Tracing {name} failed: it used a traced value that leaked out of an earlier trace "
-            "(kept in a global, a closure, a list or an object attribute).\n"
-            f"{hint}\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
         ) from err
 
 
