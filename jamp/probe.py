@@ -64,7 +64,12 @@ class Site:
 
     @property
     def out_dtype(self) -> np.dtype | None:
-        dtypes = [np.dtype(v.aval.dtype) for v in self.eqn.outvars if hasattr(v.aval, "dtype")]
+        dtypes = [  # (not a PRNG key's: an extended dtype is no numpy one)
+            np.dtype(v.aval.dtype)
+            for v in self.eqn.outvars
+            if hasattr(v.aval, "dtype")
+            and not jax.dtypes.issubdtype(v.aval.dtype, jax.dtypes.extended)
+        ]
         floating = [d for d in dtypes if is_float(d)]
         return (floating or dtypes or [None])[0]
 
@@ -166,7 +171,15 @@ def normalize_argnums(grad: Any) -> tuple[int, ...] | None:
         return (grad,)
     if isinstance(grad, (tuple, list)) and all(isinstance(i, int) for i in grad):
         return tuple(grad)
-    raise TypeError(f"grad must be False, True, an argument index or a tuple of them, got {grad!r}")
+    hint = (
+        " (an NNX module passed as it is differentiates its floating state; its RNG counters "
+        "get no gradient: grad=True or its index)"
+        if type(grad).__name__ == "DiffState"
+        else ""
+    )
+    raise TypeError(
+        f"grad must be False, True, an argument index or a tuple of them, got {grad!r}{hint}"
+    )
 
 
 _PROGRAMS: dict[Any, Program] = {}
@@ -218,7 +231,8 @@ def trace_program(
         if argnums is None:
             return mixed(*call_args, **call_kwargs)
         scaled = lambda *a: mixed(*a, **call_kwargs) * scale
-        return jax.value_and_grad(scaled, argnums)(*call_args)
+        # (integer leaves, an NNX module's RNG counters, get float0 gradients, as under tune)
+        return jax.value_and_grad(scaled, argnums, allow_int=True)(*call_args)
 
     closed = jax.make_jaxpr(call)(jax.ShapeDtypeStruct((), np.float32), *avals)
     n_sites, depth = count_sites(compat.open_and_consts(closed)[0])

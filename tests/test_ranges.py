@@ -97,3 +97,45 @@ def test_a_checked_program_is_traced_again_under_another_jax_trace_context():
     with jax.default_matmul_precision("highest"):
         jamp.value_ranges(f, w, x, policy=F16)
     assert traced[1:] == ["highest"]
+
+
+def test_a_program_with_a_prng_key_and_an_nnx_module_with_rng_state():
+    """A typed key's outputs (``key<fry>``) have no numpy dtype: value_ranges raised "Cannot
+    interpret 'key<fry>' as a data type" on any program with dropout; and with grad=True an NNX
+    module's RNG counters (uint32) were handed to jax.grad, which refused them."""
+    from flax import nnx
+
+    def loss(w, x, key):
+        keep = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.9, x.shape)
+        return jnp.mean((jnp.where(keep, x, 0) @ w) ** 2)
+
+    w, x = jnp.ones((8, 4)), jnp.ones((4, 8))
+    ranges = jamp.value_ranges(loss, w, x, jax.random.key(0), grad=True)
+    assert "dot_general" in {entry.primitive for entry in ranges.entries}
+
+    class Dropped(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(3, 4, rngs=rngs)
+            self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+        def __call__(self, x):
+            return self.dropout(self.linear(x))
+
+    def snapshot(m):
+        def numpy(x):
+            keys = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+            return np.asarray(jax.random.key_data(x) if keys else x)
+        return jax.tree.map(numpy, nnx.state(m))
+
+    model = Dropped(nnx.Rngs(0, dropout=1))
+    before = snapshot(model)
+
+    def mean_out(m, x):
+        return jnp.mean(m(x))
+
+    assert jamp.find_nonfinite(mean_out, model, jnp.ones((4, 3)), grad=True) is None
+    ranges = jamp.value_ranges(mean_out, model, jnp.ones((4, 3)), grad=True)
+    assert any(entry.backward_of for entry in ranges.entries)  # the backward pass, checked
+    jax.tree.map(np.testing.assert_array_equal, snapshot(model), before)  # left as it was
+    with pytest.raises(TypeError, match=r"got DiffState.*RNG counters get no gradient"):
+        jamp.value_ranges(mean_out, model, jnp.ones((4, 3)), grad=nnx.DiffState(0, nnx.Param))
