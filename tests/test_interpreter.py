@@ -278,6 +278,21 @@ def test_a_scatter_into_a_fresh_buffer_keeps_the_buffers_dtype_in_both_forms():
         np.testing.assert_allclose(summed, want[0], rtol=2e-2, atol=0.05)
 
 
+def test_a_float32_contraction_of_16_bit_operands_differs_between_the_forms_as_documented():
+    """docs/reference/dtypes.md, "Regions": a region sees bfloat16 operands with
+    ``preferred_element_type=float32`` and keeps the request; the transform sees float32
+    operands, where the request is no different from the default, and lowers."""
+    x, w = _rand(4, 8), _rand(8, 8)
+
+    def f(x, w):
+        q = x @ w
+        return jnp.einsum("td,sd->ts", q, q, preferred_element_type=jnp.float32)
+
+    with jamp.autocast():
+        in_region = f(x, w)
+    assert (in_region.dtype, jamp.autocast_transform(f)(x, w).dtype) == (F32, BF16)
+
+
 def test_float32_updates_into_a_16_bit_buffer_differ_between_the_forms_as_documented():
     """docs/reference/dtypes.md, "Regions": in a region jnp's ``.at`` casts float32 updates to
     the buffer the policy made bfloat16 (JAX's FutureWarning says so); the transform sees a
