@@ -198,6 +198,12 @@ def _dtype_or_none(value: Any, field: str) -> np.dtype | None:
             f"Policy.{field} must be a floating dtype (bfloat16, float16, float32), "
             f"got {dtype.name}"
         )
+    if dtype == np.float64 and field.startswith(("rules", "accumulate")):
+        # (as compute_dtype: a policy narrows, and float64 values already pass through as they are)
+        raise ValueError(
+            f"Policy.{field} cannot be float64: a policy computes in bfloat16, float16 or "
+            "float32, and leaves float64 values as they are"
+        )
     if is_float8(dtype) and (dtype != FLOAT8_COMPUTE or not field.startswith(("compute", "rules"))):
         raise ValueError(
             f"Policy.{field} cannot be {dtype.name}: float8 is only a compute dtype, and only "

@@ -57,6 +57,16 @@ def test_table_overlap_and_bad_rules_are_rejected():
         jamp.Policy(fp32="exp")
 
 
+def test_float64_is_refused_as_a_rules_or_accumulate_dtype_as_it_is_as_compute_dtype():
+    """A float64 rule or accumulation passed and made float64 arrays even with jax_enable_x64
+    off, which JAX itself never hands out; the message said (bfloat16, float16, float32)."""
+    for kwargs, field in (({"rules": (("head", jnp.float64),)}, r"rules\[0\]\[1\]"),
+                          ({"accumulate_dtype": jnp.float64}, "accumulate_dtype")):
+        with pytest.raises(ValueError, match=rf"Policy\.{field} cannot be float64"):
+            jamp.Policy(**kwargs)
+    assert jamp.Policy(rules=(("head", jnp.float32),)).rules == (("head", jnp.float32),)
+
+
 def test_category_lookup():
     policy = jamp.Policy()
     assert policy.category("dot_general") == "lower"
