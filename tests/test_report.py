@@ -34,6 +34,15 @@ def test_counts_flops_and_reasons_on_a_known_function():
     assert "dot_general" in text and "80.0%" in text and "region" in text
 
 
+def test_a_square_is_float32_by_the_table_only_where_it_is_summed():
+    """An unsummed square of a float32 value runs in the dtype it arrives in (docs/reference/
+    dtypes.md, Squares): explain gave the fp32 table as the reason all the same."""
+    x = jnp.ones((4, 4))
+    report = jamp.explain(lambda x: (jnp.tanh(x) + x ** 3, jnp.sum(x ** 2)), x)
+    assert report.float32_reasons[("integer_pow", "inputs arrived in float32")] == 1  # x ** 3
+    assert report.float32_reasons[("integer_pow", "fp32 table")] == 1  # x ** 2, summed
+
+
 def test_rules_float64_and_accumulate_reasons():
     policy = jamp.Policy(rules=(("head", None),), accumulate_dtype=jnp.float32)
 

@@ -30,6 +30,7 @@ def _summed(step: Step) -> bool:
 def power_rule(step: Step) -> Sequence[Any]:
     category = step.policy.category(step.eqn.primitive.name)
     if category == "fp32" and not _summed(step):
+        step.why = "inputs arrived in float32"  # (jamp.explain: not the fp32 table, unsummed)
         return default_rule(step)
     return CATEGORY_RULES.get(category, default_rule)(step)
 
