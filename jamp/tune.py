@@ -869,6 +869,22 @@ def _why(unit: _Unit, dtype: np.dtype, candidates: tuple[np.dtype, ...]) -> str:
     return f"{reason}; {same}" if same else reason
 
 
+def _check_float32_fields(base: Policy) -> None:
+    """The tuned policy computes in float32 wherever a scope stays float32 (its reference is the
+    base in float32): an accumulation or gradient reduction narrower than float32 would apply
+    there too (Policy refuses the reduction outright), and the reference would not be float32."""
+    for field in ("accumulate_dtype", "reduce_dtype"):
+        dtype = getattr(base, field)
+        if dtype is not None and np.dtype(dtype).itemsize < 4:
+            raise ValueError(
+                f"tune: policy.{field}={np.dtype(dtype).name} is narrower than float32, but the "
+                "tuned policy runs in float32 every scope that stays float32 (and measures "
+                "errors against float32), where it would apply too. Tune with "
+                f"{field}=None (or jnp.float32); the tuned scopes' rules choose their 16-bit "
+                "dtypes"
+            )
+
+
 def tune(
     fn: Callable,
     *example_args: Any,
@@ -903,7 +919,9 @@ def tune(
         ``math.inf`` takes each scope's cheapest finite candidate.
       policy: the base policy (tables, ``min_float8_flops``, your rules; ``None``:
         ``jamp.Policy()``); the result keeps its fields, with compute dtype float32 and the
-        tuned rules added. Scopes your rules or ``jamp.autocast`` regions decide are kept.
+        tuned rules added. Scopes your rules or ``jamp.autocast`` regions decide are kept. An
+        ``accumulate_dtype`` or ``reduce_dtype`` narrower than float32 raises ``ValueError``:
+        it would apply to the scopes that stay float32.
       check_args: held-out positional arguments the tuned policy must also meet ``tolerance`` on.
       grad: also measure the gradients of argument 0 (``True``), of the given argument index or
         indices, or not (``False``).
@@ -923,6 +941,7 @@ def tune(
     dtypes = _check_candidates(candidates)
     tolerance = _check_tolerance(tolerance)
     base = resolve_policy(policy, where="tune")
+    _check_float32_fields(base)
     try:
         argnums = normalize_argnums(grad)
     except TypeError as err:

@@ -321,6 +321,13 @@ def test_other_bad_input_is_named():
         jamp.tune(benign, params, x, grad=2)
     with pytest.raises(ValueError, match="device=.*'tpu'"):
         jamp.tune(benign, params, x, device="tpu")
+    # the tuned policy computes in float32 where a scope stays so, and measures against float32:
+    # a narrower accumulation or gradient reduction would have applied there (reduce_dtype:
+    # Policy's own error, about a float32 policy the caller never wrote)
+    for field, narrow in (("accumulate_dtype", jnp.float16), ("reduce_dtype", jnp.bfloat16)):
+        with pytest.raises(ValueError, match=rf"tune: policy\.{field}=\w+ is narrower than "
+                                             rf"float32.*{field}=None"):
+            jamp.tune(benign, params, x, policy=jamp.Policy(**{field: narrow}))
     with pytest.raises(ValueError, match="benign's output is not finite in float32 already"):
         jamp.tune(benign, params, x.at[0, 0].set(jnp.nan))
 
