@@ -216,4 +216,28 @@ with jax.set_mesh(explicit):
         np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=5e-2, atol=5e-2)
         dots = operand_dtypes(jax.make_jaxpr(fn)(x_rows, w_rows), "dot_general")
         check(dots == [("bfloat16", "bfloat16")] * 3, f"async all_gather {name} dots {dots}")
+
+# A float8 dot with an out_sharding of its own (JAX asks for one under an explicit-axes mesh where
+# the contraction is sharded) was re-emitted without it: JAX refused the sharded contraction, or
+# the result came out laid out another way, silently. It stays bfloat16, keeping the sharding.
+grid = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+float8 = jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=0)
+with jax.set_mesh(grid):
+    a = jax.device_put(jnp.linspace(-1, 1, 128).reshape(8, 16), jax.P("x", "y"))
+    b = jax.device_put(jnp.linspace(1, -1, 128).reshape(16, 8), jax.P("y", None))
+    c = jax.device_put(jnp.linspace(1, -1, 128).reshape(16, 8), jax.P(None, None))
+    for name, fn, args, spec in (
+        ("sharded contraction", lambda a, b: jnp.matmul(a, b, out_sharding=jax.P("x", None)),
+         (a, b), jax.P("x", None)),
+        ("layout asked for", lambda a, c: jnp.matmul(a, c, out_sharding=jax.P(None, "x")),
+         (a, c), jax.P(None, "x")),
+    ):
+        out = jax.jit(jamp.autocast_transform(fn, float8))(*args)
+        check(jax.typeof(out).sharding.spec == spec,
+              f"float8 {name}: {jax.typeof(out).sharding.spec}, asked {spec}")
+        np.testing.assert_allclose(np.asarray(out, np.float32), fn(*args), rtol=5e-2, atol=5e-2)
+        report = jamp.explain(fn, *args, policy=float8)
+        check([k.reason for k in report.float8_kept] == ["out_sharding"],
+              f"float8 {name}: kept {report.float8_kept}")
+        check("FLOPs (out_sharding of its own)" in str(report), f"float8 {name}: {report}")
 print("sharding checks passed")

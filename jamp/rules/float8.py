@@ -263,7 +263,7 @@ FLOAT8_FORMS = {"dot_general": _float8_dot, "conv_general_dilated": _float8_qdq}
 def float8_rule(step: Step) -> Sequence[Any] | None:
     """A lower-table op on per-tensor scaled float8 operands; None where it does not qualify
     (no weight operand, an integer operand, ``ragged_dot_general``, fewer FLOPs than
-    ``Policy.min_float8_flops``): it then runs in bfloat16.
+    ``Policy.min_float8_flops``, an ``out_sharding`` of its own): it then runs in bfloat16.
 
     The size test applies to every product on its own: the three GEMMs of a matmul (forward and
     both transposes) have the same FLOPs, so a transposed dot follows its forward dot. A
@@ -276,6 +276,11 @@ def float8_rule(step: Step) -> Sequence[Any] | None:
         return None
     if matmul_flops(step.eqn) < step.policy.min_float8_flops:
         step.scaled_skip = "min_float8_flops"
+        return None
+    if step.params.get("out_sharding") is not None:
+        # The float8 forms re-emit the dot without it: under an explicit-axes mesh JAX then
+        # refuses a sharded contraction, or lays the result out another way, silently.
+        step.scaled_skip = "out_sharding"
         return None
     formats = [
         GRADIENT_FORMAT if step.has_tag(i, "cotangent") else FORWARD_FORMAT for i in range(2)
