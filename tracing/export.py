@@ -118,6 +118,14 @@ class LoadedFunction:
                 if is_symbolic(a.shape)
             )
             jax_says = _ARGS.sub("inputs", str(err))  # JAX's args[0] is the user's inputs[0]
+            if "Error refining shapes" in jax_says:
+                # (the shapes passed jax.export's checks; its refinement of the program failed)
+                raise ValueError(
+                    f"{self.__name__}: the export takes {accepted}, and jax.export could not "
+                    "specialise its program to these shapes (a limit of JAX's shape "
+                    "refinement, which some programs, e.g. collectives, meet; export at fixed "
+                    f"shapes instead): {jax_says}"
+                ) from None
             raise ValueError(
                 f"{self.__name__}: the input shapes do not fit the export, which takes "
                 f"{accepted}: {jax_says}"
