@@ -285,9 +285,12 @@ def test_device_tables():
     (float("nan"), ValueError, "tolerance must be >= 0"),
     (-math.inf, ValueError, "tolerance must be >= 0"),
     ("1e-2", TypeError, "tolerance must be a number"),
+    (lambda: jnp.float32(-1e-3), ValueError, "tolerance must be >= 0"),  # read as a number
+    (lambda: jnp.ones(2), TypeError, "tolerance must be a number"),
 ])
 def test_bad_tolerance(tolerance, error, match):
     params, x = make_params()
+    tolerance = tolerance() if callable(tolerance) else tolerance  # (arrays made in the test)
     with pytest.raises(error, match=match):
         jamp.tune(benign, params, x, tolerance=tolerance)
 
