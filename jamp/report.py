@@ -53,8 +53,7 @@ class Report:
       unmatched_rules: the ``Policy.rules`` whose glob matched no scope of the function, each
         with the closest scope paths seen (``jamp.policy.UnmatchedRule``; ``.message()`` says why).
       float8_kept: under a float8 policy, the matmuls/convolutions kept in bfloat16 because they
-        have fewer FLOPs than ``Policy.min_float8_flops`` or an ``out_sharding`` of their own
-        (:class:`KeptDot`, with its ``reason``).
+        have fewer FLOPs than ``Policy.min_float8_flops`` (:class:`KeptDot`).
       float8_check: with ``compiled=True``, what the optimized program runs each float8 dot as
         (``jamp.float8_check.Float8Check``: a float8 GEMM, a fallback and why, or emulated on
         the CPU); None otherwise.
@@ -121,13 +120,8 @@ class Report:
                 lines.append(f"  {name:<{width}}  {reason}  x{count}")
         lines.extend(f"unmatched rule: {rule.message()}" for rule in self.unmatched_rules)
         if self.float8_kept:
-            lines.append(  # (the reason of any other cause follows its line)
-                f"kept in bfloat16, below min_float8_flops={self.policy.min_float8_flops:,}"
-                + (
-                    " or as noted:"
-                    if any(k.reason != "min_float8_flops" for k in self.float8_kept)
-                    else ":"
-                )
+            lines.append(
+                f"kept in bfloat16, below min_float8_flops={self.policy.min_float8_flops:,}:"
             )
             lines.extend(f"  {kept}" for kept in self.float8_kept[:20])
             if len(self.float8_kept) > 20:
@@ -150,8 +144,7 @@ _MATMUL_LIKE = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_gen
 @dataclasses.dataclass(frozen=True)
 class KeptDot:
     """A matmul/convolution a float8 policy kept in bfloat16, and why (``"min_float8_flops"``:
-    fewer FLOPs than ``Policy.min_float8_flops``; ``"out_sharding"``: a dot with an output
-    sharding of its own, which the float8 forms would drop)."""
+    fewer FLOPs than ``Policy.min_float8_flops``)."""
 
     primitive: str
     where: str  # the user's source line
@@ -163,8 +156,7 @@ class KeptDot:
     def __str__(self) -> str:
         shapes = " x ".join(str(list(s)) for s in self.shapes)
         scope = f" [{self.scope}]" if self.scope else ""
-        why = "" if self.reason == "min_float8_flops" else f" ({self.reason} of its own)"
-        return f"{self.primitive} {shapes} at {self.where}{scope}: {self.flops:,} FLOPs{why}"
+        return f"{self.primitive} {shapes} at {self.where}{scope}: {self.flops:,} FLOPs"
 
 
 def _dims(dims: Any) -> tuple[int, ...]:

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import _compat as compat
 from ..interpreter import (
@@ -121,11 +122,19 @@ def _kept(ndim: int, *used: Sequence[int]) -> list[int]:
 
 
 def _transpose_lhs(
-    g: Any, lhs_ndim: int, rhs: Any, dims: Any, out_dtype: np.dtype, swap: bool = False
+    g: Any,
+    lhs_ndim: int,
+    rhs: Any,
+    dims: Any,
+    out_dtype: np.dtype,
+    swap: bool = False,
+    like: Any = None,
 ) -> Any:
     """The cotangent of a dot_general's lhs, as a dot_general of ``g`` and ``rhs`` accumulating
-    in ``out_dtype``. JAX's own transpose rule returns the primal operand's dtype (float8 here)
-    and its helpers are private, so this re-derives the same dimension bookkeeping."""
+    in ``out_dtype``, laid out as ``like`` (the lhs's sharding, where the forward dot named its
+    own: an explicit-axes mesh needs one for a sharded contraction). JAX's own transpose rule
+    returns the primal operand's dtype (float8 here) and its helpers are private, so this
+    re-derives the same dimension bookkeeping."""
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims
     lhs_kept = _kept(lhs_ndim, lhs_contract, lhs_batch)
     rhs_kept = _kept(rhs.ndim, rhs_contract, rhs_batch)
@@ -134,34 +143,48 @@ def _transpose_lhs(
         g_rhs = list(range(n_batch, n_batch + len(rhs_kept)))
     else:  # (batch, lhs_kept..., rhs_kept...)
         g_rhs = list(range(n_batch + len(lhs_kept), n_batch + len(lhs_kept) + len(rhs_kept)))
+    contract_in_rhs_order = list(np.take(lhs_contract, np.argsort(rhs_contract)))
+    order = list(lhs_batch) + lhs_kept + contract_in_rhs_order  # the lhs dim of each out dim
+    out_sharding = None
+    if like is not None:
+        spec = tuple(like.spec) + (None,) * (lhs_ndim - len(like.spec))
+        out_sharding = NamedSharding(like.mesh, PartitionSpec(*(spec[d] for d in order)))
     out = jax.lax.dot_general(
         g,
         rhs,
         ((g_rhs, rhs_kept), (list(range(n_batch)), list(rhs_batch))),
         preferred_element_type=out_dtype,
+        out_sharding=out_sharding,
     )
-    contract_in_rhs_order = list(np.take(lhs_contract, np.argsort(rhs_contract)))
-    return jax.lax.transpose(
-        out, tuple(np.argsort(list(lhs_batch) + lhs_kept + contract_in_rhs_order))
-    )
+    return jax.lax.transpose(out, tuple(np.argsort(order)))
 
 
-def _transpose_rhs(g: Any, lhs: Any, rhs_ndim: int, dims: Any, out_dtype: np.dtype) -> Any:
+def _transpose_rhs(
+    g: Any, lhs: Any, rhs_ndim: int, dims: Any, out_dtype: np.dtype, like: Any = None
+) -> Any:
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dims
     swapped = ((rhs_contract, lhs_contract), (rhs_batch, lhs_batch))
-    return _transpose_lhs(g, rhs_ndim, lhs, swapped, out_dtype, swap=True)
+    return _transpose_lhs(g, rhs_ndim, lhs, swapped, out_dtype, swap=True, like=like)
+
+
+def _sharding(x: Any) -> Any:
+    """``x``'s sharding as its type carries it (an explicit-axes mesh's), else None."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
 
 
 def _scaled_dot_fwd_impl(
-    a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype
+    a: Any, b: Any, dims: Any, formats: tuple, out_dtype: np.dtype, out_sharding: Any
 ) -> tuple[Any, tuple]:
     sa, sb = scale_for(a, formats[0]), scale_for(b, formats[1])
     qa, qb = quantize(a, formats[0], sa), quantize(b, formats[1], sb)
-    y = jax.lax.dot_general(qa, qb, dims, preferred_element_type=out_dtype)
+    y = jax.lax.dot_general(
+        qa, qb, dims, preferred_element_type=out_dtype, out_sharding=out_sharding
+    )
     return y * (sa * sb).astype(out_dtype), (qa, sa, qb, sb)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6, 7))
 def scaled_dot(
     a: Any,
     b: Any,
@@ -170,10 +193,13 @@ def scaled_dot(
     out_dtype: np.dtype,
     operand_dtypes: tuple,
     grad_dtype: np.dtype | None = None,
+    out_sharding: Any = None,
 ) -> Any:
-    """``dot_general(a, b)`` on per-tensor scaled float8 operands, output in ``out_dtype``; the
-    backward products accumulate in ``grad_dtype`` (``Policy.reduce_dtype``; None: ``out_dtype``)."""
-    return _scaled_dot_fwd_impl(a, b, dims, formats, out_dtype)[0]
+    """``dot_general(a, b)`` on per-tensor scaled float8 operands, output in ``out_dtype`` laid
+    out as ``out_sharding`` (the original dot's: under an explicit-axes mesh JAX asks for one
+    where a contraction is sharded); the backward products accumulate in ``grad_dtype``
+    (``Policy.reduce_dtype``; None: ``out_dtype``)."""
+    return _scaled_dot_fwd_impl(a, b, dims, formats, out_dtype, out_sharding)[0]
 
 
 def _scaled_dot_fwd(
@@ -184,8 +210,9 @@ def _scaled_dot_fwd(
     out_dtype: np.dtype,
     operand_dtypes: tuple,
     grad_dtype: np.dtype | None = None,
+    out_sharding: Any = None,
 ) -> tuple[Any, tuple]:
-    return _scaled_dot_fwd_impl(a, b, dims, formats, out_dtype)
+    return _scaled_dot_fwd_impl(a, b, dims, formats, out_dtype, out_sharding)
 
 
 def _scaled_dot_bwd(
@@ -194,6 +221,7 @@ def _scaled_dot_bwd(
     out_dtype: np.dtype,
     operand_dtypes: tuple,
     grad_dtype: np.dtype | None,
+    out_sharding: Any,
     res: tuple,
     g: Any,
 ) -> tuple[Any, Any]:
@@ -201,8 +229,10 @@ def _scaled_dot_bwd(
     wide = grad_dtype or out_dtype
     sg = scale_for(g, GRADIENT_FORMAT)
     qg = quantize(g, GRADIENT_FORMAT, sg)
-    da = _transpose_lhs(qg, qa.ndim, qb, dims, wide) * (sg * sb).astype(wide)
-    db = _transpose_rhs(qg, qa, qb.ndim, dims, wide) * (sg * sa).astype(wide)
+    # (where the forward dot named its layout, each cotangent takes its operand's)
+    like_a, like_b = (None, None) if out_sharding is None else (_sharding(qa), _sharding(qb))
+    da = _transpose_lhs(qg, qa.ndim, qb, dims, wide, like=like_a) * (sg * sb).astype(wide)
+    db = _transpose_rhs(qg, qa, qb.ndim, dims, wide, like=like_b) * (sg * sa).astype(wide)
     return da.astype(operand_dtypes[0]), db.astype(operand_dtypes[1])
 
 
@@ -245,7 +275,18 @@ def _float8_dot(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
     if any(step.has_tag(i, "cotangent") for i in range(2)):  # a backward product: no custom_vjp
         out_dtype = reduce_dtype_for(step) or out_dtype
     grad_dtype = reduce_dtype_for(step)
-    return [scaled_dot(a, b, dims, tuple(formats), np.dtype(out_dtype), operand_dtypes, grad_dtype)]
+    return [
+        scaled_dot(
+            a,
+            b,
+            dims,
+            tuple(formats),
+            np.dtype(out_dtype),
+            operand_dtypes,
+            grad_dtype,
+            step.params.get("out_sharding"),
+        )
+    ]
 
 
 def _float8_qdq(step: Step, formats: list, out_dtype: np.dtype) -> list[Any]:
@@ -263,7 +304,7 @@ FLOAT8_FORMS = {"dot_general": _float8_dot, "conv_general_dilated": _float8_qdq}
 def float8_rule(step: Step) -> Sequence[Any] | None:
     """A lower-table op on per-tensor scaled float8 operands; None where it does not qualify
     (no weight operand, an integer operand, ``ragged_dot_general``, fewer FLOPs than
-    ``Policy.min_float8_flops``, an ``out_sharding`` of its own): it then runs in bfloat16.
+    ``Policy.min_float8_flops``): it then runs in bfloat16.
 
     The size test applies to every product on its own: the three GEMMs of a matmul (forward and
     both transposes) have the same FLOPs, so a transposed dot follows its forward dot. A
@@ -276,11 +317,6 @@ def float8_rule(step: Step) -> Sequence[Any] | None:
         return None
     if matmul_flops(step.eqn) < step.policy.min_float8_flops:
         step.scaled_skip = "min_float8_flops"
-        return None
-    if step.params.get("out_sharding") is not None:
-        # The float8 forms re-emit the dot without it: under an explicit-axes mesh JAX then
-        # refuses a sharded contraction, or lays the result out another way, silently.
-        step.scaled_skip = "out_sharding"
         return None
     formats = [
         GRADIENT_FORMAT if step.has_tag(i, "cotangent") else FORWARD_FORMAT for i in range(2)
