@@ -340,9 +340,7 @@ def _flat_like(tree: Any, treedef: Any, what: str, where: str) -> list[Any]:
     try:
         return treedef.flatten_up_to(tree)
     except (ValueError, TypeError) as err:
-        raise ValueError(
-            f"{where}.update: {what} and params differ in structure: {err}"
-        ) from err
+        raise ValueError(f"{where}.update: {what} and params differ in structure: {err}") from err
 
 
 def _check_narrow_unchanged(

@@ -705,8 +705,13 @@ def _check_candidates(candidates: Any) -> tuple[np.dtype, ...]:
 
 
 def _check_tolerance(tolerance: Any) -> float:
-    if isinstance(tolerance, jax.Array) and tolerance.shape == () and (
-        jnp.issubdtype(tolerance.dtype, jnp.floating) or jnp.issubdtype(tolerance.dtype, jnp.integer)
+    if (
+        isinstance(tolerance, jax.Array)
+        and tolerance.shape == ()
+        and (
+            jnp.issubdtype(tolerance.dtype, jnp.floating)
+            or jnp.issubdtype(tolerance.dtype, jnp.integer)
+        )
     ):
         tolerance = tolerance.item()  # (jnp.float32(1e-2) is an array, numpy's a number)
     if isinstance(tolerance, bool) or not isinstance(tolerance, numbers.Real):
