@@ -1452,10 +1452,9 @@ def is_float32_only_refusal(error: BaseException) -> bool:
 def is_traced_static_argument_error(error: BaseException) -> bool:
     """Whether ``error`` is ``jax.jit``'s refusal of a static argument it was given a tracer for
     (a jitted function with ``static_argnums`` traced at abstract inputs; JAX's wording)."""
-    return (
-        isinstance(error, ValueError)
-        and "Non-hashable static arguments" in str(error)
-        and ("Tracer" in str(error))
+    text = str(error)
+    return isinstance(error, ValueError) and all(
+        words in text for words in ("Non-hashable static arguments", "Tracer")
     )
 
 
