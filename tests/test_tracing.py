@@ -674,3 +674,19 @@ def test_a_check_inputs_entry_the_function_cannot_be_traced_at_is_named_by_its_i
                              r"though it traced at the example inputs: .*concrete value") as info:
         tracing.trace(unrolled, (X,), check_inputs=[(jnp.ones((5, 4)),)])
     assert isinstance(info.value.__cause__, tracing.TracingCheckError)
+
+
+def test_a_blob_from_a_newer_jax_is_named_as_such_not_as_damaged():
+    """tests/data/jax0120_polymorphic_double.export: ``x * 2`` exported by jax 0.12.0.1 with
+    ``polymorphic_shapes="b, ..."``; its shape assertions use a StableHLO operation jax 0.10's
+    cannot read. jax 0.10 said the (intact) bytes were "not an intact jax.export serialization"."""
+    import pathlib
+
+    blob = (pathlib.Path(__file__).parent / "data" / "jax0120_polymorphic_double.export").read_bytes()
+    try:
+        loaded = tracing.load(blob)
+    except ValueError as err:  # jax 0.10
+        assert "exported by a newer jax" in str(err) and "not an intact" not in str(err)
+        assert jax.__version__ in str(err)
+    else:  # jax 0.12 (and newer): jax.export loads older exports
+        chex.assert_trees_all_close(loaded(jnp.ones((3, 4))), jnp.full((3, 4), 2.0))

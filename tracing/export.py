@@ -176,6 +176,7 @@ def _deserialize(blob: bytes) -> Any:
     """``jax.export.deserialize`` with the StableHLO parsed now (a damaged module would otherwise
     fail at the first call); ValueError for unregistered nodes, and for bytes that are not an
     intact export, with MLIR's diagnostics in the message instead of on stderr."""
+    exported = None
     with _captured_stderr() as diagnostics:
         try:
             exported = jax.export.deserialize(bytearray(blob))
@@ -188,7 +189,25 @@ def _deserialize(blob: bytes) -> Any:
         except Exception as err:  # flatbuffers' struct errors, XLA's JaxRuntimeError
             failure = err
         text = diagnostics.read()
+    if exported is not None and _NEWER_STABLEHLO.search(f"{failure} {text}"):
+        raise _from_a_newer_jax(failure) from failure
     raise _not_an_export(failure, text) from failure
+
+
+# An intact export whose program uses a versioned StableHLO operation this JAX does not know
+# ('vhlo.custom_call_v2'): one made by a newer JAX (jax.export promises that newer JAX loads older
+# exports, not the reverse). MLIR's wording; damaged bytes fail otherwise.
+_NEWER_STABLEHLO = re.compile(r"unregistered operation 'vhlo\.\w+_v\d+'")
+
+
+def _from_a_newer_jax(err: Exception) -> ValueError:
+    first_line = str(err).splitlines()[0] if str(err) else ""
+    return ValueError(
+        f"these bytes are a jax.export serialization whose program this jax ({jax.__version__}) "
+        "cannot read: it was most likely exported by a newer jax (a newer jax loads older "
+        "exports, not the reverse). Load it with that jax or a newer one, or export it with the "
+        f"oldest jax that must load it. JAX says: {type(err).__name__}: {first_line}"
+    )
 
 
 def _not_an_export(err: Exception, diagnostics: str) -> ValueError:
