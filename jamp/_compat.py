@@ -1525,7 +1525,9 @@ def region_source_info() -> Any:
 
 
 def is_inline_jit(primitive: Any, params: dict[str, Any]) -> bool:
-    """A ``jax.jit(..., inline=True)`` call (jnp's functions), which tracing inlines."""
+    """A ``jax.jit(..., inline=True)`` call (jnp's functions), which tracing inlines. On jax
+    0.12 ``inline`` is an enum whose every member is truthy (a plain ``jax.jit`` is ``AUTO``):
+    every jit answers yes there."""
     return primitive.name in ("jit", "pjit") and bool(params.get("inline"))
 
 

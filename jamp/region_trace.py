@@ -90,7 +90,7 @@ from .interpreter import (
     widest,
 )
 from .policy import Policy, RegionState, ScopeLog, warn_unmatched
-from .region_stack import region_depth
+from .region_stack import cast_inputs_dtype, region_depth
 from .transform import SubJaxprCache
 
 _tls = threading.local()
@@ -580,7 +580,9 @@ class RegionTrace(compat.Trace):
     # -- ordinary primitives ------------------------------------------------------------------
 
     def process_primitive(self, primitive: Any, args: Sequence[Any], params: dict) -> Any:
-        if compat.is_inline_jit(primitive, params):
+        # (on jax 0.12 every jit's ``inline`` is a truthy enum: a user's jits are reused as jnp's
+        # are, keeping their parameters; a ``cast_inputs`` function's is not, its rule casts)
+        if compat.is_inline_jit(primitive, params) and not _casts_inputs(params):
             return self._inline_call(primitive, args, params)
         if compat.converts_to_itself(primitive, args, params):
             # JAX binds a convert of a value to its own type where the value is a concrete
@@ -1412,6 +1414,12 @@ def _any_floating(avals: list) -> bool:
         if is_float(getattr(aval, "dtype", np.int32)):
             return True
     return False
+
+
+def _casts_inputs(params: dict) -> bool:
+    """A ``@jamp.autocast(cast_inputs=...)`` function's jit (named after its dtype), which
+    ``rules/calls.py``'s jit rule casts the inputs of."""
+    return cast_inputs_dtype(params.get("name", "")) is not None
 
 
 def _decision_key(

@@ -261,6 +261,26 @@ class _Layer:
         return (x.T if transpose else x) @ x * self.scale
 
 
+def test_decorator_cast_inputs_applies_inside_a_region_eagerly_and_jitted():
+    """torch's custom_fwd inside ``with jamp.autocast():``: on jax 0.12 the region took the
+    decorated function's jit for one of jnp's and skipped its cast (the opposite dtypes came
+    back); only the transform's path was tested."""
+    @jamp.autocast(enabled=False, cast_inputs=F32)
+    def sensitive(x):
+        return x @ x
+
+    @jamp.autocast(cast_inputs=BF16)
+    def narrow(x):
+        return x + 1
+
+    def f(v):
+        with jamp.autocast():
+            return sensitive(v @ v), narrow(v)
+
+    for form in (f, jax.jit(f), jamp.autocast_transform(lambda v: (sensitive(v @ v), narrow(v)))):
+        assert [o.dtype for o in form(A)] == [F32, BF16], form
+
+
 @pytest.mark.parametrize("call", [
     lambda a: _sensitive(a @ a, True),                     # a Python bool argument
     lambda a: _sensitive(a @ a, squared=False, scale=3),   # keyword bool and int
