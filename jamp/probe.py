@@ -230,7 +230,27 @@ def trace_program(
         call_args, call_kwargs = unmarked(*jax.tree.unflatten(in_tree, full))
         if argnums is None:
             return mixed(*call_args, **call_kwargs)
-        scaled = lambda *a: mixed(*a, **call_kwargs) * scale
+        def scaled(*a: Any) -> Any:
+            loss = mixed(*a, **call_kwargs)
+            if not (hasattr(loss, "shape") and loss.shape == ()):  # (a (loss, aux) pair, say)
+                shown = (
+                    f"{loss.dtype}{list(loss.shape)} array"
+                    if hasattr(loss, "shape")
+                    else type(loss).__name__
+                    + (f" of {len(loss)}" if isinstance(loss, (tuple, list)) else "")
+                )
+                name = getattr(fn, "__name__", "fn")
+                hint = (
+                    f". For a (loss, aux) pair pass lambda *args: {name}(*args)[0]"
+                    if isinstance(loss, (tuple, list))
+                    else ""
+                )
+                raise TypeError(
+                    f"{caller}: grad={grad!r} differentiates {name}'s output, which must be a "
+                    f"scalar loss; it returned a {shown}{hint}"
+                )
+            return loss * scale
+
         # (integer leaves, an NNX module's RNG counters, get float0 gradients, as under tune)
         return jax.value_and_grad(scaled, argnums, allow_int=True)(*call_args)
 

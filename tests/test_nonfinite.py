@@ -374,3 +374,21 @@ if given is not None:
         if found is not None:
             assert found.primitive in ("convert_element_type", "dot_general")
             assert found.remedy is not None
+
+
+def test_grad_of_a_loss_aux_pair_or_a_non_scalar_says_what_to_pass():
+    """A (loss, aux) pair met ``loss * scale`` inside the probe: "unsupported operand type(s)
+    for *: 'tuple' and 'DynamicJaxprTracer'"."""
+    def loss_with_aux(w):
+        return jnp.sum(w @ w), {"acc": 1.0}
+
+    w = jnp.ones((4, 4))
+    for tool in (jamp.find_nonfinite, jamp.value_ranges):
+        with pytest.raises(TypeError, match=r"grad=True differentiates loss_with_aux's output, "
+                                            r"which must be a scalar loss; it returned a tuple "
+                                            r"of 2.*lambda \*args: loss_with_aux\(\*args\)\[0\]"):
+            tool(loss_with_aux, w, grad=True)
+        with pytest.raises(TypeError, match=r"returned a bfloat16\[4, 4\] array") as info:
+            tool(lambda w: w @ w, w, grad=True)
+        assert "(loss, aux)" not in str(info.value)
+    assert jamp.find_nonfinite(lambda w: loss_with_aux(w)[0], w, grad=True) is None  # as said
