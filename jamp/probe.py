@@ -230,6 +230,7 @@ def trace_program(
         call_args, call_kwargs = unmarked(*jax.tree.unflatten(in_tree, full))
         if argnums is None:
             return mixed(*call_args, **call_kwargs)
+
         def scaled(*a: Any) -> Any:
             loss = mixed(*a, **call_kwargs)
             if not (hasattr(loss, "shape") and loss.shape == ()):  # (a (loss, aux) pair, say)
