@@ -48,6 +48,24 @@ def test_values_made_from_scalars_are_not_stored():
     chex.assert_trees_all_close(run(folded, x)[0], f(2.0, x))
 
 
+def test_a_mask_or_identity_made_of_iotas_is_re_emitted_and_a_product_of_them_folded():
+    """``jnp.eye`` compares two iotas and ``jnp.tril``'s mask compares them too: made from scalars
+    alone, they were stored as T x T constants (4 MB of float32 at T = 1024 from a 4-byte
+    variable). A matmul of two such values is no cheap equation: it is folded, as before."""
+    t = 256
+
+    def f(s, x):
+        causal = jnp.where(jnp.tril(jnp.ones((t, t), bool)), x * s, -1e9)
+        return causal + jnp.eye(t) * s, jnp.eye(t) @ jnp.eye(t)
+
+    s, x = jnp.asarray(2.0), jnp.ones((t, t))
+    folded = fold_constants(jax.make_jaxpr(f)(s, x), [s])
+    _, consts = compat.open_and_consts(folded)
+    stored = [np.shape(c) for c in consts if np.size(c) > 1]
+    assert stored == [(t, t)], stored  # the matmul's result only
+    chex.assert_trees_all_close(tuple(run(folded, x)), f(s, x))
+
+
 def test_fold_batchnorm_general_affine_chains():
     """c - y, division and negation fold too; the conv's NCHW feature axis is found."""
     k = jax.random.split(jax.random.key(0), 3)

@@ -14,9 +14,10 @@ A custom-derivative call (``custom_jvp``/``custom_vjp``) that reads a known valu
 primal body inline, so the known part folds (the frozen program's derivative through it is then
 JAX's own, not the custom rule). Three details keep the folded program faithful and lean:
 - a folded value gets exactly the dtype and weak type the original program gave that value;
-- values built from scalars alone (``broadcast_in_dim`` of a literal, ``iota``) are known for
-  folding but re-emitted as the cheap equation when the program reads them, not stored as a
-  large constant (XLA builds them inside fusions for free);
+- values built from scalars alone (``broadcast_in_dim`` of a literal, ``iota``, and cheap
+  elementwise and shape equations of those: ``jnp.eye``, a causal mask) are known for folding
+  but re-emitted as the cheap equations when the program reads them, not stored as a large
+  constant (XLA builds them inside fusions for free);
 - a known 8-bit value (int8, float8: quantized weights) widened to a float stays narrow: the
   convert runs in the program instead of storing the widened copy.
 
@@ -111,18 +112,41 @@ class Folder:
         return self._impure[key]
 
     def stage(self, value: Any) -> Any:
-        """A known value as the program reads it: re-emit a generator, else a constant."""
+        """A known value as the program reads it: re-emit a generator (and the generators it is
+        made of), else a constant."""
         if not is_known(value) or id(value) not in self._generators:
             return value
         if id(value) not in self._staged:
             eqn, inputs = self._generators[id(value)]
-            self._staged[id(value)] = bind(eqn, inputs)[0]
+            self._staged[id(value)] = bind(eqn, [self.stage(v) for v in inputs])[0]
         return self._staged[id(value)]
 
     def note_generator(self, eqn: Any, values: list, outs: list) -> None:
-        if len(outs) == 1 and all(_size(v) <= 1 for v in values) and _size(outs[0]) > 1:
+        """A large output made from scalars alone, directly (``iota``, a broadcast literal) or
+        through cheap elementwise and shape equations of such values (``jnp.eye``'s compare of
+        two iotas, ``jnp.tril``'s mask): re-emitted, not stored. A costlier equation (a matmul,
+        a reduction) of them is folded into a constant, as any other."""
+        if len(outs) != 1 or _size(outs[0]) <= 1:
+            return
+        made_of_scalars = all(_size(v) <= 1 for v in values)
+        if made_of_scalars or (
+            eqn.primitive.name in CHEAP_FROM_GENERATORS
+            and all(_size(v) <= 1 or id(v) in self._generators for v in values)
+        ):
             self._generators[id(outs[0])] = (eqn, values)
             self._alive.append(outs[0])
+
+
+# Equations whose cost is their output's size: of generators, they are re-emitted as generators.
+CHEAP_FROM_GENERATORS = frozenset(
+    {
+        "iota", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev",
+        "slice", "pad", "concatenate", "convert_element_type", "select_n", "clamp",
+        "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+        "add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min",
+        "floor", "ceil", "round", "integer_pow", "square", "copy", "copy_p",
+    }
+)  # fmt: skip
 
 
 def _size(value: Any) -> int:
