@@ -690,3 +690,13 @@ def test_a_blob_from_a_newer_jax_is_named_as_such_not_as_damaged():
         assert jax.__version__ in str(err)
     else:  # jax 0.12 (and newer): jax.export loads older exports
         chex.assert_trees_all_close(loaded(jnp.ones((3, 4))), jnp.full((3, 4), 2.0))
+
+
+def test_a_mismatch_against_zeros_reports_no_relative_error_and_a_real_one_elsewhere():
+    """Relative to a Python value of 0 an error is no number: the message said 2.15e+304."""
+    from tracing.tolerance import mismatch
+
+    against_zeros = mismatch(np.array([1e-3, 0.0]), np.array([0.0, 0.0]), 1e-5, 1e-5)
+    assert "largest relative error: none (the Python values are 0)" in against_zeros
+    mixed = mismatch(np.array([1.5, 1e-3]), np.array([1.0, 0.0]), 1e-5, 1e-5)
+    assert "largest relative error: 0.5 " in mixed and "e+30" not in mixed

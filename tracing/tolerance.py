@@ -209,9 +209,12 @@ def mismatch(
     if np.allclose(a64, b64, rtol=tol, atol=atol, equal_nan=True):
         return ""
     abs_err = np.abs(a64 - b64)
-    rel_err = abs_err / np.maximum(np.abs(b64), np.finfo(np.float64).tiny)
+    # (relative to a nonzero Python value only: against 0 it is no number, 2e304 said before)
+    nonzero = np.abs(b64) > 0
+    rel_err = abs_err[nonzero] / np.abs(b64[nonzero])
+    relative = f"{np.nanmax(rel_err):.6g}" if rel_err.size else "none (the Python values are 0)"
     return (
         f"Largest absolute error: {np.nanmax(abs_err):.6g}, largest relative error: "
-        f"{np.nanmax(rel_err):.6g} (tolerance: relative {tol:g}, absolute {atol:g}, from "
-        f"the output's magnitude {magnitude:g})"
+        f"{relative} (tolerance: relative {tol:g}, absolute {atol:g}, from the output's "
+        f"magnitude {magnitude:g})"
     )
