@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .loss_scale import all_finite
 
@@ -61,7 +62,10 @@ def accumulate_micro_batches(tx: Any, every_k: int) -> Any:
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
     """
-    if isinstance(every_k, bool) or not isinstance(every_k, int) or every_k < 1:
+    if isinstance(every_k, (bool, np.bool_)) or not isinstance(every_k, (int, np.integer)):
+        raise ValueError(f"accumulate_micro_batches: every_k must be an int >= 1, got {every_k!r}")
+    every_k = int(every_k)  # (a numpy integer too: np.int64(2) from a config array)
+    if every_k < 1:
         raise ValueError(f"accumulate_micro_batches: every_k must be an int >= 1, got {every_k!r}")
     if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
         raise TypeError(

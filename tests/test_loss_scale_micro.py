@@ -108,6 +108,13 @@ def test_accumulate_micro_batches_checks_its_arguments():
         jamp.accumulate_micro_batches(optax.sgd(0.1), 0)
     with pytest.raises(TypeError, match="expects an optax.GradientTransformation"):
         jamp.accumulate_micro_batches(lambda g: g, 2)
+    with pytest.raises(ValueError, match="every_k must be an int >= 1, got True"):
+        jamp.accumulate_micro_batches(optax.sgd(0.1), True)
+    tx = jamp.accumulate_micro_batches(optax.sgd(1.0), np.int64(2))  # a numpy integer (was refused)
+    state = tx.init({"w": jnp.zeros(2)})
+    for _ in range(2):
+        updates, state = tx.update({"w": jnp.ones(2)}, state)
+    np.testing.assert_allclose(updates["w"], -1.0)  # the mean of two micro-batches, applied
 
 
 def test_per_micro_batch_scale_changes_only_at_the_step_boundary():
