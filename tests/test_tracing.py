@@ -700,3 +700,13 @@ def test_a_mismatch_against_zeros_reports_no_relative_error_and_a_real_one_elsew
     assert "largest relative error: none (the Python values are 0)" in against_zeros
     mixed = mismatch(np.array([1.5, 1e-3]), np.array([1.0, 0.0]), 1e-5, 1e-5)
     assert "largest relative error: 0.5 " in mixed and "e+30" not in mixed
+
+
+def test_a_numpy_float64_input_is_compared_in_the_dtype_jax_traced_it_in():
+    """Run op by op, ``a + 1`` of a NumPy float64 input stays float64; traced, JAX made the input
+    float32. The output check warned "traced float32[3] against Python float64[3]"."""
+    _, warned = recorded_tracer_warnings(lambda: tracing.trace(lambda a: a + 1, (np.ones(3),)))
+    assert warned == [], warned
+    _, wrong = recorded_tracer_warnings(lambda: tracing.check_trace(
+        lambda a: a + 1 if isinstance(a, np.ndarray) else a + 2, (np.ones(3),)))
+    assert len(wrong) == 1 and "does not match" in wrong[0], wrong  # values still compared

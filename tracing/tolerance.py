@@ -196,6 +196,9 @@ def mismatch(
     if isinstance(python, (bool, int, float, complex)):
         python = jnp.asarray(python)  # a Python number becomes a canonical-dtype array
     a, b = plain_array(traced), plain_array(python)
+    if a.dtype != b.dtype and jax.dtypes.canonicalize_dtype(b.dtype) == a.dtype:
+        # (a NumPy float64 input stays float64 run op by op; traced, JAX made it float32)
+        b = b.astype(a.dtype)
     if a.shape != b.shape or a.dtype != b.dtype:
         return f"traced {a.dtype}{list(a.shape)} against Python {b.dtype}{list(b.shape)}"
     if not is_floating(a.dtype):
