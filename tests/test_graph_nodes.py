@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jamp
+from tests.unchanged import assert_unchanged, snapshot
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -16,36 +17,25 @@ def _name(policy):
     return f"{policy.compute_dtype.name}{'-cast_inputs' if policy.cast_inputs else ''}"
 
 
-def _snapshot(tree):
-    return [(np.dtype(x.dtype), np.asarray(x)) for x in jax.tree.leaves(tree)]
-
-
-def _assert_unchanged(before, tree):
-    after = _snapshot(tree)
-    assert [d for d, _ in after] == [d for d, _ in before]
-    for (_, old), (_, new) in zip(before, after):
-        np.testing.assert_array_equal(new, old)
-
-
 @pytest.mark.parametrize("policy", CAST_INPUTS, ids=_name)
 def test_cast_inputs_leaves_the_callers_module_alone(policy):
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
-    before = _snapshot(nnx.state(model))
+    before = snapshot(nnx.state(model))
     out = jamp.autocast_transform(lambda m, x: m(x), policy)(model, jnp.ones((2, 8)))
     assert out.dtype == policy.compute_dtype
     assert model.kernel.get_value().dtype == F32
-    _assert_unchanged(before, nnx.state(model))
+    assert_unchanged(before, nnx.state(model))
 
 
 @pytest.mark.parametrize("policy", CAST_INPUTS, ids=_name)
 def test_cast_inputs_leaves_a_split_state_alone(policy):
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    before = _snapshot(state)
+    before = snapshot(state)
     fwd = jamp.autocast_transform(lambda s, x: nnx.merge(graphdef, s)(x), policy)
     fwd(state, jnp.ones((2, 8)))
-    _assert_unchanged(before, state)
-    _assert_unchanged(before, nnx.state(model))
+    assert_unchanged(before, state)
+    assert_unchanged(before, nnx.state(model))
 
 
 class _Net(nnx.Module):
@@ -60,14 +50,14 @@ class _Net(nnx.Module):
 @pytest.mark.parametrize("policy", [jamp.Policy(), *CAST_INPUTS], ids=_name)
 def test_updated_batch_stats_come_back_in_their_dtype_and_params_stay(policy):
     model = _Net(nnx.Rngs(0))
-    params_before = _snapshot(nnx.state(model, nnx.Param))
+    params_before = snapshot(nnx.state(model, nnx.Param))
     mean_before = np.asarray(model.bn.mean.get_value())
     x = jax.random.normal(jax.random.key(1), (16, 4)) + 3.0
     jamp.autocast_transform(lambda m, x: m(x), policy)(model, x)
     assert model.bn.mean.get_value().dtype == F32
     assert model.bn.var.get_value().dtype == F32
     assert not np.allclose(model.bn.mean.get_value(), mean_before)  # the update came back
-    _assert_unchanged(params_before, nnx.state(model, nnx.Param))
+    assert_unchanged(params_before, nnx.state(model, nnx.Param))
 
 
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 import jamp
 from tests.hypothesis_profiles import examples
+from tests.unchanged import assert_unchanged, snapshot
 
 nnx = pytest.importorskip("flax.nnx")
 
@@ -25,25 +26,6 @@ POLICIES = {
     "accumulate_f32": jamp.Policy(accumulate_dtype=jnp.float32, cast_inputs=True),
 }
 DTYPES = [np.float32, jnp.bfloat16, np.float16, np.int32, np.bool_]
-
-
-def _record(x):
-    """(type, dtype, a copy of the value); PRNG keys (NNX's Rngs) by their key data."""
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-        return type(x), str(x.dtype), np.array(jax.random.key_data(x), copy=True)
-    return type(x), str(x.dtype), np.array(x, copy=True)
-
-
-def _snapshot(tree):
-    return [_record(x) for x in jax.tree.leaves(tree)]
-
-
-def _assert_unchanged(before, tree):
-    after = _snapshot(tree)
-    assert len(after) == len(before)
-    for (kind, dtype, value), (kind_now, dtype_now, value_now) in zip(before, after):
-        assert (kind_now, dtype_now) == (kind, dtype)
-        np.testing.assert_array_equal(value_now, value)
 
 
 def _program(tree):
@@ -75,14 +57,14 @@ def _trees(draw):
 @given(tree=_trees(), policy=st.sampled_from(sorted(POLICIES)), jit=st.booleans())
 def test_input_pytrees_keep_their_dtypes_and_values(tree, policy, jit):
     fn = jamp.autocast_transform(_program, POLICIES[policy])
-    before = _snapshot(tree)
+    before = snapshot(tree)
     (jax.jit(fn) if jit else fn)(tree)
-    _assert_unchanged(before, tree)
+    assert_unchanged(before, tree)
     floats = {k: v for k, v in tree.items() if jnp.issubdtype(v.dtype, jnp.floating)}
     if floats:  # and through differentiation
         loss = lambda t: sum(jnp.sum(o[1]).astype(jnp.float32) for o in fn(t).values())
         jax.grad(loss)(floats)
-        _assert_unchanged(before, tree)
+        assert_unchanged(before, tree)
 
 
 class _Net(nnx.Module):
@@ -114,14 +96,14 @@ def _nnx_call(model, policy, how):
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_nnx_modules_keep_their_parameters(policy, how):
     model = _Net(nnx.Rngs(0))
-    params = _snapshot(nnx.state(model, nnx.Param))
+    params = snapshot(nnx.state(model, nnx.Param))
     stats = nnx.state(model, nnx.BatchStat)
     stat_dtypes = [str(x.dtype) for x in jax.tree.leaves(stats)]
     _nnx_call(model, policy, how)
-    _assert_unchanged(params, nnx.state(model, nnx.Param))
+    assert_unchanged(params, nnx.state(model, nnx.Param))
     # Statistics are legitimately updated in training mode, in their own dtype.
     assert [str(x.dtype) for x in jax.tree.leaves(nnx.state(model, nnx.BatchStat))] == stat_dtypes
     model.eval()  # in evaluation mode nothing at all changes
-    everything = _snapshot(nnx.state(model))
+    everything = snapshot(nnx.state(model))
     _nnx_call(model, policy, how)
-    _assert_unchanged(everything, nnx.state(model))
+    assert_unchanged(everything, nnx.state(model))
