@@ -39,6 +39,7 @@ from .call_args import (
     unmarked,
 )
 from .interpreter import Rewriter, is_float, walk_rules
+from .loss_scale import _diff_state_type
 from .policy import Policy, RegionState
 
 # XLA may otherwise keep a chain of 16-bit ops in float32 inside a fusion (CPUs do): the check
@@ -174,7 +175,7 @@ def normalize_argnums(grad: Any) -> tuple[int, ...] | None:
     hint = (
         " (an NNX module passed as it is differentiates its floating state; its RNG counters "
         "get no gradient: grad=True or its index)"
-        if type(grad).__name__ == "DiffState"
+        if isinstance(grad, _diff_state_type())
         else ""
     )
     raise TypeError(
