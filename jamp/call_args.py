@@ -347,7 +347,57 @@ def split_leaves(
         hash(static_key(static))
     except TypeError:
         _raise_unhashable(flat, in_tree, static, signature)
+    for i, leaf in static:
+        held = array_attributes(leaf)
+        if held:
+            _raise_holds_arrays(flat, in_tree, i, leaf, held, signature)
     return traced, tuple(static)
+
+
+def array_attributes(leaf: Any) -> list[str]:
+    """The attributes of an object hashed by identity that hold arrays or traced values.
+
+    Such an object is a static leaf (not a pytree), so its arrays would become constants of the
+    traced program and the cache would answer by the object's identity: a later change to them
+    (``model.w = new_w``) would silently return the old program's result, and a traced value
+    would leak. ``jax.jit`` refuses such an argument; a static argument marked as such
+    (``static_argnums``) or an object with its own ``__hash__`` is the caller's choice and is
+    left alone. Only the object's own attributes are read (one level: cheap on every call)."""
+    if type(leaf).__hash__ is not object.__hash__:
+        return []
+    attributes = getattr(leaf, "__dict__", None)
+    if not attributes or not isinstance(attributes, dict):
+        return []
+    return [
+        name
+        for name, value in attributes.items()
+        if isinstance(value, jax.Array)
+        or compat.is_tracer(value)
+        or (isinstance(value, np.ndarray) and value.dtype.kind in "biufc")
+    ]
+
+
+def _raise_holds_arrays(
+    flat: Sequence[Any],
+    in_tree: Any,
+    i: int,
+    leaf: Any,
+    held: list[str],
+    signature: CallSignature | None,
+) -> None:
+    name = _leaf_name(flat, in_tree, i, signature)
+    where = signature.where if signature is not None else "autocast_transform"
+    kind = type(leaf).__name__
+    attributes = ", ".join(f".{a}" for a in held)
+    raise TypeError(
+        f"{where}: argument {name} is a {kind} holding arrays ({attributes}) but it is not a "
+        f"pytree, so it would be a static value: its arrays baked into the program as "
+        f"constants and a later change to them not seen (the cache answers by the object's "
+        f"identity). Register {kind} as a pytree (jax.tree_util.register_dataclass, "
+        f"register_pytree_node_class, flax.struct.dataclass) or pass its arrays as arguments; "
+        f"to keep them constant on purpose, bind it with functools.partial or mark it static "
+        f"(static_argnums)"
+    )
 
 
 def static_key(static: Sequence[tuple[int, Any]]) -> tuple[Any, ...]:

@@ -27,6 +27,7 @@ from . import _compat as compat
 from . import graph_nodes
 from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
 from .call_args import (
+    array_attributes,
     CallSignature,
     check_traceable,
     function_name,
@@ -359,6 +360,31 @@ def _is_array_output(leaf: Any) -> bool:
     ) or compat.is_token(leaf)
 
 
+def _refuse_traced_attributes(out_leaves: list[Any], out_tree: Any, source: Callable) -> None:
+    """An output that passes through (not an array, not a pytree) must not carry a value of the
+    trace: it would come back holding a tracer. ``jax.jit`` refuses such an output too."""
+    for i, leaf in enumerate(out_leaves):
+        if _is_array_output(leaf):
+            continue
+        traced = [
+            name
+            for name in array_attributes(leaf)
+            if compat.is_tracer(getattr(leaf, name))  # (concrete arrays came from outside)
+        ]
+        if traced:
+            path = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(out_tree, out_leaves))
+            where = "output" + jax.tree_util.keystr(path[0][i][0])
+            attributes = ", ".join(f".{a}" for a in traced)
+            kind = type(leaf).__name__
+            raise TypeError(
+                f"autocast_transform({function_name(source)}): its {where} is a {kind} holding "
+                f"values computed from the arguments ({attributes}) but it is not a pytree, so "
+                f"it would come back holding tracers. Register {kind} as a pytree "
+                "(jax.tree_util.register_dataclass, register_pytree_node_class, "
+                "flax.struct.dataclass) or return its arrays"
+            )
+
+
 def trace_call(
     fn: Callable,
     policy: Policy,
@@ -412,6 +438,7 @@ def trace_call(
                 leaves[i] = leaf
             call_args, call_kwargs = jax.tree.unflatten(in_tree, leaves)
             out_leaves, outs_store["tree"] = jax.tree.flatten(fn(*call_args, **call_kwargs))
+            _refuse_traced_attributes(out_leaves, outs_store["tree"], source)
             outs_store["arrays_at"] = tuple(
                 i for i, x in enumerate(out_leaves) if _is_array_output(x)
             )

@@ -235,3 +235,62 @@ def test_python_numbers_inside_pytree_arguments_are_static():
     with pytest.raises(RuntimeError, match="traced rate"):  # a new value traces again
         f(_Dropout(W, 0.1), X, 0.5)
     assert len(traces) == before + 1 and traces[-1][0] == 0.1
+
+
+class _Weights:  # a plain object (not a pytree), hashed by identity
+    def __init__(self, w):
+        self.w, self.name = w, "layer"
+
+
+def test_an_object_holding_arrays_is_refused_not_baked_in_by_identity():
+    # As a static leaf its arrays became constants, and the cache answered by the object's
+    # identity: `model.w = new_w` silently returned the old result. jax.jit refuses it.
+    f = jamp.autocast_transform(lambda model, x: x @ model.w)
+    model = _Weights(W)
+    for weights in (W, np.asarray(W)):
+        model.w = weights
+        with pytest.raises(TypeError, match=r"<lambda>\): argument model is a _Weights holding "
+                                            r"arrays \(\.w\) but it is not a pytree.*"
+                                            r"register_dataclass"):
+            f(model, X)
+    with pytest.raises(TypeError, match=r"argument batch\['layers'\]\[1\] is a _Weights"):
+        jamp.autocast_transform(lambda batch: batch["x"])({"x": X, "layers": [0, model]})
+    # Marked static, or hashed by value, it is the caller's choice (jax.jit's static meaning).
+    assert jamp.autocast_transform(lambda m, x: x @ m.w, static_argnums=0)(model, X).dtype == BF16
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        table: np.ndarray
+
+        def __hash__(self):
+            return 0
+
+    assert jamp.autocast_transform(lambda c, x: x * c.table[0])(Config(np.ones(4)), X).shape == X.shape
+    # Registered as a pytree, its arrays are traced and a new value is seen.
+    registered = _RegisteredWeights(W)
+    first = f(registered, X)
+    registered.w = W * 2
+    np.testing.assert_allclose(f(registered, X).astype(F32), 2 * first.astype(F32))
+
+
+@jax.tree_util.register_pytree_node_class
+class _RegisteredWeights(_Weights):
+    def tree_flatten(self):
+        return (self.w,), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+
+def test_an_output_object_holding_traced_values_is_refused():
+    def make(x):
+        return x, {"box": _Weights(x * 2)}
+
+    with pytest.raises(TypeError, match=r"autocast_transform\(.*make\): its output\[1\]\['box'\] "
+                                        r"is a _Weights holding values computed from the "
+                                        r"arguments \(\.w\)"):
+        jamp.autocast_transform(make)(X)
+    # An object holding arrays that came from outside passes through, as it came.
+    outside = _Weights(W)
+    assert jamp.autocast_transform(lambda x: (x, outside))(X)[1] is outside
