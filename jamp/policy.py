@@ -486,7 +486,8 @@ class Policy:
         bfloat16 policy would use it (see ``jamp.fp8``).
       accumulate_dtype: if set (e.g. ``jnp.float32``), lower-table ops return this dtype instead of
         the compute dtype. Costs memory and makes backward matmuls mix dtypes; use for logits only.
-      output_dtype: if set, floating (non-float64) outputs of the function are cast to it.
+      output_dtype: if set, floating (non-float64) outputs of the function are cast to it
+        (float64 only with ``jax_enable_x64``, as any JAX array: float32 without, warned).
       cast_inputs: cast floating (non-float64) inputs to the compute dtype on entry.
       lower, fp32, promote: sets of primitive names (``LOWER``, ``FP32``, ``PROMOTE`` in
         ``jamp.policy`` by default; see the README for the full tables). Every name must be a

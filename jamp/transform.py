@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from typing import Any
@@ -124,8 +125,24 @@ def rewrite_and_eval(
     )
     outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
     if policy.output_dtype is not None:
-        outs = [compat.convert(x, policy.output_dtype) if _is_castable(x) else x for x in outs]
+        output_dtype = _available(policy.output_dtype)
+        outs = [compat.convert(x, output_dtype) if _is_castable(x) else x for x in outs]
     return outs
+
+
+def _available(dtype: np.dtype) -> np.dtype:
+    """``dtype`` as JAX has it now: float64 is float32 without ``jax_enable_x64``, with the
+    warning ``x.astype(jnp.float64)`` gives (a float64 program would follow none of JAX's own)."""
+    canonical = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    if canonical != dtype:
+        warnings.warn(
+            f"Policy.output_dtype={dtype.name} is not available without jax_enable_x64, and "
+            f"outputs are cast to {canonical.name} instead (as x.astype(jnp.{dtype.name}) "
+            "does); enable x64 (jax.config.update('jax_enable_x64', True)) for float64 outputs",
+            UserWarning,
+            stacklevel=2,
+        )
+    return canonical
 
 
 def _is_castable(value: Any) -> bool:

@@ -124,6 +124,17 @@ def test_output_dtype_and_cast_inputs():
     assert grads.dtype == F32
 
 
+def test_float64_output_dtype_follows_jax_x64_setting():
+    # Without x64 JAX has no float64 arrays (x.astype(jnp.float64) is float32, with a warning);
+    # the policy made float64 outputs nonetheless.
+    f = jamp.autocast_transform(lambda a: a @ a, jamp.Policy(output_dtype=jnp.float64))
+    with pytest.warns(UserWarning, match=r"output_dtype=float64 is not available without "
+                                         r"jax_enable_x64.*cast to float32"):
+        assert f(jnp.ones((2, 2))).dtype == F32
+    with jax.enable_x64(True):
+        assert f(jnp.ones((2, 2), F32)).dtype == jnp.float64
+
+
 def test_dtype_argument_overrides_policy():
     f = jamp.autocast_transform(lambda a: a @ a, jamp.Policy(output_dtype=None), dtype=F16)
     assert f(jnp.ones((2, 2))).dtype == F16
