@@ -415,6 +415,8 @@ _DTYPE_NAMES = {
     "f64": jnp.float64,
     "float64": jnp.float64,
 }
+# Beyond jmp: float8 (a compute dtype only; Policy refuses it elsewhere, naming the field).
+_DTYPE_NAMES.update(dict.fromkeys(("float8_e4m3fn", "float8", "fp8", "f8", "e4m3"), FLOAT8_COMPUTE))
 _BOOL_NAMES = {
     "true": True,
     "1": True,
@@ -440,7 +442,7 @@ def _parse_dtype(key: str, value: str) -> np.dtype:
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(
             f"Policy.from_string: {key}={value!r} is not a dtype{hint}; use one of "
-            "bf16, bfloat16, f16, float16, half, f32, float32, full"
+            "bf16, bfloat16, f16, float16, half, f32, float32, full (compute: also float8_e4m3fn)"
         )
     return np.dtype(_DTYPE_NAMES[value])
 
@@ -611,6 +613,12 @@ class Policy:
             )
         if "=" not in text and "," not in text:  # jmp's bare dtype form
             dtype = _parse_dtype("dtype", text)
+            if is_float8(dtype):
+                raise ValueError(
+                    f"Policy.from_string({spec!r}): a bare dtype sets the compute and output "
+                    "dtypes, and float8 is only a compute dtype; write "
+                    "'compute=float8_e4m3fn'"
+                )
             return cls(dtype, output_dtype=dtype)
         changes: dict[str, Any] = {}
         seen: dict[str, str] = {}

@@ -231,6 +231,8 @@ def test_help_does_not_dump_the_tables():
     ("compute=bf16,accumulate=f32,cast_inputs=true",
      jamp.Policy(accumulate_dtype=jnp.float32, cast_inputs=True)),
     ("cast_inputs=False", jamp.Policy()),
+    ("c=float8,o=f32", jamp.Policy(jnp.float8_e4m3fn, output_dtype=jnp.float32)),
+    ("compute=float8_e4m3fn", jamp.Policy(jnp.float8_e4m3fn)),
 ])
 def test_from_string_accepts_jmp_spellings(spec, expected):
     assert jamp.Policy.from_string(spec) == expected
@@ -247,6 +249,10 @@ def test_from_string_accepts_jmp_spellings(spec, expected):
     ("compute_float16", ValueError, "'compute_float16' is not a dtype"),  # jmp's own test case
     ("compute=bf16,", ValueError, "'' in 'compute=bf16,' is not key=value"),
     ("", ValueError, "empty policy string"),
+    # float8 is a compute dtype only (it was "not a dtype (did you mean 'float64'?)")
+    ("fp8", ValueError, "float8 is only a compute dtype; write 'compute=float8_e4m3fn'"),
+    ("c=bf16,o=f8", ValueError, "Policy.output_dtype cannot be float8_e4m3fn"),
+    ("c=float8_e5m2", ValueError, "(did you mean 'float8_e4m3fn'?)"),
 ])
 def test_from_string_rejects_bad_keys_and_values_by_name(spec, error, culprit):
     with pytest.raises(error) as info:
