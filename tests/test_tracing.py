@@ -105,6 +105,11 @@ def test_export_round_trip_keeps_pytrees_and_checks_inputs():
         loaded({"x": X}, Pair(X, jnp.ones(4, jnp.int32)))
     with pytest.raises(TypeError, match="inputs differ in structure"):
         loaded({"y": X}, Pair(X, jnp.ones(3, jnp.int32)))
+    # Inputs by keyword were "Program.__call__() got an unexpected keyword argument 'pair'".
+    for program, name in ((tracing.trace(fn, args), r"\S*fn"), (loaded, r"tracing.load\(\S*fn\)")):
+        with pytest.raises(TypeError, match=rf"^{name}: got keyword argument\(s\) pair= but the "
+                                            "program takes its inputs by position"):
+            program({"x": X}, pair=args[1])
 
 
 # fast twin: test_export_dict_keys.py::

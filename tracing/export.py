@@ -24,7 +24,7 @@ from jamp import _compat as compat
 
 from . import serialization
 from .shapes import is_symbolic, shape_text
-from .signature import Signature
+from .signature import Signature, refuse_keywords
 
 _WHERE = " where "  # jax.export does not store constraints: the function's name says them
 _AND = "; "  # between constraints: cannot be part of one (``max(a, b) >= 2`` holds ", ")
@@ -101,7 +101,8 @@ class LoadedFunction:
         self._constraints = constraints.split(_AND) if where and self._symbolic else []
         self.__name__ = f"tracing.load({exported.fun_name})"
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **keywords: Any) -> Any:
+        refuse_keywords(self.__name__, keywords)
         # Clear errors before jax.export's own: structure, dtypes, fixed and single-symbol
         # sizes, constraints on them.
         leaves = self.signature.flatten(inputs, self.__name__, _FIXED_SHAPES, self._constraints)

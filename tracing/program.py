@@ -21,7 +21,7 @@ from jamp import _compat as compat
 
 from .export import export_program
 from .shapes import shape_text, symbolic_specs
-from .signature import Signature
+from .signature import Signature, refuse_keywords
 
 _SYMBOLIC_HINT = (
     "Hint: a symbolic dimension has no value while the program is made: a Python `if`, "
@@ -93,7 +93,8 @@ class Program:
         """The program on the flattened inputs (what is compiled and exported)."""
         return _evaluator(self._closed)(*leaves)
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **keywords: Any) -> Any:
+        refuse_keywords(self.__name__, keywords)
         leaves = self.signature.flatten(inputs, self.__name__, self.reshape_remedy)
         outputs = jax.tree.unflatten(self.out_tree, self._compiled(*leaves))
         return (

@@ -34,6 +34,18 @@ def leaf_aval(leaf: Any, where: str) -> Any:
     )
 
 
+def refuse_keywords(name: str, keywords: dict[str, Any]) -> None:
+    """A traced, frozen or loaded program takes its inputs by position, as they were traced (its
+    function's keyword arguments were fixed then): name the keywords a call passed."""
+    if keywords:
+        given = ", ".join(f"{k}=" for k in keywords)
+        raise TypeError(
+            f"{name}: got keyword argument(s) {given} but the program takes its inputs by "
+            "position, as it was traced (inputs=(...)); pass them positionally in that order, "
+            "or fix a keyword with functools.partial before tracing"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Signature:
     """The input tree of a program, with each leaf's path and aval."""
