@@ -598,6 +598,10 @@ W = jnp.ones((4, 2))
     ([[X, W]], r"check_inputs\[0\] has 1 positional argument\(s\) \(a list, which stands for "
                r"one argument\)"),
     ([(X, "w")], r"check_inputs\[0\]: inputs\[1\] is a str"),
+    # another dtype or rank was reported as "Graphs differed" (the program takes neither)
+    ([(X, W.astype(jnp.bfloat16))], r"check_inputs\[0\]: inputs\[1\] is bfloat16\[4,2\] "
+                                    r"where example_inputs have float32\[4,2\]"),
+    ([(X[None], W)], r"check_inputs\[0\]: inputs\[0\] is float32\[1,3,4\] where"),
 ])
 def test_check_inputs_entries_are_validated_with_their_index(check_inputs, message):
     with pytest.raises(TypeError, match=message):

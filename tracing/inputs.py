@@ -146,8 +146,26 @@ def validate_check_inputs(
                 f"{example.structure_mismatch(with_paths, tree)}"
             )
         try:
-            Signature.of(inputs)
+            signature = Signature.of(inputs)
         except TypeError as err:
             raise TypeError(f"{label}: {err}") from None
+        _check_types(label, example, signature)
         entries.append(inputs)
     return entries
+
+
+def _check_types(label: str, example: Signature, entry: Signature) -> None:
+    """Each leaf of a ``check_inputs`` entry has its example's dtype and rank: the program takes
+    no other (its calls refuse them), so its trace there would differ for no fault of the
+    function's (reported as "Graphs differed")."""
+    for path, want, got in zip(example.paths, example.avals, entry.avals):
+        if got.dtype != want.dtype or len(got.shape) != len(want.shape):
+            raise TypeError(
+                f"{label}: {path} is {_type_text(got)} where example_inputs have "
+                f"{_type_text(want)}; check_inputs retrace the function at other sizes of the "
+                "same dtypes and ranks (the traced program takes no other)"
+            )
+
+
+def _type_text(aval: Any) -> str:
+    return f"{aval.dtype}[{','.join(map(str, aval.shape))}]"  # (float32[3,4] on every JAX)
