@@ -363,7 +363,7 @@ def array_attributes(leaf: Any) -> list[str]:
     would leak. ``jax.jit`` refuses such an argument; a static argument marked as such
     (``static_argnums``) or an object with its own ``__hash__`` is the caller's choice and is
     left alone. Only the object's own attributes are read (one level: cheap on every call)."""
-    if type(leaf).__hash__ is not object.__hash__ or compat.is_token(leaf):
+    if getattr(type(leaf), "__hash__", None) is not object.__hash__ or compat.is_token(leaf):
         return []  # (hashed by value; an effect token holds its buffer and stays itself)
     attributes = getattr(leaf, "__dict__", None)
     if not attributes or not isinstance(attributes, dict):

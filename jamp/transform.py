@@ -28,8 +28,8 @@ from . import _compat as compat
 from . import graph_nodes
 from . import rules as _rules  # noqa: F401  (registers the higher-order rules)
 from .call_args import (
-    array_attributes,
     CallSignature,
+    array_attributes,
     check_traceable,
     function_name,
     short_repr,
