@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -31,6 +31,7 @@ import numpy as np
 from . import _compat as compat
 
 F32 = jnp.float32
+AxisName = Hashable  # a pmap/shard_map axis name, or a tuple of them
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINY = float(np.finfo(np.float32).tiny)
 
@@ -398,18 +399,24 @@ class MicroBatchLossScale(_LossScale):
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale | MicroBatchLossScale
 
 
-def all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
     """A scalar bool: every floating leaf of ``tree`` is free of inf and NaN.
 
     Leaves must be arrays or numbers (integer ones are skipped); a string or another object
-    raises ``TypeError`` naming its pytree path."""
+    raises ``TypeError`` naming its pytree path. With ``axis_name`` (inside ``jax.pmap`` or
+    ``jax.shard_map``: an axis name or a tuple of them), on every device of those axes at once:
+    one device's inf makes it False everywhere."""
     _check_array_leaves(tree, "all_finite")
     leaves = [
         jnp.all(jnp.isfinite(x))
         for x in jax.tree.leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
     ]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+    finite = jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+    if axis_name is not None:
+        # (pmin of 0/1: collectives take no bools)
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name) > 0
+    return finite
 
 
 def select_tree(pred: Any, a: Any, b: Any) -> Any:
@@ -469,7 +476,11 @@ def _describe_leaf(x: Any) -> str:
 
 
 def scaled_value_and_grad(
-    fn: Callable, *, argnums: int | Any | Sequence[int | Any] = 0, has_aux: bool = False
+    fn: Callable,
+    *,
+    argnums: int | Any | Sequence[int | Any] = 0,
+    has_aux: bool = False,
+    axis_name: AxisName | None = None,
 ) -> Callable:
     """``jax.value_and_grad`` with loss scaling, in one call.
 
@@ -478,6 +489,13 @@ def scaled_value_and_grad(
     (then checked for inf/NaN), and only then is the scale adjusted. ``value`` is the unscaled
     loss (``(loss, aux)`` with ``has_aux``); ``grads`` are float32. ``argnums`` counts ``fn``'s
     arguments, as ``jax.value_and_grad`` does (the loss scale is not one of them).
+
+    Inside ``jax.pmap`` or ``jax.shard_map(..., check_vma=False)``, where each device's
+    gradients come back before you sum them across devices, pass the ``axis_name`` you sum over:
+    the finite check is then made across it (``all_finite(grads, axis_name=...)``), so one
+    device's overflow skips the step on every device and the loss scale stays replicated.
+    (``jax.shard_map`` with ``check_vma=True`` and ``jax.jit`` sum the gradients of replicated
+    parameters inside the backward pass already.)
 
     Flax NNX: ``argnums=nnx.DiffState(0, nnx.Param)`` differentiates the parameters of the
     module in argument 0 only, through ``nnx.value_and_grad``, which writes the state the call
@@ -554,7 +572,7 @@ def scaled_value_and_grad(
             grad_fn = jax.value_and_grad(scaled, argnums=positions, has_aux=True)
             (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
         grads = loss_scale.unscale(grads)  # the scale the loss was multiplied by
-        finite = all_finite(grads)
+        finite = all_finite(grads, axis_name=axis_name)
         value = (loss, aux) if has_aux else loss
         return value, grads, loss_scale.adjust(finite), finite
 

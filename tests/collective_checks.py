@@ -173,4 +173,28 @@ single = jamp.explain(jax.grad(loss), {"w1": np.asarray(w1), "w2": np.asarray(w2
                       np.ones((4, 16), np.float32), compiled=True).collectives
 check(single.devices == 1 and not single.collectives and "one device" in str(single),
       f"unsharded: {single}")
+# --- loss scaling in pmap: one skip decision for every device (axis_name) --------------------
+def pmap_loss(p, x):
+    return jnp.mean((x @ p["w"]) ** 2)
+
+
+rows = np.array(jax.random.normal(key1, (8, 4, 16)), np.float32)
+rows[-1, -1] = 1e5  # the last device's rows overflow in float16
+pmap_params = {"w": jnp.full((16, 8), 0.05)}
+for axis_name, expected_finite in ((None, [True] * 7 + [False]), ("i", [False] * 8)):
+    scaled = jamp.scaled_value_and_grad(jamp.autocast_transform(pmap_loss, dtype=jnp.float16),
+                                        axis_name=axis_name)
+
+    def pmap_step(scale, p, x):
+        _, grads, scale, finite = scaled(scale, p, x)
+        grads = jax.lax.pmean(grads, "i")  # the data-parallel sum, after the call
+        return scale, finite, jamp.select_tree(finite, jax.tree.map(jnp.subtract, p, grads), p)
+
+    scale, finite, stepped = jax.pmap(pmap_step, axis_name="i", in_axes=(None, None, 0))(
+        jamp.DynamicLossScale(), pmap_params, rows)
+    # Without axis_name each device decided alone: seven applied the inf sum.
+    check(np.asarray(finite).tolist() == expected_finite, f"pmap finite {axis_name}: {finite}")
+    if axis_name is not None:
+        check(set(np.asarray(scale.loss_scale).tolist()) == {2.0 ** 14}, f"scale {scale}")
+        check(bool(jnp.isfinite(stepped["w"]).all()), "pmap params stayed finite")
 print("collective checks passed")
