@@ -351,7 +351,7 @@ SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
 
 # Sums: a value they accumulate is "accumulated" (rules/powers.py), also through the primitives
 # in ACCUMULATED_THROUGH (reshapes, converts) on the way there.
-ACCUMULATING = frozenset({"reduce_sum", "cumsum", "psum", "reduce_scatter"})
+ACCUMULATING = frozenset({"reduce_sum", "cumsum", "psum", "psum_invariant", "reduce_scatter"})
 ACCUMULATED_THROUGH = SHAPE_ONLY | {"convert_element_type", "copy", "copy_p"}
 
 # Primitives whose params encode their operand dtypes: they always run in the traced dtypes.

@@ -88,3 +88,25 @@ def test_squares_follow_the_region():
             return jnp.sum(jnp.square(h))
     closed = jax.make_jaxpr(jamp.autocast_transform(f))(X, W)
     assert operand_dtypes(closed, "square") == [("bfloat16",)]
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_squares_summed_across_devices_in_a_shard_map(check_vma):
+    # With check_vma (shard_map's default) JAX binds lax.psum of a value varying over the axis
+    # as `psum_invariant`: such squares stayed bfloat16, in both forms.
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    spec = jax.sharding.PartitionSpec
+
+    def body(x, w):
+        h = x @ w
+        return lax.psum(h * h, "data"), lax.psum(h ** 2, "data")
+
+    summed = jax.shard_map(body, mesh=mesh, in_specs=(spec("data"), spec()),
+                           out_specs=spec(), check_vma=check_vma)
+
+    def region(x, w):
+        with jamp.autocast():
+            return summed(x, w)
+
+    for outputs in (jamp.autocast_transform(summed)(X, W), jax.jit(region)(X, W)):
+        assert [o.dtype for o in outputs] == [F32, F32]
