@@ -410,11 +410,13 @@ class Env:
             # (a train step), a value computed from a gradient (``w - lr * g``) is a primal: the
             # matmul that reads it is a forward one (e4m3fn, not widened by reduce_dtype).
             follow = bool(self.cotangent_inputs)
-            for eqn in self.jaxpr.eqns if self.jaxpr is not None else ():
+            eqns = self.jaxpr.eqns if self.jaxpr is not None else ()
+            for eqn in eqns:
                 if "transpose" in compat.transform_names(eqn) or (
                     follow and any(isinstance(v, compat.Var) and v in found for v in eqn.invars)
                 ):
                     found.update(eqn.outvars)
+            found.update(_backward_seeds(self.jaxpr) if self.jaxpr is not None else ())
             self._cotangent = found
         return self._cotangent
 
@@ -443,6 +445,27 @@ class Env:
         if isinstance(atom, compat.Literal):
             return ConstSource(atom.val)
         return self.known.get(atom)
+
+
+def _backward_seeds(jaxpr: Any) -> set[Any]:
+    """The seeds of a backward pass (``jax.grad``'s 1.0): values computed here from constants
+    alone (no input, no closed-over array reaches them) that only transposed equations read.
+    Cotangents too, so that a transposed call given one directly (the whole loss in one
+    ``shard_map``) follows it through its body, whose equations carry no transpose name. (A
+    constant a forward equation also reads, such as ``jnp.eye``, is not one.)"""
+    reached = set(jaxpr.invars) | set(jaxpr.constvars)
+    made: set[Any] = set()  # computed here from constants alone
+    read_forward: set[Any] = set()
+    read_backward: set[Any] = set()
+    for eqn in jaxpr.eqns:
+        operands = [v for v in eqn.invars if isinstance(v, compat.Var)]
+        if any(v in reached for v in operands):
+            reached.update(eqn.outvars)
+        else:
+            made.update(eqn.outvars)
+        transposed = "transpose" in compat.transform_names(eqn)
+        (read_backward if transposed else read_forward).update(operands)
+    return (made & read_backward) - read_forward - reached
 
 
 class Step:

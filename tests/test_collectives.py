@@ -106,6 +106,27 @@ def test_region_float8_scan_and_transform_of_grad():
     assert grads[0]["w"].dtype == F32 and bool(jnp.all(jnp.isfinite(grads[0]["w"])))
 
 
+def test_transform_of_grad_of_a_whole_loss_in_a_shard_map():
+    # The transposed shard_map's body carries no transpose name and received jax.grad's seed
+    # directly: reduce_dtype did nothing there (and float8 scaled its cotangent to e4m3fn).
+    params, x = _DENSE
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+    spec = jax.sharding.PartitionSpec
+    sharded = jax.shard_map(lambda p, x: jax.lax.pmean(_loss(p, x), "data"), mesh=mesh,
+                            in_specs=(spec(), spec("data")), out_specs=spec())
+    for policy, expected in ((jamp.Policy(), ["bfloat16"] * 3),
+                             (REDUCE_F32, ["bfloat16", "float32", "float32"])):
+        fn = jamp.autocast_transform(grad(sharded), policy)
+        assert [out for _, out in _backward_products(fn, params, x)] == expected
+    fp8 = jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=0)
+    program = jax.make_jaxpr(jamp.autocast_transform(grad(sharded), fp8))(params, x)
+    assert "float8_e5m2" in str(program)  # the gradient format, for the cotangent
+    # A constant a forward product also reads (jnp.eye) is no seed: that product stays forward.
+    eye_loss = lambda p, x: jnp.mean(jnp.tanh(x @ p["w"] @ jnp.eye(3)) ** 2)  # noqa: E731
+    products = _backward_products(jamp.autocast_transform(grad(eye_loss), REDUCE_F32), params, x)
+    assert sorted(out for _, out in products).count("bfloat16") == 2, products
+
+
 def test_a_matmul_reading_updated_parameters_is_a_forward_one():
     # A train step that reads its updated weights (eval after update, an inner loop): w - lr*g
     # is a primal, so its matmul is not a backward product (neither widened by reduce_dtype
