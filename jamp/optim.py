@@ -86,6 +86,10 @@ class MasterWeightsState(NamedTuple):
     inner_state: Any
 
 
+# The path entry of its master copies (``state.master``), which ``state_dtype`` never narrows.
+_MASTER_COPY = jax.tree_util.GetAttrKey("master")
+
+
 class StochasticRoundingState(NamedTuple):
     """:func:`jamp.optim.stochastic_rounding`'s state: the rounding counter (``step``) and ``tx``'s
     state."""
@@ -258,8 +262,11 @@ def state_dtype(
     seed = _check_seed(seed, where)
 
     def narrowed(path: Any, leaf: Any) -> bool:
-        """Stored in ``target``: floating, not float64, not a scalar, not kept."""
+        """Stored in ``target``: floating, not float64, not a scalar, not a master copy of
+        ``master_weights`` inside (a float32 copy is its whole point), not kept."""
         if not _floating(leaf) or leaf.dtype == np.float64 or not np.ndim(leaf):
+            return False
+        if _MASTER_COPY in tuple(path):
             return False
         text = _path_text(path)
         return not any(fnmatch.fnmatchcase(text, g) for g in globs)
@@ -297,7 +304,7 @@ def state_dtype(
         new_leaves = treedef.flatten_up_to(new_state)
         stored_at = [i for i, (path, old) in enumerate(old_flat) if narrowed(path, old)]
         rounded = round_fn(
-            [jnp.asarray(new_leaves[i]).astype(F32) for i in stored_at],
+            [_saturated(jnp.asarray(new_leaves[i]).astype(F32), target) for i in stored_at],
             [target] * len(stored_at),
             _step_key(seed, _SALTS["state_dtype"], state.step),
         )
@@ -317,6 +324,14 @@ def state_dtype(
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _saturated(value: jax.Array, dtype: Any) -> jax.Array:
+    """``value`` clipped to ``dtype``'s largest finite magnitude: a second moment over float16's
+    65504 (a gradient of 256) or float8's range is stored as that, not inf (which froze the
+    parameter: updates of 0 from then on) or NaN. inf and NaN stay what they are."""
+    limit = float(jnp.finfo(dtype).max)
+    return jnp.where(jnp.isfinite(value), jnp.clip(value, -limit, limit), value)
 
 
 def _split(params: Any) -> tuple[list[Any], Any, list[bool]]:
@@ -369,6 +384,30 @@ def _widened_grads(
     )
 
 
+def _followed(master: jax.Array, param: jax.Array) -> jax.Array:
+    """``master`` where ``param`` is still its rounding, else ``param`` widened: a parameter the
+    caller changed since the last update (pretrained weights put in with ``TrainState.replace``,
+    a projection onto a constraint) restarts its master copy from the caller's value, as plain
+    optax starts every update from the ``params`` it is given. After this wrapper's update a
+    parameter is within a 16-bit step of its copy (either rounding); only a jump no 16-bit
+    update can reach (a factor over 2, see the module docstring) lands farther, and the copy
+    then restarts from where it landed, as plain optax goes on."""
+    wide = param.astype(F32)
+    gap = jnp.abs(wide - master)
+    return jnp.where(
+        gap <= 2 * _spacing(jnp.maximum(jnp.abs(wide), jnp.abs(master)), param.dtype), master, wide
+    )
+
+
+def _spacing(magnitude: jax.Array, dtype: Any) -> jax.Array:
+    """The gap between neighbouring ``dtype`` values at ``magnitude`` (float32, >= 0), from the
+    format's exponent range and mantissa bits (``jnp.nextafter`` has no float8_e4m3fn)."""
+    info = jnp.finfo(dtype)
+    _, exponent = jnp.frexp(magnitude)  # magnitude = m * 2**exponent, m in [0.5, 1)
+    binade = jnp.where(magnitude == 0, info.minexp, jnp.maximum(exponent - 1, info.minexp))
+    return jnp.ldexp(jnp.ones_like(magnitude), binade - info.nmant)
+
+
 def master_weights(
     tx: Any, *, rounding: str = "nearest", seed: int = 0
 ) -> optax.GradientTransformationExtraArgs:
@@ -381,6 +420,10 @@ def master_weights(
     rounded to the parameter's dtype (``rounding``: ``"nearest"`` or ``"stochastic"``). float32
     and float64 parameters are passed through to ``tx`` as they are. Bytes: the parameter (2) +
     master (4) + ``tx``'s state (wrap ``tx`` in :func:`state_dtype` to store it in bfloat16).
+
+    A parameter changed between updates (pretrained weights put in with
+    ``TrainState.replace``, a projection after each step) restarts its master copy from the new
+    value, as plain optax starts from the ``params`` it is given.
 
     Put ``optax.MultiSteps`` inside (``master_weights(optax.MultiSteps(tx, k))``): it then
     accumulates float32 gradients. Parameters with no 16-bit leaf raise ``ValueError``
@@ -418,6 +461,7 @@ def master_weights(
         leaves, treedef, narrow = _split(params)
         master = _flat_like(state.master, treedef, "opt_state.master", f"{where}(tx)")
         _check_narrow_unchanged(params, master, narrow, "its float32 master copy", f"{where}(tx)")
+        master = [_followed(m, x) if n else m for m, x, n in zip(master, leaves, narrow)]
         view = [m if n else x for m, x, n in zip(master, leaves, narrow)]
         flat_grads, wide_grads = _widened_grads(grads, treedef, narrow, f"{where}(tx)")
         inner_updates, inner_state = inner.update(

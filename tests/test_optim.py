@@ -149,12 +149,6 @@ def test_scalar_state_leaves_hyperparameters_and_bookkeeping_stay_as_tx_made_the
     assert scales == {"optax": 1.0, "state_dtype": 1.0}
 
 
-def identity_tx():
-    """A transformation whose update is the incoming 'gradient' itself (to aim updates)."""
-    return optax.GradientTransformation(lambda p: optax.EmptyState(),
-                                        lambda g, s, p=None: (g, s))
-
-
 def random_targets(rng, n):
     """bfloat16 pairs (param, target) at most a factor 2 apart, of one sign (the new value of
     a parameter that at most doubles or halves in a step)."""
@@ -164,10 +158,14 @@ def random_targets(rng, n):
     return p, t
 
 
-def aimed(tx, params, target):
-    """master_weights(identity) state whose master holds ``target``: a zero gradient then asks
-    the parameters to land on it."""
-    return tx.init(params)._replace(master={"w": jnp.asarray(target).astype(F32)})
+def aiming(delta):
+    """master_weights of a transformation whose update is ``delta`` (float32, whatever the
+    gradients' dtype): the master copy, starting at the parameters, moves to ``params + delta``
+    (exact in float32 for the bfloat16 values here) and the parameters are asked to land there."""
+    inner = optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda g, s, p=None: ({"w": jnp.asarray(delta, F32)}, s))
+    return optim.master_weights(inner)
 
 
 @pytest.mark.parametrize("grad_dtype", [F32, BF16, jnp.dtype(jnp.float16)])
@@ -176,9 +174,9 @@ def test_updates_land_exactly_on_the_new_master(grad_dtype):
     for parameters that at most double or halve in a step (float32 gradients: any step)."""
     p, t = random_targets(np.random.default_rng(0), 4000)
     params = {"w": jnp.asarray(p)}
-    tx = optim.master_weights(identity_tx())
+    tx = aiming(np.asarray(t, np.float32) - np.asarray(p, np.float32))
     zero = {"w": jnp.zeros(p.shape, grad_dtype)}
-    updates, _ = jax.jit(tx.update)(zero, aimed(tx, params, t), params)
+    updates, _ = jax.jit(tx.update)(zero, tx.init(params), params)
     assert updates["w"].dtype == grad_dtype
     landed = optax.apply_updates(params, updates)["w"]
     np.testing.assert_array_equal(np.asarray(landed, np.float32), np.asarray(t, np.float32))
@@ -192,17 +190,47 @@ def test_a_jump_16_bit_updates_cannot_reach_is_caught_up_next_step():
     master keeps 26.625, and the next step (a zero update) lands on it exactly. With float32
     gradients the same jump lands at once."""
     params = {"w": jnp.asarray([82.0], BF16)}
-    tx = optim.master_weights(identity_tx())
-    state = aimed(tx, params, [26.625])
+    jump, stay = aiming([26.625 - 82.0]), aiming([0.0])
     zero = {"w": jnp.zeros((1,), BF16)}
-    updates, state = tx.update(zero, state, params)
+    updates, state = jump.update(zero, jump.init(params), params)
     params = optax.apply_updates(params, updates)
     assert float(params["w"][0]) == 26.5 and float(state.master["w"][0]) == 26.625
-    updates, state = tx.update(zero, state, params)
+    updates, state = stay.update(zero, state, params)
     assert float(optax.apply_updates(params, updates)["w"][0]) == 26.625
     once = {"w": jnp.asarray([82.0], BF16)}
-    updates, _ = tx.update({"w": jnp.zeros((1,), F32)}, aimed(tx, once, [26.625]), once)
+    updates, _ = jump.update({"w": jnp.zeros((1,), F32)}, jump.init(once), once)
     assert float(optax.apply_updates(once, updates)["w"][0]) == 26.625
+
+
+def test_parameters_changed_between_steps_restart_the_master_copy():
+    # The master copy answered for the parameters whatever they had become: pretrained weights
+    # put in after init (TrainState.replace) were thrown away for the fresh init, and a
+    # projection onto w >= 0 after each step was undone by the master drifting negative.
+    fresh = {"w": jnp.full((4,), 0.5, BF16)}
+    tx = optim.master_weights(optax.sgd(0.1))
+    state = tx.init(fresh)
+    pretrained = {"w": jnp.asarray([3.0, -1.0, 1e-3, 40.0], BF16)}
+    zero = {"w": jnp.zeros((4,), BF16)}
+    updates, state = tx.update(zero, state, pretrained)
+    chex_equal(optax.apply_updates(pretrained, updates), pretrained)
+    chex_equal(state.master["w"], pretrained["w"].astype(F32))
+    params, state = {"w": jnp.zeros((4,), BF16)}, tx.init({"w": jnp.zeros((4,), BF16)})
+    for step in range(3):  # gradients push w below 0; the projection holds it at 0 ...
+        grads = {"w": jnp.asarray([1.0, 1.0, -1.0, 0.0], BF16)}
+        updates, state = tx.update(grads, state, params)
+        params = jax.tree.map(lambda w: jnp.maximum(w, 0), optax.apply_updates(params, updates))
+    # ... so one step back up moves it off 0, as plain optax does (it stayed at 0 before).
+    updates, state = tx.update({"w": -jnp.ones((4,), BF16)}, state, params)
+    np.testing.assert_allclose(np.asarray(optax.apply_updates(params, updates)["w"], F32),
+                               [0.1, 0.1, 0.4, 0.1], rtol=1e-2)
+    # Its own updates, either rounding, leave the copy alone (the exactness tests above).
+    sr = optim.master_weights(optax.sgd(1e-4), rounding="stochastic")
+    params = {"w": jnp.linspace(-2, 2, 64).astype(BF16)}
+    start, state = params["w"].astype(F32), sr.init(params)
+    for _ in range(5):
+        updates, state = sr.update({"w": jnp.ones((64,), BF16)}, state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(state.master["w"], start - 5e-4, atol=1e-6)
 
 
 def test_skipped_steps_change_nothing_apply_if_finite_and_loss_scaling():
@@ -435,3 +463,22 @@ def test_sharded_state_and_no_gathers_in_a_subprocess():
     depend on the device count; the optimizer state is sharded like its parameter; the compiled
     update has no collectives."""
     run_check_module("optim_sharding_checks", "optim sharding checks passed")
+
+
+def test_state_dtype_keeps_master_copies_and_saturates_narrow_moments():
+    params = {"w": jnp.ones((8,), BF16)}
+    outer = optim.state_dtype(optim.master_weights(optax.sgd(0.1, momentum=0.9)))
+    state = outer.init(params)
+    assert state.inner_state.master["w"].dtype == F32  # was bfloat16
+    assert state.inner_state.inner_state[0].trace["w"].dtype == BF16
+    updates, state = outer.update({"w": jnp.ones((8,), BF16)}, state, params)
+    assert state.inner_state.master["w"].dtype == F32
+    # A gradient of 1e4: Adam's second moment (1e-3 * 1e8) is beyond float16's range; it was
+    # inf, and the parameter froze (updates of 0).
+    tx = optim.state_dtype(optax.adam(0.1), jnp.float16)
+    state = tx.init({"w": jnp.zeros((4,))})
+    updates, state = tx.update({"w": jnp.full((4,), 1e4)}, state)
+    nu = state.inner_state[0].nu["w"]
+    assert nu.dtype == jnp.float16 and bool(jnp.all(nu == jnp.finfo(jnp.float16).max))
+    updates, state = tx.update({"w": jnp.full((4,), 1e4)}, state)
+    assert bool(jnp.all(jnp.isfinite(updates["w"]) & (updates["w"] != 0)))
