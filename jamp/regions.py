@@ -42,6 +42,12 @@ class AutocastWarning(UserWarning):
 
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)  # what a cast_inputs call passes as traced
+
+
+def _casts(value: Any) -> bool:
+    """A cast_inputs call casts floating inputs narrower than float64."""
+    dtype = np.dtype(value.dtype)
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype != np.float64
 # The regions this thread entered with ``__enter__`` and has not exited, innermost last: their
 # contexts (JAX's current trace, the name stack) can only be left in the reverse order.
 _open = threading.local()
@@ -162,7 +168,10 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         def region(*traced: Any) -> Any:
             leaves = list(flat)
             for i, leaf in zip(traced_at, traced):
-                leaves[i] = leaf
+                # Cast here too, before the body's Python reads its inputs (as torch's custom_fwd
+                # does): a value a region or the program made 16-bit arrives traced 16-bit, and
+                # code reading its dtype (jnp.finfo(x.dtype), jnp.zeros_like(x)) must see dtype.
+                leaves[i] = leaf.astype(dtype) if _casts(leaf) else leaf
             call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
             with self._open_region():
                 return fn(*call_args, **call_kwargs)

@@ -306,6 +306,34 @@ def test_decorator_cast_inputs_overrides_a_cast_the_program_made(call):
     np.testing.assert_allclose(f(A), call(A).astype(F32), rtol=2e-2, atol=2e-2)
 
 
+def test_decorator_cast_inputs_body_reads_the_cast_dtype():
+    """torch's custom_fwd casts before the body runs: a body reading its input's dtype
+    (jnp.finfo(p.dtype), jnp.zeros_like) saw the caller's bfloat16 and computed log(1e-4) as
+    -4.85 (clipped at bfloat16's eps), or failed with JAX's fori_loop carry error."""
+    @jamp.autocast(enabled=False, cast_inputs=F32)
+    def safe_log(p):
+        assert p.dtype == F32, p.dtype
+        return jnp.log(jnp.clip(p, jnp.finfo(p.dtype).eps, 1.0))
+
+    @jamp.autocast(enabled=False, cast_inputs=F32)
+    def accumulate(x, w):
+        return jax.lax.fori_loop(0, 3, lambda i, c: c + x @ w, jnp.zeros_like(x))
+
+    x, w = jnp.full((2, 4), 1e-4), jnp.eye(4)
+
+    def f(x):
+        with jamp.autocast():
+            p = x @ w  # bfloat16
+            return safe_log(p), accumulate(p, w), safe_log(p.astype(F16))
+
+    for form in (f, jax.jit(f), jamp.autocast_transform(lambda x: (
+            safe_log(x @ w), accumulate(x @ w, w), safe_log((x @ w).astype(F16))))):
+        logs, sums, logs16 = form(x)
+        np.testing.assert_allclose(logs, np.log(1e-4), rtol=1e-3)
+        np.testing.assert_allclose(logs16, np.log(1e-4), rtol=1e-3)
+        assert sums.dtype == F32
+
+
 def test_disabled_region_matmul_returns_at_least_its_traced_type():
     def f(a):
         b = a @ a  # bf16
