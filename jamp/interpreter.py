@@ -213,6 +213,20 @@ def is_known_value(value: Any) -> bool:
     return isinstance(value, (*HOST_VALUES, jax.Array)) and not compat.is_tracer(value)
 
 
+CLIPPED = "clipped"  # a cast cache key's last part: Step.clipped_cast
+
+
+@functools.lru_cache(maxsize=64)
+def _narrows_range(source: Any, target: Any) -> bool:
+    """A floating cast to a format of a smaller exponent range (float32 to float16 or float8; not
+    to bfloat16, which has float32's)."""
+    return (
+        is_float(source)
+        and is_float(target)
+        and jnp.finfo(target).maxexp < jnp.finfo(source).maxexp
+    )
+
+
 def saturating_cast(value: Any, dtype: np.dtype, bound: float | None = None) -> Any:
     """Cast a concrete value, clipping finite floats to the target's range (no overflow to inf).
 
@@ -363,6 +377,10 @@ KEEP_TRACED_DTYPES = frozenset(
         "reduce_window",
         "select_and_scatter",
         "rng_bit_generator",
+        # jax 0.12's typed operations (jnp.ldexp, frexp, searchsorted, nonzero) store their
+        # operands' types in their params: rebound on other dtypes they declare a type they do
+        # not have (an ill-typed program, whose gradient fails).
+        "call_hi_primitive",
     }
 )
 
@@ -375,7 +393,7 @@ class Env:
         self._accumulated: set[Any] | None = None
         self.values: dict[Any, Any] = {}
         self.known: dict[Any, ConstSource] = {}
-        self.casts: dict[tuple[Any, np.dtype], Any] = {}
+        self.casts: dict[tuple, Any] = {}  # (var, dtype) or (var, dtype, CLIPPED) -> value
         # Broadcasts/reshapes of rank-0 values: they promote like the scalar they came from.
         self.scalar_like: set[Any] = set()
         # Outputs of lower-table ops run in the compute dtype, broadcasts that expand a smaller
@@ -570,6 +588,38 @@ class Step:
     def with_cast(self, targets: dict[int, Any]) -> list[Any]:
         """All operands, those in ``targets`` cast to the given dtype."""
         return [self.cast(i, targets[i]) if i in targets else a for i, a in enumerate(self.args)]
+
+    def with_adapting_cast(self, targets: dict[int, Any]) -> list[Any]:
+        """``with_cast`` for operands made to agree (``equalize_targets``): one that adapts to a
+        format of a smaller range (float32 to float16 or float8: an additive attention mask
+        taken for a bias) has its finite values clipped to it, as constants do: ``-1e9`` where
+        masked is -65504, not -inf, so a fully masked row is no NaN (torch would promote the
+        add to float32). inf stays inf (a loss scale's overflow must still show)."""
+        return [
+            a
+            if i not in targets
+            else self.clipped_cast(i, targets[i])
+            if _narrows_range(self.aval(i).dtype, targets[i])
+            and self.env.source(self.eqn.invars[i]) is None
+            else self.cast(i, targets[i])
+            for i, a in enumerate(self.args)
+        ]
+
+    def clipped_cast(self, i: int, dtype: Any) -> Any:
+        """Operand ``i`` (a computed value or an input) in ``dtype``, finite values clipped to
+        its range; once per program, as ``cast``."""
+        dtype = np.dtype(dtype)
+        atom = self.eqn.invars[i]
+        key = (atom, dtype, CLIPPED) if isinstance(atom, compat.Var) else None
+        if key is not None and key in self.env.casts:
+            return self.env.casts[key]
+        with compat.equation_context(self.eqn):
+            out = saturating_cast(self.args[i], dtype)
+        if key is not None:
+            self.env.casts[key] = out
+        if self.rewriter.recorder is not None:
+            self.rewriter.recorder.cast(constant=False)
+        return out
 
     def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
         self.bound_args = args  # what the primitive finally ran on (read by jamp.explain)
@@ -1150,7 +1200,7 @@ def equalize_targets(step: Step, fixed: Sequence[int] = ()) -> dict[int, np.dtyp
 
 def equalize_rule(step: Step) -> Sequence[Any]:
     """Promote: mixed floating operands run in the widest; scalars and weak constants adapt."""
-    return step.bind(step.with_cast(equalize_targets(step)))
+    return step.bind(step.with_adapting_cast(equalize_targets(step)))
 
 
 def traced_dtype_operands(step: Step) -> list[Any]:

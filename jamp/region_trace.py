@@ -73,6 +73,7 @@ from .interpreter import (
     ACCUMULATED_THROUGH,
     ACCUMULATING,
     ANY_VALUE,
+    CLIPPED,
     F32,
     HOST_VALUES,
     SCALED_FORMATS,
@@ -86,6 +87,7 @@ from .interpreter import (
     convert_may_round_a_reduction,
     is_float,
     is_known_value,
+    saturating_cast,
     track_derived,
     widest,
 )
@@ -782,19 +784,22 @@ class RegionTrace(compat.Trace):
         if decision.casts:
             args, avals = list(args), None
             with compat.set_current_trace(self.parent):
-                for i, dtype in decision.casts:
+                for i, dtype, clipped in decision.casts:
                     if dtype == F32 and i in decision.read_through:
                         args[i] = arriving[i]  # (the promotion itself: Step's float32 cast)
                         continue
-                    cast = env.casts.get((invars[i], dtype))
+                    key = (invars[i], dtype, CLIPPED) if clipped else (invars[i], dtype)
+                    cast = env.casts.get(key)
                     if cast is None:
                         source = env.known.get(invars[i])  # a constant: cast from its value
                         cast = (
                             source.cast(dtype)
                             if source is not None
+                            else saturating_cast(args[i], dtype)
+                            if clipped
                             else compat.convert_now(args[i], dtype)
                         )
-                        env.casts[(invars[i], dtype)] = cast
+                        env.casts[key] = cast
                     if isinstance(cast, HOST_VALUES):
                         canonical = False
                     args[i] = cast
@@ -1478,7 +1483,7 @@ class Decision:
     """What a rule did with one operation, replayable for the same key: the operands it cast
     (index, dtype), the parameters it changed, and its outputs' types as traced and tags."""
 
-    casts: tuple
+    casts: tuple  # (operand, dtype, clipped: Step.clipped_cast)
     overrides: dict
     out_avals: tuple
     out_tags: tuple
@@ -1497,12 +1502,18 @@ class RecordingStep(Step):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.casts_made: dict[int, dict[int, np.dtype]] = {}  # id(cast value) -> {operand: dtype}
+        # id(cast value) -> {operand: (dtype, clipped)}
+        self.casts_made: dict[int, dict[int, tuple[np.dtype, bool]]] = {}
         self.binds: list[tuple[list, dict, list]] = []
 
     def cast(self, i: int, dtype: Any) -> Any:
         out = super().cast(i, dtype)
-        self.casts_made.setdefault(id(out), {})[i] = np.dtype(dtype)
+        self.casts_made.setdefault(id(out), {})[i] = (np.dtype(dtype), False)
+        return out
+
+    def clipped_cast(self, i: int, dtype: Any) -> Any:
+        out = super().clipped_cast(i, dtype)
+        self.casts_made.setdefault(id(out), {})[i] = (np.dtype(dtype), True)
         return out
 
     def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
@@ -1523,10 +1534,10 @@ class RecordingStep(Step):
         for j, arg in enumerate(args):
             if arg is self.args[j]:
                 continue
-            dtype = self.casts_made.get(id(arg), {}).get(j)
-            if dtype is None:
+            made = self.casts_made.get(id(arg), {}).get(j)
+            if made is None:
                 return None
-            casts.append((j, dtype))
+            casts.append((j, *made))
         env: RegionEnv = self.env  # type: ignore[assignment]
         promotes = len(outvars) == 1 and env.upcast_of.get(outvars[0]) is args[0]
         tags = []

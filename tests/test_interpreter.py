@@ -148,6 +148,36 @@ def test_constants_saturate_so_fully_masked_rows_have_no_nan(dtype):
                for v in literals)
 
 
+def test_an_additive_mask_taken_for_a_bias_is_clipped_not_inf():
+    """An additive float32 mask (-1e9 where masked) passed as an argument or closed over and
+    broadcast over the batch adapts to float16 like a bias; it became -inf and a fully masked
+    row NaN, in both forms (eagerly and jitted in a region). Finite values clip to float16's
+    range now; inf stays inf (an overflow must still show)."""
+    mask = np.zeros((4, 4), np.float32)
+    mask[3] = -1e9
+    closed_over = mask.copy()
+
+    def attention(q, k, mask):
+        return jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) + mask, axis=-1)
+
+    q = jnp.linspace(-1, 1, 2 * 4 * 8).reshape(2, 4, 8)
+
+    def region(q, mask):
+        with jamp.autocast(dtype=F16):
+            return attention(q, q, mask), attention(q, q, closed_over)
+
+    forms = (jamp.autocast_transform(lambda q, m: (attention(q, q, m),) * 2, dtype=F16),
+             region, jax.jit(region))
+    for form in forms:
+        for out in form(q, mask):
+            np.testing.assert_allclose(out[:, 3], 0.25, rtol=1e-3)
+    inf_mask = jnp.asarray(mask).at[0, 0].set(-jnp.inf)
+    out = jamp.autocast_transform(lambda q, m: jnp.einsum("bqd,bkd->bqk", q, q) + m,
+                                  dtype=F16)(q, inf_mask)
+    assert out.dtype == F16 and bool(jnp.isneginf(out[:, 0, 0]).all())
+    assert bool(jnp.isfinite(out[:, 3]).all())
+
+
 def test_captured_constants_are_cast_at_rewrite_time_saturating():
     big = np.full((4, 4), 1e6, np.float32)
     f = jamp.autocast_transform(lambda x: x @ big, dtype=F16)
@@ -173,6 +203,50 @@ def test_keep_traced_primitives_see_their_traced_dtypes():
         out = f(x)           # excess precision for the bf16 product)
     np.testing.assert_array_equal(
         out, lax.bitcast_convert_type((x.astype(BF16) @ x.astype(BF16)).astype(F32), jnp.int32))
+
+
+def test_a_reduce_with_a_computation_of_its_own_runs_in_its_init_values_dtype():
+    """lax.reduce / reduce_window with a computation JAX cannot name (max |y|) carry it traced at
+    the init value's dtype: a region, which sees the matmul's output bfloat16, failed with JAX's
+    "reduce operand dtypes should match corresponding initial value dtypes"."""
+    x, w = _rand(2, 4), _rand(4, 4, key=1)
+
+    def absmax(x, w):
+        y = x @ w
+        rows = lax.reduce(y, jnp.float32(0), lambda a, b: jnp.maximum(jnp.abs(a), jnp.abs(b)),
+                          (1,))
+        windows = lax.reduce_window(y, jnp.float32(0),
+                                    lambda a, b: jnp.maximum(jnp.abs(a), jnp.abs(b)),
+                                    (1, 2), (1, 1), "VALID")
+        return rows, windows
+
+    def region(x, w):
+        with jamp.autocast():
+            return absmax(x, w)
+
+    expected = absmax(x.astype(BF16).astype(F32), w.astype(BF16).astype(F32))
+    for form in (jamp.autocast_transform(absmax), region, jax.jit(region)):
+        for out, want in zip(form(x, w), expected):
+            assert out.dtype == F32
+            np.testing.assert_allclose(out, want, rtol=1e-2)
+
+
+def test_typed_operations_keep_the_types_they_declare():
+    """On jax 0.12 jnp.ldexp/frexp are typed operations storing their operands' types: rebound on
+    a bfloat16 matmul output they declared float32 and returned bfloat16 (an ill-typed program;
+    its gradient failed in lax.mul). They run in their traced dtypes now."""
+    x, w = _rand(4, 8), _rand(8, 8, key=1)
+
+    def f(x, w):
+        mantissa, exponent = jnp.frexp(x @ w)
+        return jnp.ldexp((x @ w) ** 2, 2), mantissa, exponent
+
+    t = jamp.autocast_transform(f)
+    jamp._compat.check_closed_jaxpr(jax.make_jaxpr(t)(x, w))
+    declared = [o.dtype for o in jax.eval_shape(t, x, w)]
+    assert [o.dtype for o in t(x, w)] == [o.dtype for o in jax.jit(t)(x, w)] == declared
+    grad = jax.grad(lambda x: jnp.sum(t(x, w)[0].astype(F32)))(x)
+    assert grad.dtype == F32 and bool(jnp.isfinite(grad).all())
 
 
 def test_unknown_higher_order_primitive_runs_in_traced_dtypes_and_warns_once(monkeypatch):
