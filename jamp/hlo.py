@@ -159,20 +159,71 @@ class Module:
         return self.frames.get(frame) if frame is not None else None
 
     def trip_count(self, loop: Instruction) -> int | None:
-        """How many times a ``while`` runs its body: XLA's ``known_trip_count`` annotation, or
-        the bound of a ``counter < constant`` condition (how ``lax.scan``/``fori_loop`` lower)."""
+        """How many times a ``while`` runs its body: XLA's ``known_trip_count`` annotation, else
+        that of an integer counter (how ``lax.scan``/``fori_loop`` lower) that starts at a
+        constant, steps by a constant each run and is compared with a constant; None otherwise
+        (a float or data-dependent condition, whose count only running it tells)."""
         known = loop.attribute(r'known_trip_count"?\s*[:=]\s*\{\s*"?n"?\s*[:=]\s*"?(\d+)')
         if known is not None:
             return int(known)
         condition = loop.attribute(r"\bcondition=%?([\w.\-]+)")
-        instrs = self.computations.get(condition or "", {})
-        root = instrs.get(self.roots.get(condition or "", ""))
-        if root is None or root.opcode != "compare" or "direction=LT" not in root.attributes:
+        body = loop.attribute(r"\bbody=%?([\w.\-]+)")
+        root = self.producer(condition or "", self.roots.get(condition or "", ""))
+        direction = root.attribute(r"direction=(\w+)") if root is not None else None
+        if root is None or root.opcode != "compare" or len(root.operands) != 2 or not direction:
             return None
-        bound = instrs.get(root.operands[1]) if len(root.operands) == 2 else None
-        if bound is None or bound.opcode != "constant" or not bound.operands:
-            return None  # a counter compared with a value computed at run time
-        return int(bound.operands[0]) if bound.operands[0].isdigit() else None
+        sides = [self._element(condition or "", ref) for ref in root.operands]
+        if _integer(sides[0][0]) is not None:  # `bound > i`: read as `i < bound`
+            sides.reverse()
+            direction = {"GT": "LT", "GE": "LE", "LT": "GT", "LE": "GE"}.get(direction, "")
+        (counter, index), (bound_instr, _) = sides
+        bound = _integer(bound_instr)
+        if counter is None or counter.opcode != "parameter" or bound is None:
+            return None
+        # The body's new counter: the old one plus a constant step.
+        update, rest = self._element(body or "", self.roots.get(body or "", ""), index)
+        if update is None or rest or update.opcode != "add" or len(update.operands) != 2:
+            return None
+        terms = [self._element(body or "", ref) for ref in update.operands]
+        steps = [_integer(i) for i, _ in terms]
+        olds = [i is not None and i.opcode == "parameter" and at == index for i, at in terms]
+        step = steps[1] if olds[0] else steps[0] if olds[1] else None
+        start_instr, rest = self._element(loop.computation, loop.operands[0], index)
+        start = _integer(start_instr) if not rest else None
+        if step is None or start is None:
+            return None
+        if direction in ("LT", "LE") and step > 0:
+            span = bound - start + (direction == "LE")
+        elif direction in ("GT", "GE") and step < 0:
+            span, step = start - bound + (direction == "GE"), -step
+        else:
+            return None
+        return max(0, -(-span // step))
+
+    def _element(
+        self, computation: str, ref: str, index: tuple[int, ...] = ()
+    ) -> tuple[Instruction | None, tuple[int, ...]]:
+        """What element ``index`` of operand ``ref`` (``x``, or ``x#1`` in newer HLO text) is:
+        the instruction it comes from, looking through tuples, get-tuple-element and copies,
+        and the tuple index left to take of it (a loop parameter's element)."""
+        for _ in range(64):
+            name, *picks = ref.split("#")
+            index = tuple(int(p) for p in picks if p.isdigit()) + index
+            instr = self.producer(computation, name)
+            if instr is None or not instr.operands:
+                return instr, index
+            if instr.opcode == "get-tuple-element":
+                picked = instr.attribute(r"\bindex=(\d+)")
+                if picked is None:
+                    return None, index
+                ref, index = instr.operands[0], (int(picked), *index)
+            elif instr.opcode == "tuple" and index and index[0] < len(instr.operands):
+                ref, index = instr.operands[index[0]], index[1:]
+            elif instr.opcode in ("copy", "bitcast") and len(instr.operands) == 1:
+                ref = instr.operands[0]
+            else:
+                return instr, index
+        return None, index
 
     def runs(self, computation: str, depth: int = 0) -> int | None:
         """How many times ``computation`` runs per call of the entry computation (loop bodies
@@ -189,6 +240,17 @@ class Module:
                 return None
             total += outer * each
         return total or 1
+
+
+def _integer(instr: Instruction | None) -> int | None:
+    """The value of an integer scalar constant, else None (a float bound like ``100.0`` is no
+    counter's)."""
+    if instr is None or instr.opcode != "constant" or instr.shape or not instr.operands:
+        return None
+    if not re.fullmatch(r"[su]\d+", instr.dtype):
+        return None
+    value = instr.operands[0]
+    return int(value) if re.fullmatch(r"-?\d+", value) else None
 
 
 def parse(text: str) -> Module:

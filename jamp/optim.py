@@ -23,9 +23,16 @@ lands on the closest value an update can reach, as plain optax would, and the ne
 from where it landed (``master_weights`` keeps the exact value in its copy, so it catches up).
 
 Random bits need no key: a ``seed`` and a step counter in the state give every step and every
-leaf its own bits, so a restored checkpoint draws the same bits as an uninterrupted run. The
-counter is part of the state: a step that ``optax.apply_if_finite`` (wrapped around these) or
-``jamp.select_tree`` skips leaves it unchanged with the rest.
+leaf its own bits, so a restored checkpoint draws the same bits as an uninterrupted run. A
+leaf's bits depend on its pytree path, so wrappers with one seed side by side over one tree
+(one per ``optax.multi_transform`` group, which keeps the whole tree's paths) draw their own;
+give each a different ``seed`` only when they update separate trees whose paths are the same.
+The counter is part of the state: a step that ``optax.apply_if_finite`` (wrapped around these)
+or ``jamp.select_tree`` skips leaves it unchanged with the rest.
+
+``optax.lookahead`` goes outside the parameter wrappers
+(``optax.lookahead(jamp.optim.master_weights(tx), ...)``), which then see its fast parameters;
+:func:`state_dtype` can wrap it.
 
 Example::
 
@@ -40,6 +47,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
@@ -100,7 +108,8 @@ class StochasticRoundingState(NamedTuple):
 
 class CompensatedState(NamedTuple):
     """:func:`jamp.optim.compensated`'s state: each 16-bit parameter's rounding error, in its own dtype
-    (``optax.MaskedNode()`` for the others), and ``tx``'s state."""
+    and in units of the parameter's spacing (the gap to its neighbouring value; so the error
+    is ``compensation * spacing``), ``optax.MaskedNode()`` for the others, and ``tx``'s state."""
 
     compensation: Any
     inner_state: Any
@@ -112,13 +121,27 @@ _SALTS = {"state_dtype": 0x5D7E, "master_weights": 0x3A57, "stochastic_rounding"
 
 
 # Each rounding takes all of a step's leaves at once (stochastic rounding shares its hashing
-# between them): (arrays, their target dtypes, the step's key) -> rounded arrays.
-_RoundMany = Callable[[Sequence[jax.Array], Sequence[Any], Any], list[jax.Array]]
+# between them): (arrays, their target dtypes, the step's key, each array's salt from its
+# pytree path) -> rounded arrays.
+_RoundMany = Callable[
+    [Sequence[jax.Array], Sequence[Any], Any, Sequence[tuple[int, int]]], list[jax.Array]
+]
 
 
-def _round_nearest(xs: Sequence[jax.Array], targets: Sequence[Any], key: Any) -> list[jax.Array]:
-    del key
+def _round_nearest(
+    xs: Sequence[jax.Array], targets: Sequence[Any], key: Any, salts: Any
+) -> list[jax.Array]:
+    del key, salts
     return [x.astype(t) for x, t in zip(xs, targets)]
+
+
+def _path_salt(path: Sequence[Any]) -> tuple[int, int]:
+    """Two uint32 words from a leaf's pytree path, the same in every process (``hash()`` of a
+    str is not). A wrapper sees only its own leaves, numbered from 0, but ``optax.masked`` and
+    ``optax.multi_transform`` keep the whole tree's paths: with the path in its bits, a leaf
+    draws other bits than another group's leaf i under a wrapper with the same seed."""
+    digest = hashlib.blake2b(_path_text(path).encode(), digest_size=8).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
 
 
 _ROUNDINGS: dict[str, _RoundMany] = {
@@ -240,10 +263,18 @@ def state_dtype(
     parameter's moments stay as ``tx`` made them too). ``update`` widens the stored leaves to
     float32, runs ``tx``, and stores the new state back with ``rounding``: ``"stochastic"``
     (unbiased, so a moving average such as Adam's ``b2 = 0.999`` keeps moving; the bits come
-    from ``seed`` and a counter in the state) or ``"nearest"``. Updates come back in the
-    gradients' dtype.
+    from ``seed`` and a counter in the state) or ``"nearest"``. ``tx`` gets 16-bit gradients
+    widened to float32 too, so it computes in float32 throughout (and ``optax.apply_if_finite``
+    or ``optax.conditionally_transform`` inside, whose branches must agree in dtype, work).
+    Updates come back in the gradients' dtype (updates of another structure than the gradients,
+    such as ``optax.lookahead``'s, come back as ``tx`` returned them).
 
     ``dtype`` must be narrower than float32: an integer or float64 dtype raises ``ValueError``.
+
+    ``seed`` picks the bits of ``rounding="stochastic"`` with the step counter in the state; a
+    leaf's bits also depend on its pytree path, so wrappers with the same seed over one tree
+    (one per ``optax.multi_transform`` group) draw their own. Give optimizers of separate trees
+    with the same paths different seeds.
 
     Example::
 
@@ -260,6 +291,10 @@ def state_dtype(
     globs = tuple(keep)
     round_fn = _check_rounding(rounding, where)
     seed = _check_seed(seed, where)
+
+    def widened(leaf: Any) -> Any:
+        """A 16-bit (or narrower) floating leaf in float32, for ``tx`` to compute in."""
+        return leaf.astype(F32) if _floating(leaf) and is_narrow(leaf.dtype) else leaf
 
     def narrowed(path: Any, leaf: Any) -> bool:
         """Stored in ``target``: floating, not float64, not a scalar, not a master copy of
@@ -295,10 +330,11 @@ def state_dtype(
     ) -> tuple[Any, StateDtypeState]:
         _check_state(state, StateDtypeState, f"{where}(tx)")
         stored = state.inner_state
-        wide = jax.tree_util.tree_map_with_path(
-            lambda p, x: x.astype(F32) if narrowed(p, x) else x, stored
-        )
-        new_updates, new_state = inner.update(updates, wide, params, **extra)
+        # All of it in float32, kept narrow leaves and gradients too: a tx with a lax.cond
+        # inside (apply_if_finite) needs the same dtypes from the step it takes and the one
+        # it skips (the gradients, or the state as it came in).
+        wide = jax.tree.map(widened, stored)
+        new_updates, new_state = inner.update(jax.tree.map(widened, updates), wide, params, **extra)
         old_flat, treedef = jax.tree_util.tree_flatten_with_path(stored)
         treedef = cast(Any, treedef)  # typed PyTreeDef? in jax's stubs, without its methods
         new_leaves = treedef.flatten_up_to(new_state)
@@ -307,6 +343,7 @@ def state_dtype(
             [_saturated(jnp.asarray(new_leaves[i]).astype(F32), target) for i in stored_at],
             [target] * len(stored_at),
             _step_key(seed, _SALTS["state_dtype"], state.step),
+            [_path_salt(old_flat[i][0]) for i in stored_at],
         )
         kept_leaves = list(new_leaves)
         for (_, old), new, i in zip(old_flat, new_leaves, range(len(new_leaves))):
@@ -314,11 +351,14 @@ def state_dtype(
                 kept_leaves[i] = new.astype(old.dtype)  # kept leaves keep their type
         for i, new in zip(stored_at, rounded):
             kept_leaves[i] = new
-        new_updates = jax.tree.map(
-            lambda u, g: u.astype(g.dtype) if _floating(u) and _floating(g) else u,
-            new_updates,
-            updates,
-        )
+        # Updates of another structure (optax.lookahead's: fast and slow) line up with no
+        # gradient: they come back as tx returned them.
+        if cast(Any, jax.tree.structure(new_updates)) == jax.tree.structure(updates):
+            new_updates = jax.tree.map(
+                lambda u, g: u.astype(g.dtype) if _floating(u) and _floating(g) else u,
+                new_updates,
+                updates,
+            )
         return new_updates, StateDtypeState(
             step=state.step + 1, inner_state=treedef.unflatten(kept_leaves)
         )
@@ -334,10 +374,24 @@ def _saturated(value: jax.Array, dtype: Any) -> jax.Array:
     return jnp.where(jnp.isfinite(value), jnp.clip(value, -limit, limit), value)
 
 
-def _split(params: Any) -> tuple[list[Any], Any, list[bool]]:
+def _split(params: Any, where: str) -> tuple[list[Any], Any, list[bool]]:
+    if isinstance(params, optax.LookaheadParams):
+        # Its gradients are the fast parameters' alone, so no leaf lines up with a gradient.
+        raise TypeError(
+            f"{where}: params is optax.LookaheadParams (fast and slow copies), which "
+            "optax.lookahead updates from the fast parameters' gradients alone; put lookahead "
+            "outside the jamp wrapper, e.g. optax.lookahead(jamp.optim.master_weights(tx), "
+            "sync_period=6, slow_step_size=0.5): the wrapper then sees the fast parameters"
+        )
     leaves, treedef = jax.tree.flatten(params)
     narrow = [_floating(x) and is_narrow(x.dtype) for x in leaves]
     return leaves, treedef, narrow
+
+
+def _salts(params: Any, at: Sequence[int]) -> list[tuple[int, int]]:
+    """The path salts of the parameter leaves at positions ``at``."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return [_path_salt(flat[i][0]) for i in at]
 
 
 def _check_state(state: Any, cls: type, where: str) -> None:
@@ -408,6 +462,11 @@ def _spacing(magnitude: jax.Array, dtype: Any) -> jax.Array:
     return jnp.ldexp(jnp.ones_like(magnitude), binade - info.nmant)
 
 
+def _carried(compensation: jax.Array, param: jax.Array) -> jax.Array:
+    """``compensated``'s stored error (in units of ``param``'s spacing) in float32."""
+    return compensation.astype(F32) * _spacing(jnp.abs(param.astype(F32)), param.dtype)
+
+
 def master_weights(
     tx: Any, *, rounding: str = "nearest", seed: int = 0
 ) -> optax.GradientTransformationExtraArgs:
@@ -424,6 +483,11 @@ def master_weights(
     A parameter changed between updates (pretrained weights put in with
     ``TrainState.replace``, a projection after each step) restarts its master copy from the new
     value, as plain optax starts from the ``params`` it is given.
+
+    ``seed`` picks the bits of ``rounding="stochastic"`` with the step counter in the state; a
+    leaf's bits also depend on its pytree path, so wrappers with the same seed over one tree
+    (one per ``optax.multi_transform`` group) draw their own. Give optimizers of separate trees
+    with the same paths different seeds.
 
     Put ``optax.MultiSteps`` inside (``master_weights(optax.MultiSteps(tx, k))``): it then
     accumulates float32 gradients. Parameters with no 16-bit leaf raise ``ValueError``
@@ -442,7 +506,7 @@ def master_weights(
     seed = _check_seed(seed, where)
 
     def init(params: Any) -> MasterWeightsState:
-        leaves, treedef, narrow = _split(params)
+        leaves, treedef, narrow = _split(params, f"{where}(tx).init(params)")
         if not any(narrow):
             raise _no_narrow_error(f"{where}(tx).init(params)", params)
         master = [x.astype(F32) if n else optax.MaskedNode() for x, n in zip(leaves, narrow)]
@@ -458,7 +522,7 @@ def master_weights(
     ) -> tuple[Any, MasterWeightsState]:
         _need_params(params, f"{where}(tx)")
         _check_state(state, MasterWeightsState, f"{where}(tx)")
-        leaves, treedef, narrow = _split(params)
+        leaves, treedef, narrow = _split(params, f"{where}(tx).update")
         master = _flat_like(state.master, treedef, "opt_state.master", f"{where}(tx)")
         _check_narrow_unchanged(params, master, narrow, "its float32 master copy", f"{where}(tx)")
         master = [_followed(m, x) if n else m for m, x, n in zip(master, leaves, narrow)]
@@ -477,6 +541,7 @@ def master_weights(
             [new_master[i] for i in at],
             [leaves[i].dtype for i in at],
             _step_key(seed, _SALTS["master_weights"], state.step),
+            _salts(params, at),
         )
         out = list(flat_updates)
         for i, r in zip(at, rounded):
@@ -499,6 +564,11 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
     ``state_dtype``). float32/float64 parameters are passed through; parameters with no 16-bit
     leaf raise ``ValueError``. Put ``optax.MultiSteps`` inside, as for :func:`master_weights`.
 
+    ``seed`` picks the random bits with the step counter in the state; a leaf's bits also
+    depend on its pytree path, so wrappers with the same seed over one tree (one per
+    ``optax.multi_transform`` group) draw their own. Give optimizers of separate trees with the
+    same paths different seeds.
+
     Example::
 
         tx = jamp.optim.stochastic_rounding(jamp.optim.state_dtype(optax.adamw(1e-3)))
@@ -513,7 +583,7 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
         return treedef.unflatten([x.astype(F32) if n else x for x, n in zip(leaves, narrow)])
 
     def init(params: Any) -> StochasticRoundingState:
-        leaves, treedef, narrow = _split(params)
+        leaves, treedef, narrow = _split(params, f"{where}(tx).init(params)")
         if not any(narrow):
             raise _no_narrow_error(f"{where}(tx).init(params)", params)
         return StochasticRoundingState(
@@ -525,7 +595,7 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
     ) -> tuple[Any, StochasticRoundingState]:
         _need_params(params, f"{where}(tx)")
         _check_state(state, StochasticRoundingState, f"{where}(tx)")
-        leaves, treedef, narrow = _split(params)
+        leaves, treedef, narrow = _split(params, f"{where}(tx).update")
         flat_grads, wide_grads = _widened_grads(grads, treedef, narrow, f"{where}(tx)")
         inner_updates, inner_state = inner.update(
             wide_grads, state.inner_state, widened(leaves, treedef, narrow), **extra
@@ -536,6 +606,7 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
             [leaves[i].astype(F32) + jnp.asarray(out[i]).astype(F32) for i in at],
             [leaves[i].dtype for i in at],
             _step_key(seed, _SALTS["stochastic_rounding"], state.step),
+            _salts(params, at),
         )
         for i, r in zip(at, rounded):
             out[i] = _land(leaves[i], r, _update_dtype(flat_grads[i], leaves[i]))
@@ -552,7 +623,11 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
 
     The state holds, for each 16-bit parameter, the part of the updates its rounding lost, in
     the parameter's dtype (2 bytes a parameter in bfloat16: the parameter and its compensation
-    together carry about 16 significant bits). ``update`` hands ``tx`` float32 gradients and the
+    together carry about 16 significant bits, 22 in float16). It is stored in units of the
+    parameter's spacing (the gap to its neighbouring value, a power of 2, so the scaling is
+    exact): half a step of a float16 parameter under 0.125 is below float16's smallest normal,
+    so an error stored as it is lost most of its bits (updates of 0.04 steps each moved a
+    parameter of 1e-3 61% too far). ``update`` hands ``tx`` float32 gradients and the
     compensated parameters (parameter + compensation, in float32), adds the compensation to
     ``tx``'s update, rounds to nearest, and keeps the new rounding error. Deterministic: no
     random bits. float32/float64 parameters are passed through; parameters with no 16-bit leaf
@@ -569,7 +644,7 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
     inner = _check_tx(tx, where)
 
     def init(params: Any) -> CompensatedState:
-        leaves, treedef, narrow = _split(params)
+        leaves, treedef, narrow = _split(params, f"{where}(tx).init(params)")
         if not any(narrow):
             raise _no_narrow_error(f"{where}(tx).init(params)", params)
         compensation = [
@@ -586,11 +661,11 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
     ) -> tuple[Any, CompensatedState]:
         _need_params(params, f"{where}(tx)")
         _check_state(state, CompensatedState, f"{where}(tx)")
-        leaves, treedef, narrow = _split(params)
+        leaves, treedef, narrow = _split(params, f"{where}(tx).update")
         carried = _flat_like(state.compensation, treedef, "opt_state.compensation", f"{where}(tx)")
         _check_narrow_unchanged(params, carried, narrow, "its compensation", f"{where}(tx)")
         view = [
-            x.astype(F32) + c.astype(F32) if n else x for x, c, n in zip(leaves, carried, narrow)
+            x.astype(F32) + _carried(c, x) if n else x for x, c, n in zip(leaves, carried, narrow)
         ]
         flat_grads, wide_grads = _widened_grads(grads, treedef, narrow, f"{where}(tx)")
         inner_updates, inner_state = inner.update(
@@ -605,9 +680,12 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
                 new_carried.append(c)
                 continue
             wide = p.astype(F32)
-            step = jnp.asarray(u).astype(F32) + c.astype(F32)
+            step = jnp.asarray(u).astype(F32) + _carried(c, p)
             target = (wide + step).astype(p.dtype)
-            new_carried.append((step - (target.astype(F32) - wide)).astype(c.dtype))
+            lost = step - (target.astype(F32) - wide)
+            new_carried.append(
+                (lost / _spacing(jnp.abs(target.astype(F32)), p.dtype)).astype(c.dtype)
+            )
             out.append(_land(p, target, _update_dtype(g, p)))
         return treedef.unflatten(out), CompensatedState(
             compensation=treedef.unflatten(new_carried), inner_state=inner_state

@@ -48,6 +48,8 @@ def _casts(value: Any) -> bool:
     """A cast_inputs call casts floating inputs narrower than float64."""
     dtype = np.dtype(value.dtype)
     return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype != np.float64
+
+
 # The regions this thread entered with ``__enter__`` and has not exited, innermost last: their
 # contexts (JAX's current trace, the name stack) can only be left in the reverse order.
 _open = threading.local()

@@ -289,14 +289,14 @@ class Recorder:
         )
 
 
-def _arg_names(fn: Callable, args: tuple, kwargs: dict, flat: list[Any]) -> list[str]:
-    """The user's pytree path of each traced leaf (``params['Dense_0']['kernel']``), named by
-    ``fn``'s parameters where its signature says them."""
+def _paths(fn: Callable, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+    """Each leaf of the call with the user's pytree path (``params['Dense_0']['kernel']``),
+    named by ``fn``'s parameters where its signature says them."""
     try:
         params = list(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
         params = []
-    paths: dict[int, str] = {}
+    out = []
     for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
         where, key = path[0], path[1] if len(path) > 1 else None
         index = getattr(key, "idx", None)
@@ -304,8 +304,60 @@ def _arg_names(fn: Callable, args: tuple, kwargs: dict, flat: list[Any]) -> list
             head = params[index] if index < len(params) else f"args[{index}]"
         else:
             head = str(getattr(key, "key", key))
-        paths.setdefault(id(leaf), head + jax.tree_util.keystr(tuple(path[2:])))
+        out.append((head + jax.tree_util.keystr(tuple(path[2:])), leaf))
+    return out
+
+
+def _arg_names(fn: Callable, args: tuple, kwargs: dict, flat: list[Any]) -> list[str]:
+    """The user's pytree path of each traced leaf."""
+    paths: dict[int, str] = {}
+    for name, leaf in _paths(fn, args, kwargs):
+        paths.setdefault(id(leaf), name)
     return [paths.get(id(x), f"argument {i}") for i, x in enumerate(flat)]
+
+
+def _stand_ins(
+    fn: Callable, args: tuple, kwargs: dict
+) -> tuple[tuple, dict, dict[int, jax.ShapeDtypeStruct]]:
+    """The call with each ``jax.ShapeDtypeStruct`` replaced by an array of its shape and dtype
+    that takes no memory (a broadcast zero: only its type is traced), and those arrays' ids ->
+    the structs they stand for (their shardings are compiled for)."""
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+        return args, kwargs, {}
+    structs: dict[int, jax.ShapeDtypeStruct] = {}
+    out = []
+    for name, leaf in _paths(fn, args, kwargs):
+        if isinstance(leaf, jax.ShapeDtypeStruct):
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+                raise TypeError(
+                    f"explain: argument {name} is a jax.ShapeDtypeStruct of {leaf.dtype}, which "
+                    "explain cannot stand in for; pass an array of it (jax.random.key(0))"
+                )
+            stand_in = np.broadcast_to(np.zeros((), leaf.dtype), leaf.shape)
+            structs[id(stand_in)] = leaf
+            leaf = stand_in
+        out.append(leaf)
+    args, kwargs = jax.tree_util.tree_unflatten(tree, out)
+    return args, kwargs, structs
+
+
+def _compiled_as(x: Any, structs: dict[int, jax.ShapeDtypeStruct]) -> jax.ShapeDtypeStruct:
+    """The type and sharding a traced leaf is compiled for: a ShapeDtypeStruct's own, else a
+    committed array's sharding (placed by ``jax.device_put`` or a sharded computation). An
+    uncommitted array (``jnp.ones``) goes wherever ``fn``'s own ``in_shardings`` or shard_map
+    put it, as in ``jax.jit(fn)(*args)``; pinning it to its one device clashed with them."""
+    if id(x) in structs:  # (traced as not weakly typed: so is its stand-in)
+        struct = structs[id(x)]
+        return jax.ShapeDtypeStruct(struct.shape, struct.dtype, sharding=struct.sharding)
+    aval = compat.aval_of(x)
+    placed = isinstance(x, jax.Array) and not compat.is_tracer(x) and x.committed
+    return jax.ShapeDtypeStruct(
+        aval.shape,
+        aval.dtype,
+        sharding=x.sharding if placed else None,
+        weak_type=getattr(aval, "weak_type", False),
+    )
 
 
 def explain(
@@ -325,7 +377,9 @@ def explain(
     collective of the program as XLA's SPMD partitioner left it (kind, dtype, bytes per device,
     the parameter or operation it moves), for the shardings the arguments carry: pass
     ``jax.Array``s placed with ``NamedSharding`` (or ``jax.ShapeDtypeStruct(...,
-    sharding=...)``); unsharded arguments compile for one device, reported as such.
+    sharding=...)``, traced at their shapes and dtypes). Arrays never placed (``jnp.ones``) go
+    where ``fn``'s own ``in_shardings`` or ``shard_map`` put them, as when it runs; where
+    nothing shards them the program compiles for one device, reported as such.
 
     Example::
 
@@ -342,6 +396,7 @@ def explain(
         raise TypeError(f"explain(compiled=...) must be True or False, got {compiled!r}")
     # A jax.jit-wrapped fn's static arguments stay Python values, as in autocast_transform.
     signature = CallSignature.of(fn, label="explain")
+    args, kwargs, structs = _stand_ins(fn, args, kwargs)
     args, kwargs = signature.mark_static(args, kwargs)
     _, flat, tracer, refuse_untraceable = trace_call(
         signature.call_unmarked, policy, args, kwargs, source=fn, signature=signature
@@ -354,16 +409,7 @@ def explain(
         compat.trace_to_closed(program, [compat.aval_of(x) for x in flat])
         return recorder.report()
     program.__name__ = program.__qualname__ = traced.name
-    shapes = [
-        jax.ShapeDtypeStruct(
-            compat.aval_of(x).shape,
-            compat.aval_of(x).dtype,
-            sharding=x.sharding if isinstance(x, jax.Array) and not compat.is_tracer(x) else None,
-            weak_type=getattr(compat.aval_of(x), "weak_type", False),
-        )
-        for x in flat
-    ]
-    lowered = jax.jit(program).lower(*shapes)
+    lowered = jax.jit(program).lower(*[_compiled_as(x, structs) for x in flat])
     compiled_program, collectives = report_collectives(lowered, _arg_names(fn, args, kwargs, flat))
     check = check_compiled(compiled_program, recorder.float8_dots)
     warn_fallbacks(check, traced.name)

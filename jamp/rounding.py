@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +86,8 @@ def is_narrow(dtype: Any) -> bool:
 def check_target(dtype: Any, where: str) -> np.dtype:
     """``dtype`` as a numpy dtype if it is float32 or a format in ``FORMATS``; otherwise an error
     naming ``where`` (the argument in the caller's terms)."""
+    if dtype is None:  # np.dtype(None) is float64: it would be reported as too wide
+        raise TypeError(f"{where} must be a dtype such as jnp.bfloat16, got None")
     try:
         target = np.dtype(dtype)
     except TypeError as err:
@@ -102,14 +104,34 @@ def check_target(dtype: Any, where: str) -> np.dtype:
     raise ValueError(f"{where} must be a narrow floating dtype ({names}) or float32; {why}")
 
 
+def _default_prng_impl() -> str:
+    # jax.config's flags are attributes its stubs do not list
+    return str(cast(Any, jax.config).jax_default_prng_impl)
+
+
+def _raw_key_shape() -> tuple[int, ...]:
+    """The shape of ``jax.random.PRNGKey(0)`` under the configured ``jax_default_prng_impl``:
+    uint32[2] for threefry, uint32[4] for rbg (the raw keys ``jax.random.bits`` then takes)."""
+    return _raw_key_shape_of(_default_prng_impl())
+
+
+@functools.cache
+def _raw_key_shape_of(impl: str) -> tuple[int, ...]:
+    # A new lambda: eval_shape caches by function, not by the PRNG implementation in force.
+    return tuple(jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape)
+
+
 def _key_error(key: Any) -> TypeError:
     shape = getattr(key, "shape", None)
     dtype = getattr(key, "dtype", None)
     got = f"{dtype}{list(shape)}" if shape is not None else type(key).__name__
+    raw = list(_raw_key_shape())
     return TypeError(
-        "stochastic_round(key=...) must be one PRNG key such as jax.random.key(0) or "
-        f"jax.random.PRNGKey(0), got {got}; under jax.vmap pass a batch of keys "
-        "(jax.random.split(key, n)) to give every example its own bits"
+        "stochastic_round(key=...) must be one PRNG key: a typed key such as jax.random.key(0) "
+        f"(shape ()) or a raw key such as jax.random.PRNGKey(0) (uint32{raw} under "
+        f"jax_default_prng_impl={_default_prng_impl()!r}), got {got}; under "
+        "jax.vmap pass a batch of keys (jax.random.split(key, n)) to give every example its "
+        "own bits"
     )
 
 
@@ -120,7 +142,8 @@ def _check_key(key: Any) -> Any:
         if key.shape != ():
             raise _key_error(key)
         return key
-    if key.dtype != jnp.uint32 or key.shape != (2,):  # a raw jax.random.PRNGKey
+    # a raw jax.random.PRNGKey, whose shape depends on the default PRNG implementation
+    if key.dtype != jnp.uint32 or tuple(key.shape) != _raw_key_shape():
         raise _key_error(key)
     return key
 
@@ -218,18 +241,29 @@ def random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
 
 
 def stochastic_round_many(
-    xs: Sequence[jax.Array], targets: Sequence[Any], key: Any
+    xs: Sequence[jax.Array],
+    targets: Sequence[Any],
+    key: Any,
+    salts: Sequence[tuple[int, int]] | None = None,
 ) -> list[jax.Array]:
     """``stochastic_round(xs[i], targets[i], ...)`` for every i, with bits from one ``key``:
     one ``jax.random.bits`` draw gives every array its two key words (array i hashes with
-    ``words[i]``), instead of a key split and a draw an array. Same properties as
-    ``stochastic_round``: unbiased, exact on representable values, deterministic per key,
-    computed shard by shard, straight-through.
+    ``words[i]``, xored with ``salts[i]`` when given), instead of a key split and a draw an
+    array. Same properties as ``stochastic_round``: unbiased, exact on representable values,
+    deterministic per key, computed shard by shard, straight-through.
+
+    ``salts`` (two uint32 constants an array) tell apart arrays that two calls with the same
+    key would otherwise hash alike (``jamp.optim``: a hash of each leaf's pytree path, so two
+    wrappers with one seed, one per ``optax.multi_transform`` group, draw unrelated bits). A
+    constant xored into uniform key words leaves them uniform, and two different constants
+    relate two arrays' words as two keys' words are related: not at all, through the hash.
 
     (Arrays of one shape do not share a hashed word, although bfloat16 uses 16 of its 32 bits:
     XLA recomputes an elementwise producer inside each consumer's fusion, so sharing saved no
     work on the CPU, and materializing the word costs more memory traffic than the hash.)"""
     words = jax.random.bits(key, (max(1, len(xs)), 2), jnp.uint32)
+    if salts:  # (None, or no arrays)
+        words = words ^ jnp.asarray(np.asarray(salts, np.uint32).reshape(len(xs), 2))
     out = []
     for i, (x, target) in enumerate(zip(xs, targets)):
         x, target = jnp.asarray(x), np.dtype(target)

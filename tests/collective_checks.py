@@ -197,4 +197,50 @@ for axis_name, expected_finite in ((None, [True] * 7 + [False]), ("i", [False] *
     if axis_name is not None:
         check(set(np.asarray(scale.loss_scale).tolist()) == {2.0 ** 14}, f"scale {scale}")
         check(bool(jnp.isfinite(stepped["w"]).all()), "pmap params stayed finite")
+# --- uncommitted arrays (jnp.ones) go where fn's in_shardings or shard_map put them ---------
+def fsdp_loss(p, x):
+    return jnp.mean(jnp.tanh(x @ p["w"]) ** 2)
+
+
+plain = ({"w": jnp.ones((64, 32))}, jnp.ones((64, 64)))
+placed = (jax.device_put(plain[0], NamedSharding(mesh, P("data"))),
+          jax.device_put(plain[1], NamedSharding(mesh, P("data"))))
+fsdp = jax.jit(jax.grad(fsdp_loss), in_shardings=({"w": NamedSharding(mesh, P("data"))},
+                                                  NamedSharding(mesh, P("data"))))
+mapped = jax.shard_map(lambda p, x: jax.lax.pmean(fsdp_loss(p, x), "data"), mesh=mesh,
+                       in_specs=(P(), P("data")), out_specs=P())
+# (placed as fn places them: the same program)
+as_mapped = (jax.device_put(plain[0], NamedSharding(mesh, P())), placed[1])
+for fn, where in ((fsdp, placed), (mapped, as_mapped)):
+    jax.jit(fn)(*plain)  # runs, so explain must too
+    check(as_found(explained(fn, *plain, policy=BF16_POLICY))
+          == as_found(explained(fn, *where, policy=BF16_POLICY)), f"uncommitted {fn}")
+# --- ShapeDtypeStructs with shardings: compiled as arrays placed so would be -----------------
+structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                       placed)
+check(as_found(explained(jax.grad(fsdp_loss), *structs, policy=BF16_POLICY))
+      == as_found(explained(jax.grad(fsdp_loss), *placed, policy=BF16_POLICY)),
+      "ShapeDtypeStructs")
+# --- loop trip counts: as often as the counter steps to the bound, else unknown ------------
+def loops(x):
+    v = x.sum(0)
+    # 1 -> 9 -> 81 -> 729: three runs a float condition does not say (not 100)
+    a = jax.lax.while_loop(lambda v: v[0] < 100.0,
+                           lambda v: jax.lax.psum(v, "data") + 0 * v, jnp.ones(16))
+    # i = 0, 3, 6, 9: four runs (not 12)
+    b = jax.lax.while_loop(lambda c: c[0] < 12,
+                           lambda c: (c[0] + 3, c[1] + jax.lax.pmax(v, "data")),
+                           (0, jnp.zeros(16)))[1]
+    c = jax.lax.fori_loop(2, 9, lambda i, c: c + jax.lax.pmin(v, "data") * i, jnp.zeros(16))
+    d = jax.lax.scan(lambda c, _: (c + jax.lax.psum(v * 2, "data"), None), jnp.zeros(16), None,
+                     length=5)[0]
+    return a + b + c + d
+
+
+looped = jamp.explain(jax.shard_map(loops, mesh=mesh, in_specs=P("data"), out_specs=P()),
+                      jax.device_put(jnp.ones((64, 16)), NamedSharding(mesh, P("data"))),
+                      compiled=True).collectives
+runs = sorted((c.runs is None, c.runs or 0) for c in looped.collectives)
+check(runs == [(False, 4), (False, 5), (False, 7), (True, 0)], f"loop runs: {looped}")
+check(" x?" in str(looped), f"unknown count shown: {looped}")
 print("collective checks passed")

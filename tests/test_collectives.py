@@ -206,7 +206,9 @@ StackFrames
   %w = bf16[2,16]{1,0} get-tuple-element(%carry), index=1
   %gathered = bf16[16,16]{1,0} all-gather(%w), channel_id=1, dimensions={0}, metadata={op_name="jit(step)/while/body/dot_general" stack_frame_id=1}
   %i = s32[] get-tuple-element(%carry), index=0
-  ROOT %out = (s32[], bf16[2,16]) tuple(%i, %w)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %out = (s32[], bf16[2,16]) tuple(%next, %w)
 }
 
 %cond (carry.1: (s32[], bf16[2,16])) -> pred[] {
@@ -274,3 +276,73 @@ def test_hlo_reader_loops_and_frames():
     assert module.frames == {"1": "model.py:12"}
     unknown = _PARTITIONED.replace("%n = s32[] constant(4)", "%n = s32[] parameter(1)")
     assert hlo.parse(unknown).runs("body") is None
+
+
+def _loop(condition, step="1", start="0", counter="s32"):
+    """A module whose loop counts from ``start`` by ``step`` while ``condition`` holds, in the
+    ``%param#0`` operand syntax newer XLA prints."""
+    return f"""HloModule loop
+%body (carry: ({counter}[], f32[4])) -> ({counter}[], f32[4]) {{
+  %carry = ({counter}[], f32[4]{{0}}) parameter(0)
+  %step = {counter}[] constant({step})
+  %next = {counter}[] add(%carry#0, %step)
+  %sum = f32[4]{{0}} all-reduce(%carry#1), channel_id=1, to_apply=%add
+  ROOT %out = ({counter}[], f32[4]{{0}}) tuple(%next, %sum)
+}}
+
+%cond (carry.1: ({counter}[], f32[4])) -> pred[] {{
+  %carry.1 = ({counter}[], f32[4]{{0}}) parameter(0)
+  %bound = {condition}
+}}
+
+ENTRY %main (p: f32[4]) -> f32[4] {{
+  %p = f32[4]{{0}} parameter(0)
+  %start = {counter}[] constant({start})
+  %init = ({counter}[], f32[4]{{0}}) tuple(%start, %p)
+  %loop = ({counter}[], f32[4]{{0}}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[4]{{0}} get-tuple-element(%loop), index=1
+}}
+"""
+
+
+@pytest.mark.parametrize(
+    "condition, step, start, runs",
+    [
+        ("s32[] constant(12)\n  ROOT %lt = pred[] compare(%carry.1#0, %bound), direction=LT",
+         "3", "0", 4),  # i = 0, 3, 6, 9: not the bound, 12
+        ("s32[] constant(9)\n  ROOT %lt = pred[] compare(%carry.1#0, %bound), direction=LT",
+         "1", "2", 7),  # fori_loop(2, 9)
+        ("s32[] constant(9)\n  ROOT %le = pred[] compare(%carry.1#0, %bound), direction=LE",
+         "1", "2", 8),
+        ("s32[] constant(12)\n  ROOT %gt = pred[] compare(%bound, %carry.1#0), direction=GT",
+         "5", "0", 3),  # `12 > i`
+        ("s32[] constant(0)\n  ROOT %gt = pred[] compare(%carry.1#0, %bound), direction=GT",
+         "-2", "7", 4),  # counting down: 7, 5, 3, 1
+        ("s32[] constant(12)\n  ROOT %lt = pred[] compare(%carry.1#0, %bound), direction=LT",
+         "0", "0", None),  # never steps
+        ("s32[] constant(12)\n  ROOT %lt = pred[] compare(%carry.1#0, %bound), direction=LT",
+         "-1", "0", None),  # steps away from the bound
+        ("s32[] parameter(1)\n  ROOT %lt = pred[] compare(%carry.1#0, %bound), direction=LT",
+         "1", "0", None),  # a bound known at run time only
+    ],
+)
+def test_a_loop_runs_as_often_as_its_counter_steps_to_the_bound(condition, step, start, runs):
+    """A while's trip count was the constant its condition compared with, whatever the counter
+    started at or stepped by: `i < 12` stepping by 3 ran x12, not x4."""
+    module = hlo.parse(_loop(condition, step, start))
+    assert module.trip_count(module.computations["main"]["loop"]) == runs
+    [found] = collectives.read_collectives(_loop(condition, step, start)).collectives
+    assert found.runs == runs
+    assert (" x?" in str(found)) == (runs is None)
+
+
+def test_a_float_condition_has_no_trip_count():
+    """`while v[0] < 100.0` runs as often as the values say (3 times from 1, squaring): it was
+    reported as running 100 times."""
+    text = _loop("f32[] constant(100)\n  ROOT %lt = pred[] compare(%carry.1#0, %bound), "
+                 "direction=LT", counter="f32", step="1", start="1")
+    module = hlo.parse(text)
+    assert module.trip_count(module.computations["main"]["loop"]) is None
+    report = collectives.read_collectives(text)
+    assert report.collectives[0].runs is None
+    assert report.bytes_by_dtype == {"float32": 16}  # counted once, as documented

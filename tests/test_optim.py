@@ -407,6 +407,8 @@ def test_errors_in_the_users_terms():
         optim.state_dtype(optax.sgd(0.1), jnp.int32)
     with pytest.raises(ValueError, match="float64 is wider than float32"):
         optim.state_dtype(optax.sgd(0.1), jnp.float64)
+    with pytest.raises(TypeError, match=r"state_dtype\(dtype=\.\.\.\) must be a dtype .*got None"):
+        optim.state_dtype(optax.sgd(0.1), None)  # was "float64 is wider than float32"
     with pytest.raises(ValueError, match=r"rounding=\.\.\.\) must be one of"):
         optim.master_weights(optax.sgd(0.1), rounding="up")
 
@@ -482,3 +484,101 @@ def test_state_dtype_keeps_master_copies_and_saturates_narrow_moments():
     assert nu.dtype == jnp.float16 and bool(jnp.all(nu == jnp.finfo(jnp.float16).max))
     updates, state = tx.update({"w": jnp.full((4,), 1e4)}, state)
     assert bool(jnp.all(jnp.isfinite(updates["w"]) & (updates["w"] != 0)))
+
+
+def test_state_dtype_wraps_lookahead_and_the_parameter_wrappers_say_where_it_goes():
+    """state_dtype(optax.lookahead(...)) raised a bare pytree error (its updates are
+    LookaheadParams, its gradients the fast parameters'); the parameter wrappers, which cannot
+    wrap it, now say to put lookahead outside, where it works."""
+    for dtype in (F32, BF16):
+        params = optax.LookaheadParams.init_synced({"w": jnp.ones((3,), dtype)})
+        grads = {"w": jnp.full((3,), 0.5, dtype)}
+        tx = optim.state_dtype(optax.lookahead(optax.adam(0.1), sync_period=2,
+                                               slow_step_size=0.5))
+        state = tx.init(params)
+        assert state.inner_state.fast_state[0].mu["w"].dtype == BF16
+        for _ in range(3):
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        assert params.fast["w"].dtype == dtype and float(params.slow["w"][0]) < 1.0
+    params = optax.LookaheadParams.init_synced({"w": jnp.ones((3,), BF16)})
+    for wrapper in (optim.master_weights, optim.stochastic_rounding, optim.compensated):
+        with pytest.raises(TypeError, match=r"params is optax.LookaheadParams.*put lookahead "
+                                            r"outside the jamp wrapper"):
+            wrapper(optax.lookahead(optax.adam(0.1), 2, 0.5)).init(params)
+        tx = optax.lookahead(wrapper(optax.adam(0.1)), sync_period=2, slow_step_size=0.5)
+        state = tx.init(params)
+        updates, state = tx.update({"w": jnp.full((3,), 0.5, BF16)}, state, params)
+        assert float(optax.apply_updates(params, updates).fast["w"][0]) < 1.0
+
+
+def test_state_dtype_around_a_tx_with_a_cond_on_16_bit_parameters():
+    """apply_if_finite and conditionally_transform inside state_dtype raised optax's "cond
+    branches must have equal output types" on bfloat16 parameters: the state came in float32,
+    the gradients in bfloat16, and the skipping branch returned them as they came."""
+    params = {"w": jnp.ones((4,), BF16)}
+    grads = {"w": jnp.full((4,), 0.1, BF16)}
+    for inner in (optax.apply_if_finite(optax.adam(1e-2), 3),
+                  optax.conditionally_transform(optax.adam(1e-2), lambda step: step % 2 == 0)):
+        tx = optim.state_dtype(inner)
+        updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+        assert updates["w"].dtype == BF16 and float(updates["w"][0]) < 0
+    tx = optim.state_dtype(optax.apply_if_finite(optax.adam(1e-2), 3))
+    state = tx.init(params)
+    updates, skipped = tx.update({"w": grads["w"].at[0].set(jnp.nan)}, state, params)
+    assert int(skipped.inner_state.notfinite_count) == 1 and not bool(jnp.any(updates["w"]))
+    # a kept 16-bit leaf: computed in float32 too, stored back in its own dtype
+    tx = optim.state_dtype(optax.apply_if_finite(optax.adam(1e-2), 3), keep=("*nu*",))
+    _, state = tx.update(grads, tx.init(params), params)
+    assert state.inner_state.inner_state[0].nu["w"].dtype == BF16
+
+
+def test_wrappers_with_one_seed_side_by_side_draw_their_own_bits():
+    """One wrapper per optax.multi_transform group, both with seed 0: the i-th leaf of each
+    drew the same bits, so same-shaped layers rounded up and down together."""
+    n = 4096
+    params = {"decay": {"kernel": jnp.ones((n,), BF16)}, "no_decay": {"scale": jnp.ones((n,), BF16)}}
+    grads = jax.tree.map(lambda p: jnp.full(p.shape, -1.0, F32), params)
+    labels = {"decay": {"kernel": "decay"}, "no_decay": {"scale": "no_decay"}}
+    for wrapper in (optim.stochastic_rounding,
+                    functools.partial(optim.master_weights, rounding="stochastic"),
+                    lambda t: optim.stochastic_rounding(optim.state_dtype(t))):
+        tx = optax.multi_transform({"decay": wrapper(optax.sgd(2e-3, momentum=0.5)),
+                                    "no_decay": wrapper(optax.sgd(2e-3, momentum=0.5))}, labels)
+        new = optax.apply_updates(params, tx.update(grads, tx.init(params), params)[0])
+        a = np.asarray(new["decay"]["kernel"], np.float32) > 1
+        b = np.asarray(new["no_decay"]["scale"], np.float32) > 1
+        p = a.mean()  # 2e-3 / 2**-7: up with probability ~0.26
+        assert abs(np.mean(a == b) - (p * p + (1 - p) ** 2)) < 0.05, np.mean(a == b)
+    # the moments of state_dtype too
+    tx = optax.multi_transform({g: optim.state_dtype(optax.adam(1e-3)) for g in ("decay",
+                                                                               "no_decay")}, labels)
+    small = jax.tree.map(lambda p: jnp.full(p.shape, 1e-3 * (1 + 2**-9), F32), params)
+    state = tx.update(small, tx.init(params), params)[1]
+    mu = [s.inner_state.inner_state[0].mu for s in state.inner_states.values()]
+    a, b = (np.asarray(m[k][w], np.float32) for m, (k, w) in zip(
+        mu, (("decay", "kernel"), ("no_decay", "scale"))))
+    assert 0.2 < np.mean(a == b) < 0.8
+
+
+def test_compensated_float16_small_parameters_move_as_far_as_float32():
+    """The float16 compensation of a parameter under 0.1 was itself in float16's subnormal
+    range: updates of 0.04 steps moved a parameter of 1e-3 61% too far."""
+    n, lr, v0 = 1000, 1e-4, 1e-3
+    params = {"w": jnp.full((256,), v0, jnp.float16)}
+    grads = {"w": jnp.full((256,), 0.37 * v0, F32)}
+
+    def run(tx):
+        def step(carry, _):
+            p, s = carry
+            updates, s = tx.update(grads, s, p)
+            return (optax.apply_updates(p, updates), s), None
+        (p, _), _ = jax.jit(lambda p, s: jax.lax.scan(step, (p, s), None, n))(params, tx.init(params))
+        return float(jnp.mean(p["w"].astype(F32)))
+
+    start = float(np.float16(v0))
+    expected = n * lr * float(np.float32(0.37 * v0))
+    moved = start - run(optim.compensated(optax.sgd(lr)))
+    assert abs(moved / expected - 1) < 0.02, moved / expected
+    state = optim.compensated(optax.sgd(lr)).init(params)
+    assert state.compensation["w"].dtype == jnp.float16

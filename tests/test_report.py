@@ -93,3 +93,30 @@ def test_an_integer_only_matmul_counts_as_integer():
                           jnp.ones((8, 2), jnp.int32))
     assert report.flops == {"int32": 2 * 4 * 2 * 8}
     assert report.low_precision_flop_share == 0.0
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_shape_dtype_structs_are_explained_at_their_shapes_and_dtypes(compiled):
+    """explain's docstring says to pass jax.ShapeDtypeStructs: they reached the function as they
+    were (``TypeError: unsupported operand type(s) for @: 'ShapeDtypeStruct'``)."""
+    def loss(params, x):
+        return jnp.mean(jnp.tanh(x @ params["w"]) ** 2)
+
+    structs = ({"w": jax.ShapeDtypeStruct((16, 8), jnp.float32)},
+               jax.ShapeDtypeStruct((4, 16), jnp.bfloat16))
+    arrays = ({"w": jnp.ones((16, 8))}, jnp.ones((4, 16), jnp.bfloat16))
+    got = jamp.explain(jax.grad(loss), *structs, compiled=compiled)
+    want = jamp.explain(jax.grad(loss), *arrays, compiled=compiled)
+    assert got.ops == want.ops and got.flops == want.flops and got.casts == want.casts
+    assert got.flops == {"bfloat16": 2 * 2 * 4 * 16 * 8}  # forward, and the gradient of w
+    # also as a keyword argument, beside arrays
+    assert jamp.explain(loss, arrays[0], x=structs[1], compiled=compiled).ops == \
+        jamp.explain(loss, arrays[0], x=arrays[1], compiled=compiled).ops
+    if compiled:
+        assert got.collectives.devices == 1
+
+
+def test_a_shape_dtype_struct_of_keys_is_named():
+    key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    with pytest.raises(TypeError, match=r"argument rng is a jax.ShapeDtypeStruct of key"):
+        jamp.explain(lambda x, rng: x * jax.random.normal(rng), jnp.ones(3), rng=key)

@@ -134,6 +134,7 @@ def test_16_bit_inputs_and_float32_target():
     (jnp.int8, ValueError, "int8 is not a floating dtype"),
     (jnp.float64, ValueError, "float64 is wider than float32"),
     ("nonsense", TypeError, "must be a dtype"),
+    (None, TypeError, "got None"),  # was "float64 is wider than float32" (np.dtype(None))
 ])
 def test_bad_dtype_is_named(dtype, error, words):
     with pytest.raises(error, match=words):
@@ -147,6 +148,39 @@ def test_bad_x_and_key_are_named():
         jamp.stochastic_round(jnp.ones(3), jnp.bfloat16, 0)
     with pytest.raises(TypeError, match="batch of keys"):
         jamp.stochastic_round(jnp.ones(3), jnp.bfloat16, jax.random.split(jax.random.key(0), 3))
+
+
+def test_raw_keys_of_the_configured_prng_impl_are_accepted():
+    """Under jax_default_prng_impl="rbg", jax.random.PRNGKey(0) is uint32[4]: it was rejected
+    by a message that asked for jax.random.PRNGKey(0)."""
+    x = jnp.full((64,), 1.0 + 2.0**-10)
+    with jax.default_prng_impl("rbg"):
+        key = jax.random.PRNGKey(0)
+        assert key.shape == (4,)
+        y = jamp.stochastic_round(x, jnp.bfloat16, key)
+        assert set(np.asarray(y, np.float32).tolist()) <= {1.0, 1.0078125}
+        with pytest.raises(TypeError, match=r"uint32\[4\] under jax_default_prng_impl='rbg'"
+                                            r"\), got uint32\[2\]"):
+            jamp.stochastic_round(x, jnp.bfloat16, jnp.zeros((2,), jnp.uint32))
+    with pytest.raises(TypeError, match=r"uint32\[2\] under .*got uint32\[4\]"):
+        jamp.stochastic_round(x, jnp.bfloat16, jnp.zeros((4,), jnp.uint32))
+
+
+def test_salts_give_arrays_hashed_alike_their_own_bits():
+    """stochastic_round_many with one key: array i of two calls drew the same bits unless
+    salted (jamp.optim salts with each leaf's pytree path)."""
+    from jamp.rounding import stochastic_round_many
+    x = jnp.full((4096,), 1.0 + 2.0**-8)  # half a bfloat16 step up: up with probability 1/2
+    key = jax.random.key(0)
+
+    def up(salts):
+        (y,) = stochastic_round_many([x], [jnp.bfloat16], key, salts)
+        return np.asarray(y, np.float32) > 1
+
+    assert np.array_equal(up(None), up(None))
+    a, b = up([(1, 2)]), up([(3, 4)])
+    assert abs(a.mean() - 0.5) < 0.05 and abs(b.mean() - 0.5) < 0.05  # still unbiased
+    assert abs(np.mean(a == b) - 0.5) < 0.05  # unrelated, not identical
 
 
 def test_hashed_bits_are_uniform_and_unrelated_to_their_neighbours():
