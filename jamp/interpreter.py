@@ -1292,6 +1292,7 @@ def _converts_a_contraction_result(step: Step) -> bool:
 def _rounds_reduction_result(step: Step) -> bool:
     return (
         step.state.enabled
+        and step.policy.category("reduce_sum") == "fp32"  # (a policy without: jnp's rounding)
         and convert_may_round_a_reduction(step.params, step.avals())
         and compat.traced_in_jnp_reduction(step.eqn)
     )

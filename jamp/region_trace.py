@@ -515,6 +515,16 @@ def _promoted_operands(closed: Any) -> tuple | None:
     return result
 
 
+def _squares_a_program_may_take(env: Any, invars: Sequence[Any], avals: Sequence[Any]) -> list:
+    """Which operands of a call (a program JAX traced) that are 16-bit squares the region may
+    hand it recomputed in float32: not one whose dtype another floating operand has, which the
+    body, traced with both in that dtype, may pair it with in an operation taking one dtype
+    (``jnp.logaddexp(x ** 2, 0.0)``: a ``lax.max`` of the square and the 0.0 jnp made 16-bit)."""
+    squares = [v is not None and v in env.lazy_squares for v in invars]
+    others = {np.dtype(a.dtype) for a, sq in zip(avals, squares) if not sq and is_float(a.dtype)}
+    return [sq and np.dtype(a.dtype) not in others for a, sq in zip(avals, squares)]
+
+
 class CastsByVar(dict):
     """The cast cache (``(var, dtype) -> value``), able to drop a variable's entries without a
     scan: a long eager loop in one region would otherwise pay for every cast made so far."""
@@ -629,7 +639,8 @@ class RegionTrace(compat.Trace):
                 return args[0]
         if env.lazy_squares and (programs or primitive.name in ACCUMULATING):
             # a sum of a square (or a program that may sum it) reads it in float32
-            args, invars, avals = self._squares_summed(args, invars, avals)
+            which = _squares_a_program_may_take(env, invars, avals) if programs else None
+            args, invars, avals = self._squares_summed(args, invars, avals, which)
         # Walking a callee's jaxpr, the equation bound here says its operands' types in the
         # program (a rule reads them: Step.program_aval), which the policy may have changed.
         walked = compat.walked_equation(primitive, len(args))
@@ -746,7 +757,11 @@ class RegionTrace(compat.Trace):
         invars = [env._seen(a) for a in args]
         if not any(v is not None and v in env.lazy_squares for v in invars):
             return args
-        return self._squares_summed(args, invars, [compat.aval_of(a) for a in args])[0]
+        avals = [compat.aval_of(a) for a in args]
+        which = _squares_a_program_may_take(env, invars, avals)
+        if not any(which):
+            return args
+        return self._squares_summed(args, invars, avals, which)[0]
 
     # -- decisions made once per signature ------------------------------------------------------
 
@@ -1190,12 +1205,31 @@ class RegionTrace(compat.Trace):
     def process_custom_jvp_call(
         self, primitive: Any, fun: Any, jvp: Any, tracers: Sequence[Any], /, **params: Any
     ) -> Any:
-        return self._staged(primitive, (fun, jvp), self._all_squares_summed(tracers), params)
+        args = self._agreeing(primitive, self._all_squares_summed(tracers))
+        return self._staged(primitive, (fun, jvp), args, params)
 
     def process_custom_vjp_call(
         self, primitive: Any, fun: Any, fwd: Any, bwd: Any, tracers: Sequence[Any], /, **params: Any
     ) -> Any:
-        return self._staged(primitive, (fun, fwd, bwd), self._all_squares_summed(tracers), params)
+        args = self._agreeing(primitive, self._all_squares_summed(tracers))
+        return self._staged(primitive, (fun, fwd, bwd), args, params)
+
+    def _agreeing(self, primitive: Any, args: Sequence[Any]) -> Sequence[Any]:
+        """A custom-derivative call met walking a callee (a ``jnp`` function) takes its operands
+        in the dtypes the callee traced it with: its body and its derivative rules are programs
+        JAX traced at those types (a square the region recomputed in float32 for a sum, beside
+        the 16-bit value it was traced with, failed in the body's ``lax.max``, or in the JVP
+        rule's ``lax.eq`` under ``jax.grad``)."""
+        walked = compat.walked_equation(primitive, len(args))
+        if walked is None:
+            return args
+        args = list(args)
+        with compat.set_current_trace(self.parent):
+            for i, var in enumerate(walked.invars):
+                dtype = getattr(var.aval, "dtype", None)
+                if dtype is not None and is_float(dtype) and compat.aval_of(args[i]).dtype != dtype:
+                    args[i] = compat.convert_now(args[i], dtype)
+        return args
 
     def process_call(
         self, primitive: Any, fun: Any, tracers: Sequence[Any], params: dict, /

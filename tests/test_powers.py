@@ -110,3 +110,22 @@ def test_squares_summed_across_devices_in_a_shard_map(check_vma):
 
     for outputs in (jamp.autocast_transform(summed)(X, W), jax.jit(region)(X, W)):
         assert [o.dtype for o in outputs] == [F32, F32]
+
+
+def test_a_square_passed_to_a_custom_derivative_function_in_a_region():
+    # jnp.logaddexp(v ** 2, 0.0) in a jitted region: the region handed logaddexp's custom_jvp the
+    # square recomputed in float32 beside the 0.0 it was traced with in bfloat16, and its body's
+    # lax.max failed ("an operand is bfloat16 because the region computed it", which it was not);
+    # on jax 0.12 jax.nn.softplus of a square failed the same way, under jax.grad in its JVP rule.
+    v = jnp.linspace(-1, 1, 8).astype(jnp.bfloat16)
+
+    def f(v):
+        with jamp.autocast():
+            return jnp.logaddexp(v ** 2, 0.0), jax.nn.softplus(lax.integer_pow(v, 2))
+
+    expected = [jnp.logaddexp(v.astype(F32) ** 2, 0.0)] * 2
+    for form in (f, jax.jit(f), jax.vmap(f)):
+        for out, want in zip(form(v), expected):
+            np.testing.assert_allclose(out.astype(F32), want, rtol=1e-2)
+    grad = jax.grad(lambda v: sum(o.astype(F32).sum() for o in f(v)))(v)
+    assert grad.dtype == BF16 and bool(jnp.isfinite(grad.astype(F32)).all())

@@ -1710,3 +1710,19 @@ def test_a_long_region_does_not_keep_what_a_dropped_jitted_function_closed_over(
         del g
         assert gone() is None  # the region is still open
     assert first.dtype == second.dtype == jnp.bfloat16
+
+
+def test_jnp_reductions_of_16_bit_values_follow_the_policys_fp32_table():
+    """A region leaves out jnp's rounding of a reduction's float32 result back to a 16-bit
+    input's dtype "as the fp32 table says": it did so for any policy, an empty one too (which
+    then was no identity), where autocast_transform keeps it."""
+    xb = jnp.linspace(-1, 1, 32).reshape(4, 8).astype(jnp.bfloat16)
+    empty = jamp.Policy(jnp.float32, lower=(), fp32=(), promote=())
+    no_sum = jamp.Policy(fp32=jamp.policy.FP32 - {"reduce_sum"})
+    for policy, expected in ((empty, jnp.bfloat16), (no_sum, jnp.bfloat16),
+                             (jamp.Policy(), jnp.float32)):
+        with jamp.autocast(policy):
+            sums = jnp.sum(xb), jnp.mean(xb, axis=0)
+        assert [s.dtype for s in sums] == [expected] * 2, policy
+    for policy in (empty, no_sum):  # (with reduce_sum in fp32 the forms differ: dtypes.md)
+        assert jamp.autocast_transform(jnp.sum, policy)(xb).dtype == jnp.bfloat16
