@@ -120,6 +120,11 @@ def is_autocast_enabled() -> bool:
     return bool(stack) and stack[-1][0]
 
 
+def in_region_state() -> bool:
+    """Whether a region (enabled or not) or a transformed function's trace set the state."""
+    return bool(_stack())
+
+
 def get_autocast_dtype() -> np.dtype:
     """Compute dtype of the current region (the default ``bfloat16`` outside any region)."""
     stack = _stack()

@@ -30,6 +30,7 @@ from .region_stack import (
     cast_inputs_name,
     entered,
     get_autocast_dtype,
+    in_region_state,
     inside_transform,
     is_autocast_enabled,
     marker,
@@ -107,7 +108,8 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         self.enabled = bool(enabled)
         self.cast_inputs = _region_dtype(cast_inputs, "cast_inputs")
         self._entered: list[contextlib.ExitStack] = []
-        self._transformed: Callable | None = None
+        self._transformed: dict[Policy, Callable] = {}  # (a decorated function, by policy)
+        self._inherits_dtype = dtype is None  # (neither a dtype nor a policy given)
 
     def __enter__(self) -> autocast:
         if self.cast_inputs is not None:
@@ -150,9 +152,13 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 return self._cast_inputs_call(fn, self.cast_inputs, args, kwargs)
             if not self.enabled:  # autocast is already off outside regions
                 return fn(*args, **kwargs)
-            if self._transformed is None:
-                self._transformed = autocast_transform(fn, self._region_policy())
-            return self._transformed(*args, **kwargs)
+            policy = self._region_policy()
+            if self._inherits_dtype and in_region_state():
+                policy = _default_policy(get_autocast_dtype())  # (a disabled region's dtype=)
+            transformed = self._transformed.get(policy)
+            if transformed is None:
+                transformed = self._transformed[policy] = autocast_transform(fn, policy)
+            return transformed(*args, **kwargs)
 
         return compat.api_boundary(wrapper)  # (fn's errors show fn's frames, as under jax.jit)
 
@@ -197,7 +203,9 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
             exits.enter_context(jax.named_scope(marker(self.enabled, self.dtype)))
             if self.dtype is not None:
                 dtype = self.dtype
-            elif is_autocast_enabled() or not outermost:
+            elif is_autocast_enabled() or not outermost or in_region_state():
+                # (inside a disabled region too: its dtype= is the one autocast() then takes,
+                # as torch's autocast(enabled=False, dtype=...) sets it)
                 dtype = get_autocast_dtype()
             else:
                 dtype = self._region_policy().compute_dtype

@@ -823,3 +823,45 @@ def test_custom_derivatives_branching_on_values_inside_jit_raise_as_without_jamp
 
     with pytest.raises(jax.errors.TracerBoolConversionError):
         jax.jit(step)(jnp.arange(1.0, 4.0))
+
+
+def test_derivative_rules_see_the_autocast_state_of_their_call():
+    """torch's custom_fwd/custom_bwd pattern (choose a path by the autocast state) under
+    jax.grad(autocast_transform(loss)): fwd, bwd and a jvp rule were traced after the function
+    and answered the defaults (disabled; bfloat16 under a float16 transform)."""
+    seen = []
+
+    @jax.custom_vjp
+    def f(x, w):
+        return x @ w
+
+    def f_fwd(x, w):
+        seen.append(("fwd", jamp.is_autocast_enabled(), jamp.get_autocast_dtype()))
+        return x @ w, (x, w)
+
+    def f_bwd(res, g):
+        seen.append(("bwd", jamp.is_autocast_enabled(), jamp.get_autocast_dtype()))
+        x, w = res
+        return g @ w.T, x.T @ g
+
+    f.defvjp(f_fwd, f_bwd)
+
+    @jax.custom_jvp
+    def h(x):
+        return jnp.sin(x)
+
+    @h.defjvp
+    def h_jvp(primals, tangents):
+        seen.append(("jvp", jamp.is_autocast_enabled(), jamp.get_autocast_dtype()))
+        return h(primals[0]), jnp.cos(primals[0]) * tangents[0]
+
+    def loss(w, x):
+        return jnp.sum(h(f(x, w)).astype(jnp.float32))
+
+    x, w = jnp.ones((2, 4)), jnp.ones((4, 4))
+    for fn in (jax.grad(jamp.autocast_transform(loss, dtype=jnp.float16)),
+               jax.jit(jax.grad(jamp.autocast_transform(loss, dtype=jnp.float16)))):
+        seen.clear()
+        fn(w, x)
+        assert {kind for kind, _, _ in seen} == {"fwd", "bwd", "jvp"}
+        assert all(on and dtype == jnp.float16 for _, on, dtype in seen), seen

@@ -388,3 +388,20 @@ def test_regions_inside_win_over_rules():
         return x, y
     out = jamp.autocast_transform(f, jamp.Policy(rules=(("encoder", None),)))(A)
     assert [o.dtype for o in out] == [F32, F16]
+
+
+def test_a_disabled_regions_dtype_is_the_one_a_nested_region_and_the_decorator_take():
+    """torch's autocast(enabled=False, dtype=float16) sets the autocast dtype: a nested
+    autocast() computed float16 but get_autocast_dtype() answered bfloat16, and a @autocast()
+    function called there computed bfloat16."""
+    @jamp.autocast()
+    def decorated(x):
+        return x @ x
+
+    with jamp.autocast(enabled=False, dtype=F16):
+        assert jamp.get_autocast_dtype() == F16 and not jamp.is_autocast_enabled()
+        with jamp.autocast():
+            assert jamp.get_autocast_dtype() == F16
+            assert (A @ A).dtype == F16
+        assert decorated(A).dtype == F16
+    assert decorated(A).dtype == BF16  # outside, the default again (one transform per dtype)

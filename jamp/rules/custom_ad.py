@@ -57,6 +57,7 @@ from ..interpreter import (
     walk_call,
 )
 from ..policy import RegionState
+from ..region_stack import tracing_under
 
 
 class RuleClosureError(RewriteError):
@@ -172,16 +173,17 @@ def custom_jvp_rule(step: Step) -> Sequence[Any]:
         rules = _JVP_RULES.get(call_jaxpr)
         if rules is None:
             rules = _JVP_RULES[call_jaxpr] = {}
-        key: tuple | None = (jvp_fun, tuple(at))
+        key: tuple | None = (jvp_fun, tuple(at), rule_state.enabled, rule_state.dtype)
         try:
             cached = rules.get(key)
         except TypeError:  # a rule function that cannot be hashed: traced every time
             cached = key = None
         if cached is None:  # (the same equation again: an eager step, a model's repeated block)
             zeros: list[tuple[bool, ...]] = []
-            rule = compat.trace_to_closed(
-                primals_and_tangents, [*traced, *(tangent_avals[i] for i in at)]
-            )
+            with _answering(rule_state):
+                rule = compat.trace_to_closed(
+                    primals_and_tangents, [*traced, *(tangent_avals[i] for i in at)]
+                )
             cached = (rule, zeros[0])
             consts = compat.open_and_consts(rule)[1]
             if key is not None and not any(compat.is_tracer(c) for c in consts):
@@ -276,6 +278,13 @@ def _instantiate(ct: Any) -> Any:
     return jnp.zeros(aval.shape, aval.dtype)
 
 
+def _answering(state: RegionState) -> Any:
+    """While JAX traces a user's derivative rule (fwd, bwd, a jvp rule): the region state of
+    the call it belongs to, as ``jamp.is_autocast_enabled``/``get_autocast_dtype`` answer it
+    there (they answered the defaults: the rules are traced after the function was)."""
+    return tracing_under(state.enabled, state.dtype)
+
+
 @register("custom_vjp_call", "custom_vjp_call_jaxpr")
 def custom_vjp_rule(step: Step) -> Sequence[Any]:
     """The user's fwd/bwd run under the forward call's region, for the inputs JAX differentiates.
@@ -324,7 +333,8 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
             }
             return [*outs, *(r for k, r in enumerate(residuals) if k not in pullback["refs"])]
 
-        fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
+        with _answering(primal_state):
+            fwd_closed = compat.trace_to_closed(forward_and_residuals, traced)
         jaxpr, consts = compat.open_and_consts(fwd_closed)
         outs = rewriter.run(jaxpr, _rule_consts(rewriter, consts, eqn), args)
         primal_outs = cast_all(outs[:n_out], out_dtypes)
@@ -358,7 +368,8 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
                 return [*jax.tree.leaves(cts), *log_leaves]
 
             given_avals = [a for a, z in zip(ct_avals, zero_cts) if not z]
-            closed = compat.trace_to_closed(backward, [*res_avals, *given_avals])
+            with _answering(primal_state):
+                closed = compat.trace_to_closed(backward, [*res_avals, *given_avals])
             n_logs = info["logs"].num_leaves
             log_dtypes = tuple(a.dtype for a in closed.out_avals[len(closed.out_avals) - n_logs :])
             jaxpr, consts = compat.open_and_consts(closed)
