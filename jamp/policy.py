@@ -15,6 +15,7 @@ syntax at construction; a rule that matched no scope warns (``UnmatchedRuleWarni
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import fnmatch
@@ -812,7 +813,14 @@ def report_unmatched_rules(rewriter: Any, jaxpr: Any) -> None:
 
 def _is_internal(filename: str) -> bool:
     here = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    return here in filename or any(filename.startswith(p) for p in _OWN_PACKAGES)
+    return (
+        here in filename
+        or filename == _CONTEXTLIB  # (a region's `with` exits through contextlib's frames)
+        or any(filename.startswith(p) for p in _OWN_PACKAGES)
+    )
+
+
+_CONTEXTLIB = contextlib.__file__
 
 
 def user_stacklevel() -> int:

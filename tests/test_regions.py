@@ -405,3 +405,13 @@ def test_a_disabled_regions_dtype_is_the_one_a_nested_region_and_the_decorator_t
             assert (A @ A).dtype == F16
         assert decorated(A).dtype == F16
     assert decorated(A).dtype == BF16  # outside, the default again (one transform per dtype)
+
+
+def test_a_regions_unmatched_rule_warning_names_the_users_line():
+    # It named contextlib.py: the region's exit goes through contextlib's frames.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with jamp.autocast(jamp.Policy(rules=(("haed", None),))):
+            A @ A
+    found = [w for w in caught if issubclass(w.category, jamp.UnmatchedRuleWarning)]
+    assert found and all(w.filename == __file__ for w in found), [w.filename for w in found]
