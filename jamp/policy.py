@@ -823,6 +823,18 @@ def _is_internal(filename: str) -> bool:
 _CONTEXTLIB = contextlib.__file__
 
 
+_LIBRARY = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
+
+
+def own_frame(frames: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
+    """Of an equation's source frames (innermost first), the innermost in the user's own code
+    (outside installed packages: an NNX Linear's product runs on a line of Flax's), else the
+    innermost outside JAX and jamp. How ``jamp.tune`` and ``tracing.freeze(weights=...)`` name
+    a matmul outside any scope."""
+    own = [f for f in frames if not any(p in f[0] for p in _LIBRARY)]
+    return own[0] if own else (frames[0] if frames else None)
+
+
 def user_stacklevel() -> int:
     """The stacklevel of the first caller frame outside jamp and JAX (the user's line)."""
     frame: FrameType | None = sys._getframe(1)

@@ -77,7 +77,7 @@ import numpy as np
 from . import _compat as compat
 from .call_args import CallSignature, split_leaves
 from .interpreter import F32, Step, is_float, matmul_flops
-from .policy import FLOAT8_COMPUTE, LINE_RULE, Policy, is_float8
+from .policy import FLOAT8_COMPUTE, LINE_RULE, Policy, is_float8, own_frame
 from .probe import count_sites, normalize_argnums
 from .report import Recorder, _compute_dtype
 
@@ -269,15 +269,6 @@ def _seconds(ops: Iterable[_Op], speeds: DeviceSpeeds) -> float:
 
 # --- scopes ---------------------------------------------------------------------------------------
 
-_LIBRARY = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
-
-
-def _own_frame(frames: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
-    """The innermost frame in the user's own code (outside installed packages), else the
-    innermost frame outside JAX and jamp."""
-    own = [f for f in frames if not any(p in f[0] for p in _LIBRARY)]
-    return own[0] if own else (frames[0] if frames else None)
-
 
 def _escape(name: str) -> str:
     """A literal name as a glob that ``Policy`` accepts: glob characters bracketed, and the
@@ -305,7 +296,7 @@ class _Unit:
 
 def _units(ops: list[_Op]) -> list[_Unit]:
     """Group the float32 program's matmuls into scopes (paths) and, outside scopes, lines."""
-    lines = {_own_frame(op.frames) for op in ops if not op.path}
+    lines = {own_frame(op.frames) for op in ops if not op.path}
     basenames: dict[str, set[str]] = {}
     for line in lines:
         if line is not None:
@@ -319,7 +310,7 @@ def _units(ops: list[_Op]) -> list[_Unit]:
                     "/".join(op.path), "/".join(map(_escape, op.path)), op.path, None, []
                 )
         else:
-            frame = _own_frame(op.frames)
+            frame = own_frame(op.frames)
             key = ("line", frame)
             if key not in units:
                 if frame is None:
@@ -1142,6 +1133,23 @@ def _check_inputs_tuple(check_inputs: Any, inputs: tuple) -> tuple | None:
     return tuple(check_inputs)
 
 
+def _weights_tolerance(tolerance: Any) -> float:
+    """``tolerance`` checked as ``tune`` checks its own, the errors in tune_weights' terms."""
+    try:
+        return _check_tolerance(tolerance)
+    except TypeError:
+        raise TypeError(
+            "tune_weights: tolerance must be a number (a relative output error such as 1e-2), "
+            f"got {type(tolerance).__name__} {tolerance!r}"
+        ) from None
+    except ValueError:
+        raise ValueError(
+            "tune_weights: tolerance must be >= 0 (the largest relative error of the outputs "
+            "against the frozen program's; 0 keeps every kernel as frozen, math.inf allows any "
+            f"finite error), got {tolerance!r}"
+        ) from None
+
+
 def tune_weights(
     frozen: Any,
     *calibration_inputs: Any,
@@ -1196,7 +1204,7 @@ def tune_weights(
             "tune_weights: candidates must be one or more of jnp.int8, jnp.int4, "
             f"jnp.float8_e4m3fn (keeping a scope as frozen is always an option), got {candidates!r}"
         )
-    tolerance = _check_tolerance(tolerance)
+    tolerance = _weights_tolerance(tolerance)
     held_out = _check_inputs_tuple(check_inputs, calibration_inputs)
     found = kernels(closed)
     if not found:
@@ -1226,9 +1234,13 @@ def tune_weights(
             unit.costs[dtype] = float(sum(k.nbytes for k in log if k.scope == unit.name))
 
     name = frozen.__name__
-    leaf_sets = [signature.flatten(calibration_inputs, f"tune_weights({name})", "")]
+    remedy = (
+        "tune_weights runs the program as it was frozen: calibrate at those shapes, or freeze "
+        "again at the new shapes and tune that"
+    )
+    leaf_sets = [signature.flatten(calibration_inputs, f"tune_weights({name})", remedy)]
     if held_out is not None:
-        leaf_sets.append(signature.flatten(held_out, f"tune_weights({name}, check_inputs)", ""))
+        leaf_sets.append(signature.flatten(held_out, f"tune_weights({name}, check_inputs)", remedy))
     runs = 0
 
     def outputs(program: Any, leaves: list) -> list[Any]:

@@ -13,6 +13,7 @@ import collections
 import gc
 import pathlib
 import re
+import warnings
 import weakref
 
 import chex
@@ -467,6 +468,66 @@ def test_nnx_training_mode_raises():
     checked(tracing.freeze(model, None, X))
 
 
+def test_nnx_sow_or_assignment_is_named_with_its_own_remedy():
+    """Only the training mode's state (BatchNorm statistics, Dropout's rng count) is fixed by
+    model.eval(): a sown intermediate is named as one (not 'state features.value.0') and gets
+    the sow remedy, which works; any other Variable gets neither eval() nor sow advice."""
+    class Sows(nnx.Module):
+        def __init__(self, rngs):
+            self.linear = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.linear(x)
+            self.sow(nnx.Intermediate, "features", h)
+            return h * 2
+
+    class Counts(nnx.Module):
+        def __init__(self):
+            self.calls = nnx.Variable(jnp.zeros(()))
+
+        def __call__(self, x):
+            self.calls.value = self.calls.value + 1
+            return x
+
+    x = jnp.ones((2, 4))
+    model = Sows(nnx.Rngs(0))
+    model.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # sow outside nnx.capture
+        with pytest.raises(ValueError, match=r"updates its state \(Intermediate features\)") as info:
+            tracing.freeze(model, None, x)
+        assert "eval()" not in str(info.value) and "method=popped" in str(info.value)
+
+        def popped(model, x):  # the error's remedy
+            y = model(x)
+            nnx.pop(model, nnx.Intermediate)
+            return y
+
+        frozen = checked(tracing.freeze(model, None, x, method=popped))
+    chex.assert_trees_all_close(frozen(x), model.linear(x) * 2, **F32_TOL)
+    with pytest.raises(ValueError, match=r"\(Variable calls\).*leaves the model's variables") as info:
+        tracing.freeze(Counts(), None, x)
+    assert "eval()" not in str(info.value) and "sow" not in str(info.value)
+
+
+def test_nnx_state_of_another_model_names_the_first_difference():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(3, 4, rngs=rngs)
+            self.b = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    other = nnx.state(nnx.Linear(3, 4, rngs=nnx.Rngs(0)))
+    with pytest.raises(ValueError, match=r"variables is not the state of Net: Net has a\.bias, "
+                                         r"which variables lacks; variables has bias"):
+        tracing.freeze(Net(nnx.Rngs(0)), other, jnp.ones((2, 3)))
+    net = Net(nnx.Rngs(0))
+    frozen = checked(tracing.freeze(Net(nnx.Rngs(1)), nnx.state(net), jnp.ones((2, 3))))
+    chex.assert_trees_all_close(frozen(jnp.ones((2, 3))), net(jnp.ones((2, 3))), **F32_TOL)
+
+
 # --- 5. variables as outputs -----------------------------------------------------------------
 
 def test_aliased_param_return():
@@ -722,6 +783,34 @@ def test_a_traced_flag_or_count_is_a_tracing_check_error_naming_the_target():
 
     with pytest.raises(tracing.TracingCheckError, match=r"(?s)freeze\(.*repeated\).*Integer"):
         tracing.freeze(repeated, jnp.ones(3), jnp.ones(3), 3)
+
+
+def test_a_symbolic_size_needed_as_a_value_is_not_blamed_on_a_train_flag():
+    """Freezing again at symbolic shapes: what needs a concrete value is a dimension made
+    symbolic (the call froze at the example shapes already), not a flag to pass as a keyword."""
+    def checks_channels(w, x):
+        fan_in = x.shape[-1] * 1.0  # a traced value only at a symbolic channel count
+        return x * w / fan_in if fan_in != 0 else x
+
+    w = jnp.ones(3)  # alive: the export freezes again from it
+    frozen = tracing.freeze(checks_channels, w, jnp.ones((2, 3)))
+    with pytest.raises(ValueError, match=r"(?s)a dimension that the model's parameters fix.*"
+                                         r"Keep it fixed") as info:
+        frozen.export(polymorphic_shapes="b, c")
+    assert "keyword of freeze" not in str(info.value)
+    tracing.load(frozen.export(polymorphic_shapes="b, 3"))
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Conv(8, (3, 3))(x)
+
+    x = jnp.ones((4, 8, 8, 3))
+    variables = CNN().init(jax.random.key(1), x)
+    frozen = tracing.freeze(CNN(), variables, x)
+    with pytest.raises(ValueError, match="kernel") as info:  # Flax's error, or the hint
+        frozen.export(polymorphic_shapes="b, h, w, c")
+    assert "train" not in str(info.value)
 
 
 def test_freezing_guide_example_runs():

@@ -66,6 +66,29 @@ def test_a_mask_or_identity_made_of_iotas_is_re_emitted_and_a_product_of_them_fo
     chex.assert_trees_all_close(tuple(run(folded, x)), f(s, x))
 
 
+@pytest.mark.parametrize("numpy", [False, True])
+def test_a_view_of_a_stored_constant_is_re_emitted_not_stored_again(numpy):
+    """A table read by a gather and, transposed, by a matmul (a tied embedding) is stored once:
+    the transpose (and a reshape of it) stays in the program. A transpose of a constant that
+    nothing else reads is folded, as before (a kernel must stay a constant to be quantized)."""
+    table = jax.random.normal(jax.random.key(0), (50, 8))
+    table = np.asarray(table) if numpy else table
+
+    def f(table, ids, h):
+        split = jnp.einsum("bij,ijv->bv", h.reshape(3, 2, 4), table.T.reshape(2, 4, 50))
+        return table[ids], h @ table.T, split
+
+    args = (jnp.array([1, 3]), jnp.ones((3, 8)))
+    folded = fold_constants(jax.make_jaxpr(f)(table, *args), [table])
+    _, consts = compat.open_and_consts(folded)
+    assert [np.shape(c) for c in consts if np.size(c) > 1] == [(50, 8)]
+    chex.assert_trees_all_close(tuple(run(folded, *args)), f(table, *args))
+
+    untied = fold_constants(jax.make_jaxpr(lambda w, h: h @ w.T)(table, args[1]), [table])
+    assert [np.shape(c) for c in compat.open_and_consts(untied)[1]] == [(8, 50)]
+    assert counts(untied) == collections.Counter({"dot_general": 1})
+
+
 def test_fold_batchnorm_general_affine_chains():
     """c - y, division and negation fold too; the conv's NCHW feature axis is found."""
     k = jax.random.split(jax.random.key(0), 3)

@@ -132,6 +132,26 @@ def test_representable_kernels_round_trip_exactly(dtype, levels):
     np.testing.assert_allclose(frozen(x), x @ w, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.int4, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("tiny", [1e-5, 2.0**-23])
+def test_tiny_channel_of_a_float16_kernel_keeps_its_value(dtype, tiny):
+    """A float16 kernel's channel whose scale (amax / 448, / 127, / 7) is below float16's
+    smallest value: the scale is rounded up, not to 0 (0/0 made the channel NaN or 0)."""
+    w = np.random.default_rng(0).normal(size=(16, 4)).astype(np.float32)
+    w[:, 1] = 0.0
+    w[3, 1] = tiny
+    fn = lambda v, x: x @ v["w"]
+    x16, x32 = jnp.ones((2, 16), jnp.float16), jnp.ones((2, 16), jnp.float32)
+    ref = np.asarray(fn({"w": w}, x32))
+    float16_kernel = tracing.freeze(fn, {"w": jnp.asarray(w, jnp.float16)}, x16, weights=dtype)
+    float16_policy = tracing.freeze(fn, {"w": w}, x32, policy=jamp.Policy(jnp.float16),
+                                    weights=dtype)
+    for out in (float16_kernel(x16), float16_policy(x32)):
+        out = np.asarray(out, np.float32)
+        assert np.all(np.isfinite(out))
+        np.testing.assert_allclose(out[:, 1], ref[:, 1], rtol=0.1)
+
+
 def test_convolution_kernel_layout_round_trips():
     rng = np.random.default_rng(1)
     ints = rng.integers(-127, 128, size=(3, 3, 4, 6)).astype(np.float32)
@@ -180,6 +200,34 @@ def test_nnx_module_kernels_by_source_line():
     after = nnx.state(model)
     jax.tree.map(lambda a, b: (np.testing.assert_array_equal(a, b), a.dtype == b.dtype), before,
                  jax.tree.map(np.asarray, after))
+
+
+class TwoLinears(nnx.Module):
+    def __init__(self, rngs):
+        self.body = nnx.Linear(64, 64, rngs=rngs)
+        self.head = nnx.Linear(64, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.body(x))
+        return self.head(h)
+
+
+def test_nnx_kernels_are_named_by_the_users_lines():
+    """NNX pushes no scope: each kernel is named by the line of the user's code that calls its
+    layer (not Flax's own line, shared by every nnx.Linear), so rules and tune_weights can tell
+    the layers apart."""
+    model = TwoLinears(nnx.Rngs(0))
+    model.eval()
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    body = TwoLinears.__call__.__code__.co_firstlineno + 1
+    lines = [f"@test_freeze_weights.py:{body}", f"@test_freeze_weights.py:{body + 1}"]
+    frozen = tracing.freeze(model, None, x)
+    assert [k.scope for k in frozen.kernels] == lines
+    chosen = jamp.tune_weights(frozen, x, tolerance=5e-2)
+    assert [s.scope for s in chosen.scopes] == lines
+    head_kept = tracing.freeze(model, None, x, weights=((lines[1], None), ("*", jnp.int8)))
+    assert [k.stored for k in head_kept.kernels] == ["int8", "float32"]
+    assert "test_freeze_weights.py" in head_kept.report()
 
 
 def test_polymorphic_export_loads_in_a_fresh_process(mlp, tmp_path):
@@ -271,6 +319,45 @@ def test_embeddings_biases_and_tied_kernels_stay():
     assert rel_error(frozen(tokens), fn(v, tokens)) <= INT8_ERROR
 
 
+class TiedLM(nn.Module):
+    @nn.compact
+    def __call__(self, ids):
+        embed = nn.Embed(1000, 64)
+        return embed.attend(nn.Dense(64)(embed(ids)))
+
+
+class TiedNNXLM(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(1000, 64, rngs=rngs)
+        self.dense = nnx.Linear(64, 64, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.embed.attend(self.dense(self.embed(ids)))
+
+
+@pytest.mark.parametrize("weights", [None, jnp.int8])
+@pytest.mark.parametrize("nnx_model", [False, True])
+def test_flax_tied_embedding_is_stored_once(weights, nnx_model):
+    """Flax's Embed.attend reads embedding.T: the table is stored once, as it was (not also as a
+    folded, transposed copy, which weights= then quantized); the Dense kernel is quantized."""
+    ids = jnp.array([[1, 5, 999], [0, 7, 42]])
+    if nnx_model:
+        model = TiedNNXLM(nnx.Rngs(0))
+        model.eval()
+        frozen, ref = tracing.freeze(model, None, ids, weights=weights), model(ids)
+    else:
+        model = TiedLM()
+        variables = model.init(jax.random.key(0), ids)
+        frozen = tracing.freeze(model, variables, ids, weights=weights)
+        ref = model.apply(variables, ids)
+    big = [(compat.aval_of(c).shape, str(compat.aval_of(c).dtype)) for c in frozen.jaxpr.consts
+           if compat.aval_of(c).size >= 64 * 64]
+    kernel = "float32" if weights is None else "int8"
+    assert sorted(big) == [((64, 64), kernel), ((1000, 64), "float32")]
+    assert [(k.shape, k.stored) for k in frozen.kernels] == [((64, 64), kernel)]
+    assert rel_error(frozen(ids), ref) <= (1e-6 if weights is None else INT8_ERROR)
+
+
 def test_hand_written_dequantization_is_not_folded_back():
     q = jnp.asarray(np.random.default_rng(0).integers(-127, 128, (64, 64)), jnp.int8)
     v = {"q": q, "scale": jnp.full((1, 64), 0.01, jnp.float32)}
@@ -329,8 +416,21 @@ def test_tune_weights_errors(mlp):
     quantized = tracing.freeze(model, variables, x, weights=jnp.int8)
     with pytest.raises(ValueError, match="frozen with weights= already"):
         jamp.tune_weights(quantized, x)
+    frozen = tracing.freeze(model, variables, x)
     with pytest.raises(ValueError, match="cannot store weights as 'bfloat16'"):
-        jamp.tune_weights(tracing.freeze(model, variables, x), x, candidates=jnp.bfloat16)
+        jamp.tune_weights(frozen, x, candidates=jnp.bfloat16)
+    # A calibration batch of another size says what to do; tolerance errors are tune_weights'.
+    with pytest.raises(ValueError, match=r"inputs\[0\] has shape \(2, 300\).*\(4, 300\); "
+                                         r"tune_weights runs the program as it was frozen"):
+        jamp.tune_weights(frozen, x[:2])
+    with pytest.raises(ValueError, match=r"check_inputs\): inputs\[0\] .*calibrate at those"):
+        jamp.tune_weights(frozen, x, check_inputs=(x[:2],))
+    for tolerance in (-1, float("nan")):
+        with pytest.raises(ValueError, match=r"^tune_weights: tolerance must be >= 0 \(the "
+                                             r"largest relative error of the outputs"):
+            jamp.tune_weights(frozen, x, tolerance=tolerance)
+    with pytest.raises(TypeError, match=r"^tune_weights: tolerance must be a number"):
+        jamp.tune_weights(frozen, x, tolerance="small")
 
 
 def test_weight_rules_match_as_policy_rules():

@@ -36,6 +36,7 @@ from . import passes
 from .passes.fold_constants import with_aval
 from .passes.quantize_weights import Kernel, Rules, kernel_report, kernels, weight_rules
 from .program import CannotRetrace, Program, callable_name
+from .shapes import is_symbolic
 from .signature import Signature, leaf_aval
 from .trace import trace_errors_named
 
@@ -186,6 +187,7 @@ def _nnx_target(module: Any, variables: Any, method: Any, kwargs: dict) -> _Targ
                 "variables=None (tracing.freeze(model, None, *example_inputs)) or an "
                 f"nnx.State, not a {type(variables).__name__}"
             )
+        _check_same_paths(name, state, variables)
         state = variables
 
     def call(state: Any, inputs: tuple, kwargs: dict) -> Any:
@@ -205,6 +207,27 @@ def _nnx_target(module: Any, variables: Any, method: Any, kwargs: dict) -> _Targ
     return _Target(name, state, call)
 
 
+def _check_same_paths(name: str, own: Any, variables: Any) -> None:
+    """A clear error for the state of another model (Flax's merge says only that the number of
+    leaves differs): name the first Variable one has and the other lacks."""
+    from flax import nnx
+
+    paths = lambda state: [".".join(map(str, path)) for path, _ in nnx.to_flat_state(state)]
+    expected, got = paths(own), paths(variables)
+    if expected == got:
+        return
+    missing = [p for p in expected if p not in set(got)]
+    extra = [p for p in got if p not in set(expected)]
+    differs = [
+        *([f"{name} has {missing[0]}, which variables lacks"] if missing else []),
+        *([f"variables has {extra[0]}, which {name} does not have"] if extra else []),
+    ] or ["they hold the same Variables in another order"]
+    raise ValueError(
+        f"freeze: variables is not the state of {name}: {'; '.join(differs)}. Pass "
+        f"variables=None to freeze the model's own state, or nnx.state(model) of a {name}"
+    )
+
+
 def _leaves_by_path(state: Any) -> dict[str, Any]:
     return {
         jax.tree_util.keystr(path): leaf
@@ -217,24 +240,50 @@ def _check_nnx_unchanged(name: str, before: dict[str, Any], after: Any) -> None:
     from flax import nnx
 
     changed = [
-        (path, leaf)
+        path
         for path, leaf in jax.tree_util.tree_flatten_with_path(after)[0]
         if before.get(jax.tree_util.keystr(path)) is not leaf
     ]
     if not changed:
         return
-    kinds = {
-        tuple(str(k) for k in path): type(var).__name__ for path, var in nnx.to_flat_state(after)
-    }
-    described = []
-    for path, _ in changed:
+    variables = {tuple(str(k) for k in path): var for path, var in nnx.to_flat_state(after)}
+    described: dict[str, None] = {}
+    kinds = []
+    for path in changed:
         keys = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-        keys = keys[:-1] if keys and keys[-1] == "value" else keys
-        described.append(f"{kinds.get(keys, 'state')} {'.'.join(keys)}")
+        # The Variable holding the leaf: a sown tuple's leaf is features.value.0.
+        owner = next((keys[:n] for n in range(len(keys), 0, -1) if keys[:n] in variables), keys)
+        kind = type(variables[owner]) if owner in variables else None
+        kinds.append(kind)
+        described[f"{kind.__name__ if kind else 'state'} {'.'.join(owner)}"] = None
     raise ValueError(
         f"freeze: calling {name} updates its state ({', '.join(described)}); a frozen "
-        f"function cannot update state. {_inference_hint(True)}"
+        f"function cannot update state. {_nnx_remedy(name, kinds)}"
     )
+
+
+def _nnx_remedy(name: str, kinds: list[Any]) -> str:
+    """What to do, for the kinds of Variable a call updated: model.eval() only helps where the
+    training mode is what updates them (BatchNorm statistics, Dropout's random state)."""
+    from flax import nnx
+
+    is_kind = lambda base: [k is not None and issubclass(k, base) for k in kinds]
+    remedies = []
+    if any(is_kind(nnx.Intermediate)):
+        remedies.append(
+            f"{name} sows intermediates (self.sow(nnx.Intermediate, ...)), which a frozen "
+            "function cannot keep: freeze a method that does not sow (method=...), or one that "
+            "pops them: def popped(model, x): y = model(x); nnx.pop(model, nnx.Intermediate); "
+            "return y, then tracing.freeze(model, None, x, method=popped)."
+        )
+    if any(is_kind((nnx.BatchStat, nnx.RngState))):
+        remedies.append(_inference_hint(True))
+    if not all(is_kind((nnx.Intermediate, nnx.BatchStat, nnx.RngState))):
+        remedies.append(
+            "Freeze a call that leaves the model's variables as they are (a method= that does "
+            "not assign to them)."
+        )
+    return " ".join(remedies)
 
 
 def _function_target(fn: Callable, variables: Any, method: Any, kwargs: dict) -> _Target:
@@ -392,6 +441,16 @@ _FREEZE_ERROR_HINT = (
     "keyword of freeze (freeze(model, variables, x, train=False)), which stays a Python value, "
     "or branch on data with lax.cond / jnp.where."
 )
+# Freezing again at symbolic shapes (export(polymorphic_shapes=...)): the call froze at the
+# example shapes, so a flag cannot be the cause. (No "symbolic dimension" here: the export's own
+# hint would replace this one.)
+_SYMBOLIC_FREEZE_ERROR_HINT = (
+    "Hint: the call froze at the example shapes, so what needs a concrete value here is a size "
+    "made symbolic: a dimension that the model's parameters fix (a Conv or Dense layer's input "
+    "features, checked against its kernel's shape) or that the code branches on cannot be "
+    "symbolic. Keep it fixed: its number in polymorphic_shapes (e.g. 'b, h, w, 3'), or None "
+    "for an input of fixed shape."
+)
 
 
 @dataclasses.dataclass
@@ -420,7 +479,9 @@ class _Freezer:
                 inputs, kwargs["rngs"] = inputs[:-1], inputs[-1]
             return self.call(frozen_vars, tuple(inputs), kwargs)
 
-        with trace_errors_named(self.name, _FREEZE_ERROR_HINT):
+        symbolic = any(is_symbolic(aval.shape) for aval in signature.avals)
+        hint = _SYMBOLIC_FREEZE_ERROR_HINT if symbolic else _FREEZE_ERROR_HINT
+        with trace_errors_named(self.name, hint):
             closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(
                 *var_avals, *signature.avals
             )

@@ -19,7 +19,10 @@ JAX's own, not the custom rule). Three details keep the folded program faithful 
   but re-emitted as the cheap equations when the program reads them, not stored as a large
   constant (XLA builds them inside fusions for free);
 - a known 8-bit value (int8, float8: quantized weights) widened to a float stays narrow: the
-  convert runs in the program instead of storing the widened copy.
+  convert runs in the program instead of storing the widened copy;
+- a layout-only equation (``LAYOUT_ONLY``: a transpose, reshape or broadcast) of a known value
+  that the program also reads stays in the program when both would be stored: a tied embedding
+  (Flax's ``Embed.attend`` reads ``embedding.T``) is stored once, not also transposed.
 
 A program traced at symbolic shapes (``export(polymorphic_shapes=...)``) folds the same way;
 an equation with a symbolic size in its outputs or parameters stays in the program.
@@ -78,6 +81,7 @@ class Folder:
         self._impure: dict[int, bool] = {}  # id(jaxpr) -> holds random or effectful eqns
         self._generators: dict[int, tuple[Any, list]] = {}  # id(value) -> (eqn, its inputs)
         self._staged: dict[int, Any] = {}  # id(value) -> the tracer it was re-emitted as
+        self._views: dict[int, tuple[Any, Any]] = {}  # id(value) -> (layout eqn, its input)
         self._alive: list[Any] = []  # keeps ids above unique while the walk runs
 
     def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
@@ -136,6 +140,72 @@ class Folder:
             self._generators[id(outs[0])] = (eqn, values)
             self._alive.append(outs[0])
 
+    def note_view(self, eqn: Any, values: list, outs: list) -> None:
+        """A known value rearranged by a layout-only equation: kept by ``restage_views`` as the
+        equation, should both it and the value it rearranges be stored."""
+        if (
+            eqn.primitive.name in LAYOUT_ONLY
+            and len(values) == 1
+            and len(outs) == 1
+            and _size(outs[0]) > 1
+            and id(outs[0]) not in self._generators
+        ):
+            self._views[id(outs[0])] = (eqn, values[0])
+            self._alive.append(outs[0])
+
+    def restage_views(self, closed: Any) -> Any:
+        """``closed`` with each constant that is a view of another constant (through a chain of
+        layout-only equations) computed from it in the program instead of stored."""
+        jaxpr, consts = compat.open_and_consts(closed)
+        index = {id(c): i for i, c in enumerate(consts)}
+
+        def const_of(value: Any) -> int | None:
+            found = index.get(id(value))
+            if found is None and isinstance(value, np.ndarray):  # JAX may wrap NumPy constants
+                found = next(
+                    (
+                        i
+                        for i, c in enumerate(consts)
+                        if isinstance(c, np.ndarray)
+                        and c.shape == value.shape
+                        and np.may_share_memory(c, value)
+                    ),
+                    None,
+                )
+            return found
+
+        def of_a_constant(value: Any) -> bool:
+            while id(value) in self._views:
+                value = self._views[id(value)][1]
+                if const_of(value) is not None:
+                    return True
+            return False
+
+        tied = {i for i, c in enumerate(consts) if id(c) in self._views and of_a_constant(c)}
+        if not tied:
+            return closed
+
+        def run(*args: Any) -> list[Any]:
+            made: dict[int, Any] = {}
+
+            def rebuild(view: Any) -> Any:
+                if id(view) not in made:
+                    eqn, source = self._views[id(view)]
+                    i = const_of(source)
+                    # The constant itself, so the program reads the one stored copy.
+                    read = source if i is None or i in tied else consts[i]
+                    read = rebuild(read) if i is None or i in tied else read
+                    made[id(view)] = bind(eqn, [read])[0]
+                return made[id(view)]
+
+            restaged = [rebuild(c) if i in tied else c for i, c in enumerate(consts)]
+            return compat.eval_jaxpr(jaxpr, restaged, args)
+
+        return compat.trace_to_closed(run, [v.aval for v in jaxpr.invars])
+
+
+# Equations that only move a value's entries: a view of a stored constant is re-emitted.
+LAYOUT_ONLY = frozenset({"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
 
 # Equations whose cost is their output's size: of generators, they are re-emitted as generators.
 CHEAP_FROM_GENERATORS = frozenset(
@@ -194,6 +264,7 @@ def fold_or_bind(folder: Folder, eqn: Any, values: list) -> list[Any]:
     if all(is_known(v) for v in values) and folder.foldable(eqn) and is_static(eqn):
         outs = evaluate(eqn, values)
         folder.note_generator(eqn, values, outs)
+        folder.note_view(eqn, values, outs)
         return outs
     return bind(eqn, [folder.stage(v) for v in values])
 
@@ -266,4 +337,4 @@ def fold_constants(closed: Any, known: Sequence[Any]) -> Any:
         outs = folder.run(jaxpr, consts, [*known, *args])
         return [folder.stage(out) for out in outs]
 
-    return compat.trace_to_closed(folded, unknown_avals)
+    return folder.restage_views(compat.trace_to_closed(folded, unknown_avals))

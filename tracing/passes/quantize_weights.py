@@ -51,7 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _compat as compat
-from jamp.policy import LINE_RULE, UnmatchedRuleWarning, is_line_rule, line_rule_hits
+from jamp.policy import (
+    LINE_RULE,
+    UnmatchedRuleWarning,
+    is_line_rule,
+    line_rule_hits,
+    own_frame,
+)
 
 from .fold_constants import bind
 
@@ -73,8 +79,13 @@ class Format:
 
 
 def _scales(raw: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Scales as stored (in ``dtype``; 1 where a channel is all zeros)."""
-    return np.where(raw > 0, raw, 1.0).astype(dtype)
+    """Scales as stored (in ``dtype``; 1 where a channel is all zeros), rounded up where
+    ``dtype`` rounds them down: a tiny channel's scale (``amax / 448`` below float16's smallest
+    value) would otherwise be 0, and its weights 0/0 = NaN or clipped to 0."""
+    scale = raw.astype(dtype)
+    up = np.nextafter(scale, np.asarray(np.inf, dtype))
+    scale = np.where(scale.astype(np.float32) < raw, up, scale)
+    return np.where(raw > 0, scale, np.ones((), dtype))
 
 
 def _int8_quantize(m: np.ndarray, scale_dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
@@ -306,9 +317,12 @@ class _Candidate:
 
 
 def _own_line(frames: Sequence[tuple[str, int]]) -> str:
-    if not frames:
+    """The innermost line of the user's own code, as ``jamp.tune`` names it: two NNX Linears
+    share the line in Flax that runs their product, not the lines that call them."""
+    frame = own_frame(frames)
+    if frame is None:
         return "(no scope, no source line)"
-    file, line = frames[0]
+    file, line = frame
     return f"{LINE_RULE}{os.path.basename(file)}:{line}"
 
 
