@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend.core import Primitive
 
 from . import _compat as compat
@@ -247,7 +248,11 @@ def saturating_cast(value: Any, dtype: np.dtype, bound: float | None = None) -> 
         if is_float(dtype) and is_float(src.dtype):
             limit = float(jnp.finfo(dtype).max)
             if float(jnp.finfo(src.dtype).max) > limit and (bound is None or bound > limit):
-                src = xp.where(xp.isfinite(src), xp.clip(src, -limit, limit), src)
+                if on_host:
+                    src = np.where(np.isfinite(src), np.clip(src, -limit, limit), src)
+                else:  # (three primitives in a traced program, not jnp's two calls)
+                    low, high = (jnp.asarray(v, src.dtype) for v in (-limit, limit))
+                    src = lax.select(lax.is_finite(src), lax.clamp(low, src, high), src)
         return src.astype(dtype)
 
 

@@ -479,7 +479,10 @@ def _scope_remedy(policy: Policy, path: Sequence[str], sites: dict, included: st
     operation of the report that takes in."""
     pattern = "/".join(_glob_escape(p) for p in path)
     depth = len(path)
-    changed = sum(1 for s in sites.values() if tuple(s.state.path[:depth]) == tuple(path))
+    # (the equations whose precision it changes: those in 16 bits, as "compute dtype" counts)
+    changed = sum(
+        1 for s in sites.values() if s.sixteen_bit and tuple(s.state.path[:depth]) == tuple(path)
+    )
     return Remedy(
         "rule",
         f'policy.replace(rules=policy.rules + (("{pattern}", jnp.float32),))',
