@@ -433,8 +433,7 @@ class Env:
             # (a train step), a value computed from a gradient (``w - lr * g``) is a primal: the
             # matmul that reads it is a forward one (e4m3fn, not widened by reduce_dtype).
             follow = bool(self.cotangent_inputs)
-            eqns = self.jaxpr.eqns if self.jaxpr is not None else ()
-            for eqn in eqns:
+            for eqn in self.jaxpr.eqns if self.jaxpr is not None else ():
                 if "transpose" in compat.transform_names(eqn) or (
                     follow and any(isinstance(v, compat.Var) and v in found for v in eqn.invars)
                 ):
