@@ -369,7 +369,12 @@ def explain(
 ) -> Report:
     """Trace ``fn(*args, **kwargs)`` once, rewrite it under ``policy`` and report what ran where.
 
-    Nothing is computed: only shapes and dtypes of ``args`` matter. With ``compiled=True`` the
+    Nothing is computed: only shapes and dtypes of ``args`` matter. The report is of
+    ``autocast_transform(fn, policy)``: a ``with jamp.autocast():`` block inside ``fn`` is read
+    as a region of that transform, so for a function that opens its own regions it shows what
+    the transform would run, which can differ from what ``jax.jit(fn)`` runs where the two forms
+    do (docs/reference/dtypes.md, "Regions"; the backward products of a ``jax.grad`` taken
+    through a region among them). With ``compiled=True`` the
     rewritten program is also lowered and compiled for the default backend, and
     ``Report.float8_check`` says what each float8 dot compiled to: a float8 GEMM, a fallback to
     a wider GEMM and the likely reason, or (on the CPU) emulation. On a GPU a fallback warns
