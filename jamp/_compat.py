@@ -15,6 +15,7 @@ import contextlib
 import functools
 import importlib
 import os
+import re
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -1442,11 +1443,17 @@ def is_same_dtypes_error(error: BaseException) -> bool:
 def is_float32_only_refusal(error: BaseException) -> bool:
     """Whether ``error`` is JAX's refusal of a 16-bit input by a function that takes float32:
     ``jnp.fft.rfft``'s check in Python, and on jax 0.12 the dtype check of ``svd``, ``qr`` and
-    ``eigh`` as JAX traces ``jnp.linalg``'s functions (the wording is JAX's)."""
+    ``eigh`` as JAX traces ``jnp.linalg``'s functions, and ``jax.scipy.linalg.expm``'s (the
+    wording is JAX's)."""
     text = str(error)
-    return (isinstance(error, ValueError) and "input must be float32 or float64" in text) or (
-        isinstance(error, TypeError) and "does not accept dtype" in text
+    return (
+        (isinstance(error, ValueError) and "input must be float32 or float64" in text)
+        or (isinstance(error, TypeError) and "does not accept dtype" in text)
+        or (isinstance(error, TypeError) and bool(_DTYPE_NOT_SUPPORTED.search(text)))
     )
+
+
+_DTYPE_NOT_SUPPORTED = re.compile(r"dtype=(bfloat16|float16) is not supported")
 
 
 def is_traced_static_argument_error(error: BaseException) -> bool:

@@ -1026,6 +1026,24 @@ def test_a_float32_only_function_given_a_value_the_region_made_16_bit_gets_a_not
         assert note in "".join(getattr(err, "__notes__", ()))
     else:
         assert values.dtype == jnp.float32
+    def expm(x):  # jax.scipy's check: "A.dtype=bfloat16 is not supported" (no note before)
+        with jamp.autocast():
+            return jax.scipy.linalg.expm((x @ w)[:, :4] / 8)
+
+    with pytest.raises(TypeError, match="dtype=bfloat16 is not supported") as raised:
+        expm(x)
+    assert note in "".join(getattr(raised.value, "__notes__", ()))
+    def inverse(a):  # dtypes.md, Regions: 16-bit solves on jax 0.10, refused on 0.12
+        with jamp.autocast():
+            h = a @ jnp.eye(4)
+            return jnp.linalg.inv(h), jnp.linalg.inv(h.astype(jnp.float32))
+
+    try:
+        narrow, wide = inverse(2 * jnp.eye(4) + 0.1)
+    except TypeError as err:
+        assert note in "".join(getattr(err, "__notes__", ()))
+    else:
+        assert (narrow.dtype, wide.dtype) == (jnp.bfloat16, jnp.float32)
     with pytest.raises(ValueError, match="RFFT") as raised:  # the user's own bfloat16
         with jamp.autocast(dtype=jnp.float16):
             jnp.fft.rfft(x.astype(jnp.bfloat16))
