@@ -695,6 +695,9 @@ class Rewriter:
         # What rules decided at a source site (scope path and line), which the equations JAX
         # derives from it (its transposes in a ``jax.grad`` program) share; shared with children.
         self.site_decisions: dict[tuple, Any] = {}
+        # How many times the program rewritten here runs per call (a scan body: its length),
+        # for the reports' FLOP and byte counts (jamp.explain, jamp.tune).
+        self.repeats = 1
         # current_state's last answer, by the scope names' tuple (the same object while JAX's
         # name stack is: consecutive operations of a region mostly share it).
         self._last_state: tuple[Any, RegionState | None] = (None, None)
@@ -706,8 +709,9 @@ class Rewriter:
         # what the rules read of them, not their values (constant_key, rewrite_closed).
         self.shares_constants = False
 
-    def child(self, state: RegionState) -> Rewriter:
-        """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder."""
+    def child(self, state: RegionState, repeats: int = 1) -> Rewriter:
+        """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder; the
+        sub-jaxpr runs ``repeats`` times each time this one's program runs."""
         sub = Rewriter(
             self.policy,
             state,
@@ -718,6 +722,7 @@ class Rewriter:
             self.region,
         )
         sub.site_decisions = self.site_decisions
+        sub.repeats = self.repeats * repeats
         return sub
 
     def outer_value(self, value: Any) -> Any:

@@ -231,7 +231,7 @@ class Recorder:
         label = (floating or dtypes or [None])[0]
         self.ops[name][getattr(label, "name", str(label))] += 1
         if name in _MATMUL_LIKE:
-            self.flops[_compute_dtype(step).name] += matmul_flops(step.eqn)
+            self.flops[_compute_dtype(step).name] += matmul_flops(step.eqn) * step.rewriter.repeats
         if step.scaled_skip is not None:
             self.kept.append(
                 KeptDot(

@@ -221,9 +221,10 @@ class _OpRecorder(Recorder):
                 tuple(step.state.path),
                 compat.frame_lines(step.eqn.source_info),
                 step.state.decided_by,
-                matmul_flops(step.eqn),
+                matmul_flops(step.eqn) * step.rewriter.repeats,  # (a scan body: per iteration)
                 np.dtype(dtype),
-                operands * np.dtype(dtype).itemsize + out.size * np.dtype(out.dtype).itemsize,
+                step.rewriter.repeats
+                * (operands * np.dtype(dtype).itemsize + out.size * np.dtype(out.dtype).itemsize),
             )
         )
 
@@ -720,6 +721,11 @@ def _check_tolerance(tolerance: Any) -> float:
     return value
 
 
+def _floating_leaf(x: Any) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return isinstance(x, float) or (dtype is not None and is_float(dtype))
+
+
 def _check_args_tuple(check_args: Any, example_args: tuple) -> tuple | None:
     if check_args is None:
         return None
@@ -916,7 +922,10 @@ def tune(
         ``jnp.float8_e4m3fn``.
       tolerance: the largest relative error ``||y - y32|| / ||y32||`` of the outputs and (with
         ``grad``) of the gradients against float32; ``0`` keeps every scope float32,
-        ``math.inf`` takes each scope's cheapest finite candidate.
+        ``math.inf`` takes each scope's cheapest finite candidate. Every floating output counts,
+        in one norm, and the gradient is of all of them: tune a ``(loss, aux)`` function as
+        ``lambda *a: fn(*a)[0]`` to measure the loss and the gradient you train with (a large
+        aux output would hide the loss's error).
       policy: the base policy (tables, ``min_float8_flops``, your rules; ``None``:
         ``jamp.Policy()``); the result keeps its fields, with compute dtype float32 and the
         tuned rules added. Scopes your rules or ``jamp.autocast`` regions decide are kept. An
@@ -946,11 +955,21 @@ def tune(
         argnums = normalize_argnums(grad)
     except TypeError as err:
         raise TypeError(f"tune: {err}") from None
-    if argnums is not None and max(argnums) >= len(example_args):
-        raise ValueError(
-            f"tune: grad={grad!r} names argument {max(argnums)} but "
-            f"{len(example_args)} positional example_args were given"
-        )
+    n_args = len(example_args)
+    for i in argnums or ():
+        if not -n_args <= i < n_args:
+            raise ValueError(
+                f"tune: grad={grad!r} names argument {i} but {n_args} positional example_args "
+                "were given"
+            )
+        leaves = jax.tree.leaves(example_args[i])
+        if all(hasattr(x, "dtype") for x in leaves) and not any(map(_floating_leaf, leaves)):
+            # (jax.grad refuses it; tune measured no gradient and passed any policy)
+            raise ValueError(
+                f"tune: grad={grad!r} differentiates argument {i}, which has no floating leaf "
+                "(token ids, a step count): there is no gradient to measure. Pass grad= the "
+                "index of the parameters (e.g. grad=1 for fn(tokens, params))"
+            )
     held_out = _check_args_tuple(check_args, example_args)
     speeds, device_note = _device_speeds(device)
     fn_name = getattr(fn, "__name__", type(fn).__name__)

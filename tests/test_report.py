@@ -120,3 +120,18 @@ def test_a_shape_dtype_struct_of_keys_is_named():
     key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
     with pytest.raises(TypeError, match=r"argument rng is a jax.ShapeDtypeStruct of key"):
         jamp.explain(lambda x, rng: x * jax.random.normal(rng), jnp.ones(3), rng=key)
+
+
+def test_matmuls_in_a_scan_count_once_per_iteration():
+    """A scan-over-layers body's matmuls were counted once, not ``length`` times: explain's FLOP
+    shares (and jamp.tune's costs) were skewed against the common transformer layout."""
+    def stack(ws, head, x):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+        with jamp.autocast(enabled=False):
+            return h @ head
+
+    ws, head, x = jnp.ones((16, 8, 8)) / 8, jnp.ones((8, 32)), jnp.ones((4, 8))
+    report = jamp.explain(stack, ws, head, x)
+    per_layer, head_flops = 2 * 4 * 8 * 8, 2 * 4 * 8 * 32
+    assert report.flops == {"bfloat16": 16 * per_layer, "float32": head_flops}
+    assert report.low_precision_flop_share == 16 * per_layer / (16 * per_layer + head_flops)

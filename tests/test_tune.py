@@ -322,6 +322,13 @@ def test_other_bad_input_is_named():
         jamp.tune(benign, params, x, check_args=(params,))
     with pytest.raises(ValueError, match="grad=2 names argument 2"):
         jamp.tune(benign, params, x, grad=2)
+    with pytest.raises(ValueError, match="grad=-3 names argument -3"):  # (was an IndexError)
+        jamp.tune(benign, params, x, grad=-3)
+    # Integer token ids first: no gradient was measured and any policy passed (jax.grad refuses)
+    tokens = jnp.arange(np.size(x)).reshape(np.shape(x)) % 3
+    with pytest.raises(ValueError, match=r"grad=True differentiates argument 0, which has no "
+                                         r"floating leaf.*grad=1"):
+        jamp.tune(lambda t, p: benign(p, t.astype(jnp.float32)), tokens, params)
     with pytest.raises(ValueError, match="device=.*'tpu'"):
         jamp.tune(benign, params, x, device="tpu")
     # the tuned policy computes in float32 where a scope stays so, and measures against float32:

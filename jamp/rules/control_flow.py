@@ -49,7 +49,7 @@ def scan_rule(step: Step) -> Sequence[Any]:
     xs = step.args[n_consts + n_carry :]
     carry_dtypes = [step.traced_aval(i).dtype for i in range(n_consts, n_consts + n_carry)]
     jaxpr, body_consts = compat.open_and_consts(params["jaxpr"])
-    rewriter = step.rewriter.child(step.state)
+    rewriter = step.rewriter.child(step.state, repeats=params["length"])
 
     def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         outs = rewriter.run(jaxpr, body_consts, [*consts, *carry, *x], hints)
