@@ -401,8 +401,10 @@ def _raise_holds_arrays(
 
 
 def static_key(static: Sequence[tuple[int, Any]]) -> tuple[Any, ...]:
-    """Static leaves as a cache key; the type is part of it (``1`` and ``1.0`` differ)."""
-    return tuple((i, type(leaf), leaf) for i, leaf in static)
+    """Static leaves as a cache key; the type is part of it (``1`` and ``1.0`` differ), and a
+    float is keyed by its bits: ``0.0 == -0.0`` (one program returned the other's signs), and a
+    NaN equals nothing (every call missed the cache and added an entry)."""
+    return tuple((i, type(leaf), leaf.hex() if type(leaf) is float else leaf) for i, leaf in static)
 
 
 def _leaf_name(flat: Sequence[Any], in_tree: Any, i: int, signature: CallSignature | None) -> str:

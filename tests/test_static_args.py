@@ -294,3 +294,20 @@ def test_an_output_object_holding_traced_values_is_refused():
     # An object holding arrays that came from outside passes through, as it came.
     outside = _Weights(W)
     assert jamp.autocast_transform(lambda x: (x, outside))(X)[1] is outside
+
+
+def test_float_leaves_in_a_pytree_are_keyed_by_their_bits():
+    """0.0 == -0.0, so one program answered both (the signs of x / -0.0 came back as of 0.0);
+    NaN equals nothing, so every call missed the cache and added an entry."""
+    traces = []
+
+    def divide(x, cfg):
+        traces.append(cfg["eps"])
+        return x / cfg["eps"]
+
+    f = jamp.autocast_transform(divide)
+    assert bool(jnp.all(f(X[0], {"eps": 0.0}) != f(X[0], {"eps": -0.0})))
+    assert len(traces) == 2
+    for _ in range(3):
+        f(X[0], {"eps": float("nan")})
+    assert len(traces) == 3
