@@ -721,9 +721,10 @@ def _check_tolerance(tolerance: Any) -> float:
     return value
 
 
-def _floating_leaf(x: Any) -> bool:
+def _integer_leaf(x: Any) -> bool:
+    """An integer or bool array (a string or object array is named by the trace's own check)."""
     dtype = getattr(x, "dtype", None)
-    return isinstance(x, float) or (dtype is not None and is_float(dtype))
+    return isinstance(dtype, np.dtype) and dtype.kind in "biu"
 
 
 def _check_args_tuple(check_args: Any, example_args: tuple) -> tuple | None:
@@ -963,7 +964,7 @@ def tune(
                 "were given"
             )
         leaves = jax.tree.leaves(example_args[i])
-        if all(hasattr(x, "dtype") for x in leaves) and not any(map(_floating_leaf, leaves)):
+        if leaves and all(map(_integer_leaf, leaves)):
             # (jax.grad refuses it; tune measured no gradient and passed any policy)
             raise ValueError(
                 f"tune: grad={grad!r} differentiates argument {i}, which has no floating leaf "
