@@ -35,7 +35,7 @@ from .region_stack import (
     is_autocast_enabled,
     marker,
 )
-from .transform import autocast_transform, resolve_policy
+from .transform import autocast_transform, is_castable, resolve_policy
 
 
 class AutocastWarning(UserWarning):
@@ -43,12 +43,6 @@ class AutocastWarning(UserWarning):
 
 
 _ARRAYS = (jax.Array, np.ndarray, np.generic)  # what a cast_inputs call passes as traced
-
-
-def _casts(value: Any) -> bool:
-    """A cast_inputs call casts floating inputs narrower than float64."""
-    dtype = np.dtype(value.dtype)
-    return bool(jnp.issubdtype(dtype, jnp.floating)) and dtype != np.float64
 
 
 # The regions this thread entered with ``__enter__`` and has not exited, innermost last: their
@@ -179,7 +173,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 # Cast here too, before the body's Python reads its inputs (as torch's custom_fwd
                 # does): a value a region or the program made 16-bit arrives traced 16-bit, and
                 # code reading its dtype (jnp.finfo(x.dtype), jnp.zeros_like(x)) must see dtype.
-                leaves[i] = leaf.astype(dtype) if _casts(leaf) else leaf
+                leaves[i] = leaf.astype(dtype) if is_castable(leaf) else leaf
             call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
             with self._open_region():
                 return fn(*call_args, **call_kwargs)

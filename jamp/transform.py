@@ -116,7 +116,7 @@ def rewrite_and_eval(
     """
     jaxpr, consts = compat.open_and_consts(closed)
     if policy.cast_inputs:
-        args = [compat.convert(x, policy.value_dtype) if _is_castable(x) else x for x in args]
+        args = [compat.convert(x, policy.value_dtype) if is_castable(x) else x for x in args]
     rewriter = Rewriter(
         policy,
         RegionState(enabled=True, dtype=policy.compute_dtype),
@@ -126,7 +126,7 @@ def rewrite_and_eval(
     outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
     if policy.output_dtype is not None:
         output_dtype = _available(policy.output_dtype)
-        outs = [compat.convert(x, output_dtype) if _is_castable(x) else x for x in outs]
+        outs = [compat.convert(x, output_dtype) if is_castable(x) else x for x in outs]
     return outs
 
 
@@ -145,8 +145,9 @@ def _available(dtype: np.dtype) -> np.dtype:
     return canonical
 
 
-def _is_castable(value: Any) -> bool:
-    """A floating value narrower than float64 (not an effect token, which has no dtype)."""
+def is_castable(value: Any) -> bool:
+    """A floating value narrower than float64 (not an effect token, which has no dtype): what
+    ``cast_inputs`` and ``output_dtype`` cast (and ``@jamp.autocast(cast_inputs=...)``)."""
     dtype = getattr(compat.aval_of(value), "dtype", None)
     return dtype is not None and is_float(dtype) and np.dtype(dtype) != F64
 
