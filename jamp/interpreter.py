@@ -183,12 +183,19 @@ def is_float(dtype: Any) -> bool:
         return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
-def cast_all(values: Sequence[Any], dtypes: Sequence[Any]) -> list[Any]:
-    """Each value converted to the floating dtype beside it (non-floating targets: unchanged)."""
-    return [
-        compat.convert(v, d) if is_float(d) and compat.aval_of(v).dtype != d else v
-        for v, d in zip(values, dtypes)
-    ]
+def cast_all(values: Sequence[Any], dtypes: Sequence[Any], recorder: Any = None) -> list[Any]:
+    """Each value converted to the floating dtype beside it (non-floating targets: unchanged).
+
+    ``recorder`` (a rule's ``step.rewriter.recorder``) counts the conversions for ``explain``:
+    a loop carry cast back or a branch output cast is a cast jamp inserted, like an operand's."""
+    out = []
+    for v, d in zip(values, dtypes):
+        if is_float(d) and compat.aval_of(v).dtype != d:
+            v = compat.convert(v, d)
+            if recorder is not None:
+                recorder.cast(constant=False)
+        out.append(v)
+    return out
 
 
 def widest(*dtypes: Any) -> np.dtype:

@@ -41,7 +41,9 @@ class Report:
       casts: ``convert_element_type`` equations jamp inserted.
       constant_casts: constants and literals jamp cast at rewrite time instead.
       flops: dtype a matmul/convolution computes in (its floating operands' dtype, so an integer
-        mask times bfloat16 activations counts as bfloat16) -> FLOPs.
+        mask times bfloat16 activations counts as bfloat16) -> FLOPs, a loop body's per
+        iteration: a ``scan``'s length times, a ``while``'s where the program says its trip
+        count (a counter from a literal to a literal bound); every branch of a ``cond``.
       low_precision_flop_share: share of those FLOPs with 16- or 8-bit operands.
       float8_flop_share: share of those FLOPs on float8 operands (``Policy(jnp.float8_e4m3fn)``).
       float32_reasons: (primitive, reason) -> equations that produced float32/float64, where the
@@ -60,6 +62,8 @@ class Report:
       collectives: with ``compiled=True``, every collective of the program after XLA's SPMD
         partitioning, with its dtype and bytes per device (``jamp.collectives.CollectiveReport``;
         one device and none where no argument is sharded); None otherwise.
+      loops_of_unknown_length: ``while`` loops whose trip count depends on values (a
+        ``fori_loop`` with a traced bound): their bodies' FLOPs are counted once.
     """
 
     policy: Policy
@@ -73,6 +77,7 @@ class Report:
     float8_kept: tuple[KeptDot, ...] = ()
     float8_check: Float8Check | None = None
     collectives: CollectiveReport | None = None
+    loops_of_unknown_length: int = 0
 
     @property
     def low_precision_flop_share(self) -> float:
@@ -108,6 +113,10 @@ class Report:
         )
         if self.float8_flop_share:
             lines.append(f"  of which float8: {self.float8_flop_share:.1%}")
+        if self.loops_of_unknown_length:
+            lines.append(
+                f"  (counting {self.loops_of_unknown_length} while loop(s) of unknown length once)"
+            )
         if self.calls:
             lines.append(
                 "bodies rewritten: " + ", ".join(f"{n} x{c}" for n, c in sorted(self.calls.items()))
@@ -191,6 +200,11 @@ class Recorder:
         self.reasons: collections.Counter = collections.Counter()
         self.calls: collections.Counter = collections.Counter()
         self.unmatched: tuple[UnmatchedRule, ...] = ()
+        self.unknown_lengths = 0
+
+    def loop_of_unknown_length(self) -> None:
+        """A ``while`` whose trip count the program does not say: its body's FLOPs count once."""
+        self.unknown_lengths += 1
 
     def float8_dot(self, step: Step, formats: list) -> Any:
         """Called by the float8 rule as it emits a dot: record it, and return the scope to emit
@@ -286,6 +300,7 @@ class Recorder:
             tuple(self.kept),
             check,
             collectives,
+            self.unknown_lengths,
         )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from jax import lax
 
 from .. import _compat as compat
@@ -53,7 +54,7 @@ def scan_rule(step: Step) -> Sequence[Any]:
 
     def body(carry: list[Any], x: list[Any]) -> tuple[list[Any], list[Any]]:
         outs = rewriter.run(jaxpr, body_consts, [*consts, *carry, *x], hints)
-        return cast_all(outs[:n_carry], carry_dtypes), outs[n_carry:]
+        return cast_all(outs[:n_carry], carry_dtypes, rewriter.recorder), outs[n_carry:]
 
     with compat.equation_context(step.eqn):
         carry, ys = lax.scan(
@@ -79,20 +80,80 @@ def while_rule(step: Step) -> Sequence[Any]:
     carry_dtypes = [step.traced_aval(i).dtype for i in range(first, len(step.args))]
     cond_jaxpr, cond_inner = compat.open_and_consts(params["cond_jaxpr"])
     body_jaxpr, body_inner = compat.open_and_consts(params["body_jaxpr"])
-    rewriter = step.rewriter.child(step.state)
+    trips = trip_count(step.eqn)
+    if trips is None and step.rewriter.recorder is not None:
+        step.rewriter.recorder.loop_of_unknown_length()
+    rewriter = step.rewriter.child(step.state, repeats=1 if trips is None else trips)
 
     def cond_fun(carry: list[Any]) -> Any:
         return rewriter.run(cond_jaxpr, cond_inner, [*cond_consts, *carry], hints[:n_cond])[0]
 
     def body_fun(carry: list[Any]) -> list[Any]:
         outs = rewriter.run(body_jaxpr, body_inner, [*body_consts, *carry], hints[n_cond:first])
-        return cast_all(outs, carry_dtypes)
+        return cast_all(outs, carry_dtypes, rewriter.recorder)
 
     with compat.equation_context(step.eqn):
         if compat.open_and_consts(params["cond_jaxpr"])[0].outvars[0].aval.shape:
             return _batched_while(step, cond_fun, body_fun, init)
         carry = lax.while_loop(cond_fun, body_fun, init)
         return list(carry)
+
+
+# A counter's comparison with its bound, as ``counter OP bound`` holding while the loop runs.
+_CONTINUES = {
+    "lt": lambda i, bound: i < bound,
+    "le": lambda i, bound: i <= bound,
+    "gt": lambda i, bound: i > bound,
+    "ge": lambda i, bound: i >= bound,
+    "ne": lambda i, bound: i != bound,
+}
+
+
+def trip_count(eqn: Any) -> int | None:
+    """How many times a ``while`` runs its body, where the program says it exactly: a
+    ``lax.while_loop(lambda c: c[0] < 10, ...)`` (an integer carry that starts at a literal,
+    steps by a literal and is compared with a literal); None where it depends on values
+    (``fori_loop`` with a traced bound, a convergence test). ``explain``/``tune`` count a body's
+    matmul FLOPs once per iteration, as for ``scan``."""
+    params = eqn.params
+    cond, _ = compat.open_and_consts(params["cond_jaxpr"])
+    body, _ = compat.open_and_consts(params["body_jaxpr"])
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    init = eqn.invars[n_cond + n_body :]
+    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name not in _CONTINUES:
+        return None
+    test = cond.eqns[0]
+    lhs, rhs = test.invars
+    carries = cond.invars[n_cond:]
+    if not (isinstance(lhs, compat.Var) and lhs in carries and isinstance(rhs, compat.Literal)):
+        return None
+    if not np.issubdtype(lhs.aval.dtype, np.integer):
+        return None
+    k = carries.index(lhs)
+    start, bound = init[k], rhs.val
+    stepped = body.outvars[k]
+    adds = [e for e in body.eqns if stepped in e.outvars and e.primitive.name == "add"]
+    if not isinstance(start, compat.Literal) or len(adds) != 1:
+        return None
+    operands = adds[0].invars
+    counter = body.invars[n_body + k]
+    literals = [a.val for a in operands if isinstance(a, compat.Literal)]
+    if counter not in operands or len(literals) != 1 or not literals[0]:
+        return None
+    return _iterations(test.primitive.name, int(start.val), int(bound), int(literals[0]))
+
+
+def _iterations(comparison: str, start: int, bound: int, step: int) -> int | None:
+    """How often ``i OP bound`` holds for ``i = start, start + step, ...``; None: forever."""
+    if not _CONTINUES[comparison](start, bound):
+        return 0
+    if comparison == "ne":
+        count, left = divmod(bound - start, step)
+        return count if left == 0 and count > 0 else None
+    if (comparison in ("lt", "le")) != (step > 0):
+        return None  # stepping away from the bound
+    gap, stride = abs(bound - start), abs(step)
+    return -(-gap // stride) if comparison in ("lt", "gt") else gap // stride + 1
 
 
 def _batched_while(step: Step, cond_fun: Any, body_fun: Any, init: Sequence[Any]) -> list[Any]:
@@ -131,7 +192,9 @@ def cond_rule(step: Step) -> Sequence[Any]:
 
     def as_function(branch: Any) -> Any:
         jaxpr, consts = compat.open_and_consts(branch)
-        return lambda *ops: cast_all(compat.eval_jaxpr(jaxpr, consts, ops), targets)
+        return lambda *ops: cast_all(
+            compat.eval_jaxpr(jaxpr, consts, ops), targets, step.rewriter.recorder
+        )
 
     functions = [as_function(b) for b in branches]
     platforms = step.params.get("branches_platforms")
