@@ -550,6 +550,18 @@ class Step:
     def avals(self) -> list[Any]:
         return [self.aval(i) for i in range(len(self.args))]
 
+    def as_traced(self) -> None:
+        """Where autocast is off (a disabled region, a rule of ``None``) the program runs as it
+        was traced: an operand that arrives narrower than its traced dtype (a bfloat16
+        activation traced as float32) is cast back to it. The program cannot say otherwise:
+        ``x.astype(jnp.float32)`` of a value traced as float32 (Flax's LayerNorm statistics, a
+        float32 head) left nothing in it, so without this its ops ran in bfloat16, less precise
+        than with autocast on."""
+        for i in self.floating():
+            arrived, traced = self.aval(i).dtype, self.traced_aval(i).dtype
+            if arrived != traced and arrived.itemsize < traced.itemsize:
+                self.args[i] = self.cast(i, traced)
+
     def floating(self) -> list[int]:
         """Indices of operands that were traced with a floating dtype (float64 included)."""
         return [
@@ -843,6 +855,8 @@ class Rewriter:
         try:
             for eqn in jaxpr.eqns:
                 step = Step(self, env, eqn, self.state_for(eqn))
+                if not step.state.enabled:
+                    step.as_traced()
                 outs = self.apply(step)
                 for var, value in zip(eqn.outvars, outs):
                     if not isinstance(var, compat.DropVar):

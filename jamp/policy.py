@@ -22,6 +22,7 @@ import fnmatch
 import math
 import numbers
 import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -289,6 +290,20 @@ _REGEX_SIGNS = ("^", "$", ".*", ".+", "\\", "(?", "|")
 # A rule whose glob starts with "@" names source lines instead of scope paths ("@model.py:12"):
 # code without scopes (plain functions, Flax NNX modules) has no path a rule could match.
 LINE_RULE = "@"
+
+
+_METHOD_SUFFIX = re.compile(r"\.[A-Za-z_]\w*$")
+
+
+def scope_matches(path: str, glob: str) -> bool:
+    """Does a scope-rule glob match a '/'-joined scope path? A Flax linen method other than
+    ``__call__`` names its scope ``embed.attend``: the path with such suffixes dropped
+    (``LM/embed``) matches too, so a rule on a module covers all its methods (a tied
+    embedding's ``attend`` is the module's matmul)."""
+    if fnmatch.fnmatchcase(path, glob):
+        return True
+    bare = "/".join(_METHOD_SUFFIX.sub("", name) for name in path.split("/"))
+    return bare != path and fnmatch.fnmatchcase(bare, glob)
 
 
 def is_line_rule(glob: str) -> bool:
@@ -735,7 +750,10 @@ class ScopeLog:
 
     def unmatched(self, rules: tuple) -> tuple[UnmatchedRule, ...]:
         seen = lambda glob: self.lines if is_line_rule(glob) else self.paths
-        matched = lambda glob: any(fnmatch.fnmatchcase(p, glob) for p in seen(glob))
+        matched = lambda glob: any(
+            (fnmatch.fnmatchcase if is_line_rule(glob) else scope_matches)(p, glob)
+            for p in seen(glob)
+        )
         return tuple(
             UnmatchedRule(i, glob, dtype, self._closest(glob, seen(glob)), self._hint(glob))
             for i, (glob, dtype) in enumerate(rules)
@@ -880,7 +898,7 @@ class RegionState:
             for i, (pattern, _) in enumerate(rules)
             if i not in self.matched
             and not is_line_rule(pattern)
-            and fnmatch.fnmatchcase(joined, pattern)
+            and scope_matches(joined, pattern)
         ]
         if not new:
             return state

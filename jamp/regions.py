@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -139,7 +140,7 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if inside_transform() or region_trace.active():
+            if inside_transform() or region_trace.active() or _bound_linen_method(args):
                 if self.cast_inputs is None:
                     with self._open_region():
                         return fn(*args, **kwargs)
@@ -251,3 +252,11 @@ def _region_dtype(value: Any, name: str) -> np.dtype | None:
 @functools.cache  # (a Policy is immutable: every `jamp.autocast()` of one dtype shares it)
 def _default_policy(dtype: np.dtype | None) -> Policy:
     return resolve_policy(None, dtype, where="jamp.autocast")
+
+
+def _bound_linen_method(args: tuple) -> bool:
+    """A Flax linen module's method (``self`` first): its module holds its variables in a scope
+    a transformed program could neither take as a static argument nor create parameters in
+    (``model.init``), so the decorated method runs as a region wherever it is called."""
+    linen = sys.modules.get("flax.linen")  # (no linen module exists unless flax.linen was imported)
+    return linen is not None and bool(args) and isinstance(args[0], linen.Module)

@@ -1,4 +1,6 @@
 """Training Flax models under autocast: linen (mutable batch_stats) and NNX (state written back)."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +10,7 @@ from flax import linen as nn
 from flax import nnx
 
 import jamp
+from tests.jaxpr_utils import eqns_named
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
 X = jax.random.normal(jax.random.PRNGKey(0), (16, 8, 8, 1))
@@ -101,3 +104,91 @@ def test_nnx_training_with_value_and_grad_and_jit():
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
         losses.append(float(loss))
     assert losses[-1] < losses[0]
+
+
+class _Stack(nn.Module):
+    """Dense, LayerNorm, head: from-flax.md's model with its float32 layers left to rules."""
+
+    float32_layers: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        f32 = dict(dtype=jnp.float32) if self.float32_layers else {}
+        x = nn.relu(nn.Dense(32, dtype=jnp.bfloat16 if self.float32_layers else None)(x))
+        x = nn.LayerNorm(**f32)(x)
+        return nn.Dense(4, name="head", **f32)(x)
+
+
+@pytest.mark.parametrize("cast_inputs", [False, True])
+def test_a_rule_of_none_runs_its_modules_as_written_in_float32(cast_inputs):
+    """``rules=(("*LayerNorm*", None), ("*/head", None))`` is from-flax.md's mapping of
+    ``dtype=jnp.float32`` on those layers. Under the transform the LayerNorm's statistics ran in
+    bfloat16 (Flax's float32 upcast of a value traced float32 left nothing in the program): the
+    output was 14x further from float32 than with no rule. Now it matches the hand-mixed model."""
+    x = jax.random.normal(jax.random.key(0), (4, 8))
+    variables = _Stack().init(jax.random.key(2), x)
+    variables["params"]["Dense_0"]["bias"] = jnp.full((32,), 50.0)  # an activation offset
+    policy = jamp.Policy(
+        cast_inputs=cast_inputs, rules=(("*LayerNorm*", None), ("*/head", None))
+    )
+    transformed = jamp.autocast_transform(_Stack().apply, policy)
+    jaxpr = jax.make_jaxpr(transformed)(variables, x)
+    kept = [
+        (e.primitive.name, str(e.outvars[0].aval.dtype))
+        for e in jaxpr.eqns
+        if e.primitive.name in ("reduce_sum", "rsqrt", "square", "integer_pow", "dot_general")
+    ]
+    assert kept[0] == ("dot_general", "bfloat16")
+    assert kept[1:] and all(dtype == "float32" for _, dtype in kept[1:]), kept
+    if cast_inputs:  # (the parameters arrive rounded to bfloat16, then computed in float32)
+        variables = jax.tree.map(lambda p: p.astype(jnp.bfloat16).astype(jnp.float32), variables)
+    by_hand = _Stack(float32_layers=True).apply(variables, x)
+    np.testing.assert_allclose(transformed(variables, x), by_hand, rtol=1e-5, atol=1e-5)
+
+
+class _TiedLM(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(16, 8, name="embed")
+        h = nn.Dense(8, name="mlp")(embed(tokens))
+        return embed.attend(h)
+
+
+@pytest.mark.parametrize("form", ["transform", "region"])
+def test_a_rule_on_a_linen_module_covers_its_other_methods(form):
+    """``Embed.attend`` (a tied output layer) runs under the scope ``LM/embed.attend``: a rule
+    ``*/embed`` missed it, silently (the rule matched the lookup, so nothing warned)."""
+    tokens = jnp.arange(6).reshape(2, 3)
+    variables = _TiedLM().init(jax.random.key(0), tokens)
+    policy = jamp.Policy(rules=(("*/embed", None),))
+    if form == "transform":
+        run = jamp.autocast_transform(_TiedLM().apply, policy)
+    else:
+        def run(v, t):
+            with jamp.autocast(policy):
+                return _TiedLM().apply(v, t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jamp.UnmatchedRuleWarning)
+        jaxpr = jax.make_jaxpr(run)(variables, tokens)
+    dots = [str(e.outvars[0].aval.dtype) for e in eqns_named(jaxpr.jaxpr, "dot_general")]
+    assert dots == ["bfloat16", "float32"]  # the mlp in bfloat16, attend (as written) float32
+
+
+class _HalfBlock(nn.Module):
+    @nn.compact
+    @jamp.autocast(dtype=jnp.float16)
+    def __call__(self, x):
+        return nn.Dense(4)(x)
+
+
+def test_a_decorated_linen_method_runs_as_a_region_outside_one():
+    """``@jamp.autocast(dtype=...)`` on a linen ``__call__`` (torch's decorated forward) raised
+    a TypeError about ``self`` from ``model.init`` and from a plain ``apply``: its module cannot
+    be a transformed program's argument, so it makes a region there."""
+    x = jnp.ones((2, 4))
+    variables = _HalfBlock().init(jax.random.key(0), x)
+    assert variables["params"]["Dense_0"]["kernel"].dtype == jnp.float32
+    assert _HalfBlock().apply(variables, x).dtype == jnp.float16
+    assert jax.jit(_HalfBlock().apply)(variables, x).dtype == jnp.float16
+    grads = jax.grad(lambda v: _HalfBlock().apply(v, x).astype(jnp.float32).sum())(variables)
+    assert grads["params"]["Dense_0"]["kernel"].dtype == jnp.float32

@@ -25,13 +25,21 @@ def test_disabled_and_other_dtype_regions():
     assert [o.dtype for o in jamp.autocast_transform(f)(A)] == [F32, F16, BF16]
 
 
-def test_disabled_region_sees_arriving_dtypes_and_mixed_operands_promote():
+def test_disabled_region_runs_as_traced_under_the_transform_as_arriving_in_a_region():
+    """Under the transform a disabled region runs the program as traced: ``b`` was traced
+    float32, so its ops take it in float32 (a ``b.astype(jnp.float32)`` the user wrote, as torch
+    asks, left nothing in the program). A region outside a transform runs the user's Python on
+    the 16-bit value, as torch: ``log`` stays bfloat16 unless the code casts."""
     def f(a):
         b = a @ a  # bf16
         with jamp.autocast(enabled=False):
-            return jnp.log(b), b @ a  # log stays bf16; mixed bf16 x f32 matmul runs in f32
-    log_b, mixed = jamp.autocast_transform(f)(A)
-    assert (log_b.dtype, mixed.dtype) == (BF16, F32)
+            return jnp.log(b), b @ a, jnp.log(b.astype(F32))
+    jaxpr = jax.make_jaxpr(jamp.autocast_transform(f))(A)
+    assert [o.aval.dtype for o in jaxpr.jaxpr.outvars] == [F32, F32, F32]
+    logs = [e for e in jaxpr.eqns if e.primitive.name == "log"]
+    assert [str(e.invars[0].aval.dtype) for e in logs] == ["float32", "float32"]
+    with jamp.autocast():
+        assert [o.dtype for o in f(A)] == [BF16, F32, F32]
 
 
 def test_disabled_region_bias_add_promotes_as_jax_in_both_forms():
