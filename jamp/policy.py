@@ -778,10 +778,14 @@ class ScopeLog:
                 "A '@<file>:<line>' rule matches the operations traced while that line of your "
                 "code ran (file basename or full path), where no scope rule or region decided."
             )
+        nnx = (
+            "Flax NNX modules enter no scopes: name their code with jax.named_scope or match "
+            "its lines with a '@<file>:<line>' rule."
+        )
         if not self.paths:
             return (
-                "The function entered no scopes: rules match jax.named_scope names and Flax "
-                "module paths joined by '/'."
+                "The code traced entered no scopes: rules match jax.named_scope names and Flax "
+                f"linen module paths joined by '/'. {nnx}"
             )
         for variant, why in (
             (glob + "*", "Flax linen names unnamed submodules with a _<n> suffix ('Head_0')"),
@@ -795,7 +799,7 @@ class ScopeLog:
         lower = sorted(p for p in self.paths if fnmatch.fnmatchcase(p.lower(), glob.lower()))
         if lower:
             return f"Globs are case-sensitive: {lower[0]!r} differs only in case."
-        return "Rules are case-sensitive globs over the whole '/'-joined scope path."
+        return f"Rules are case-sensitive globs over the whole '/'-joined scope path. {nnx}"
 
 
 _warned: set[tuple[str, str, tuple[str, ...]]] = set()

@@ -337,6 +337,8 @@ def test_a_function_without_scopes_says_so():
 
     caught = _unmatched_warnings(plain, jamp.Policy(rules=(("*/head", None),)), X, W)
     assert len(caught) == 1 and "entered no scopes" in str(caught[0].message)
+    # (an NNX model enters none either: the hint says how to name its code)
+    assert "Flax NNX modules enter no scopes" in str(caught[0].message)
 
 
 def test_the_warning_comes_once_per_function_and_rule():
