@@ -45,7 +45,8 @@ def accumulate_micro_batches(tx: Any, every_k: int) -> Any:
     The optimizer half of torch's ``GradScaler`` loop with gradient accumulation; the loss-scale
     half is :class:`jamp.MicroBatchLossScale` with the same ``every_k``, which adjusts the scale
     once per step. Between steps the updates are zeros, as ``optax.MultiSteps`` returns (why not
-    MultiSteps itself: see this module's docstring).
+    MultiSteps itself: see this module's docstring). ``tx``'s state keeps the dtypes ``tx.init``
+    gave it, as in MultiSteps (16-bit parameters' moments stay 16-bit under float32 gradients).
 
     Example::
 
@@ -91,7 +92,15 @@ def accumulate_micro_batches(tx: Any, every_k: int) -> Any:
         mean = jax.tree.map(lambda a, g: (a / every_k).astype(jnp.result_type(g)), acc, grads)
 
         def inner_update(_: Any) -> Any:
-            return tx.update(mean, state.inner_state, params, **extra_args)
+            updates, inner_state = tx.update(mean, state.inner_state, params, **extra_args)
+            # The state keeps the dtypes tx.init gave it, as in optax.MultiSteps: bfloat16
+            # parameters' Adam moments stay bfloat16 under float32 gradients (and both branches
+            # of the cond below must agree on them).
+            return updates, jax.tree.map(
+                lambda old, new: jnp.asarray(new, jnp.result_type(old)),
+                state.inner_state,
+                inner_state,
+            )
 
         def hold(_: Any) -> Any:
             shapes = jax.eval_shape(inner_update, None)[0]

@@ -4,10 +4,13 @@ The names follow DeepMind's jmp so code can switch, without its known bugs: ever
 (``min_loss_scale`` included) is a pytree leaf, so a scale survives ``jax.jit`` and
 ``jax.tree.map``; ``unscale`` casts gradients to float32 before dividing; the scale itself is
 float32 whatever the compute dtype; and :func:`scaled_value_and_grad` unscales with the scale the
-loss was multiplied by, not the adjusted one. Growth is capped at ``max_loss_scale`` (the float32
-maximum by default, as flax's ``DynamicScale``), and every field is validated at construction
-with an error naming it (``DynamicLossScale(factor=0.5)`` raises ``ValueError``), so a scale
-cannot stall training by reaching inf, 0 or NaN.
+loss was multiplied by, not the adjusted one (rounded to the loss's dtype, as the loss was).
+Growth is capped at ``max_loss_scale`` (the float32 maximum by default, as flax's
+``DynamicScale``), and every field is validated at construction with an error naming it
+(``DynamicLossScale(factor=0.5)`` raises ``ValueError``), so a scale cannot stall training by
+reaching inf, 0 or NaN. The scales are pytrees (orbax checkpoints them) and are registered
+with ``flax.serialization`` when the first is made (``to_bytes``, ``from_bytes``, a
+``TrainState`` that holds one).
 
 Example::
 
@@ -20,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -97,8 +101,12 @@ def _check_count(cls: str, field: str, value: Any, minimum: int) -> int | None:
     return int(array)
 
 
+# Floating and complex leaves are scaled and unscaled (complex parameters have complex
+# gradients, which the scale multiplies as much as real ones), as jmp does every inexact leaf.
+
+
 def _scale_leaf(x: Any, scale: jax.Array) -> Any:
-    if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    if not jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return x
     x = jnp.asarray(x)  # Python and numpy scalars too: the product, as jmp returns
     return x * scale.astype(x.dtype)
@@ -106,10 +114,10 @@ def _scale_leaf(x: Any, scale: jax.Array) -> Any:
 
 def _unscale_leaf(x: Any, scale: jax.Array) -> Any:
     dtype = jnp.result_type(x)
-    if not jnp.issubdtype(dtype, jnp.floating):
+    if not jnp.issubdtype(dtype, jnp.inexact):
         return x
-    wide = jnp.float64 if dtype == jnp.float64 else F32
-    return jnp.asarray(x).astype(wide) / scale.astype(wide)
+    wide = jnp.promote_types(dtype, F32)  # float32 or complex64 at least; 64-bit ones stay
+    return jnp.asarray(x).astype(wide) / scale.astype(jnp.finfo(wide).dtype)
 
 
 def _register(cls: type) -> type:
@@ -142,11 +150,15 @@ def _unchecked(cls: type, **values: Any) -> Any:
 class _LossScale:
     loss_scale: jax.Array
 
+    def __post_init__(self) -> None:
+        _register_with_flax()
+
     def scale(self, tree: Any) -> Any:
-        """Multiply every floating leaf (usually the loss) by the loss scale.
+        """Multiply every floating or complex leaf (usually the loss) by the loss scale.
 
         Python and numpy floats are multiplied too (``StaticLossScale(8.0).scale(3.0)`` is a
-        float32 ``24.0``); integer leaves are returned unchanged."""
+        float32 ``24.0``); integer leaves are returned unchanged. A 16-bit leaf is multiplied by
+        the scale rounded to its dtype (3000 is 3008 in bfloat16)."""
         _check_array_leaves(tree, f"{type(self).__name__}.scale")
         self._check_fits(tree)
         return jax.tree.map(lambda x: _scale_leaf(x, self.loss_scale), tree)
@@ -155,7 +167,13 @@ class _LossScale:
         """Refuse a scale the leaves' dtypes cannot hold, where that is an error (a static one)."""
 
     def unscale(self, tree: Any) -> Any:
-        """Divide every floating leaf by the loss scale, in float32 (float64 stays float64)."""
+        """Divide every floating or complex leaf by the loss scale, in float32 (complex64 for
+        complex leaves; float64 and complex128 stay).
+
+        This divides by the float32 scale. Gradients of a 16-bit loss were multiplied by the
+        scale rounded to the loss's dtype, which differs when the scale has more significant
+        bits than the dtype (powers of two never do): :func:`jamp.scaled_value_and_grad`
+        divides by the rounded value."""
         _check_array_leaves(tree, f"{type(self).__name__}.unscale")
         return jax.tree.map(lambda x: _unscale_leaf(x, self.loss_scale), tree)
 
@@ -199,32 +217,47 @@ class StaticLossScale(_LossScale):
     """A fixed loss scale: ``jamp.StaticLossScale(2.0 ** 12)``.
 
     ``loss_scale`` must be finite, > 0 and fit float32 (``ValueError`` naming the field);
-    ``scale`` of a leaf whose dtype cannot hold it (a float16 loss at ``2.0 ** 16``) raises
-    ``ValueError`` too, since it never backs off."""
+    ``scale`` of a leaf whose dtype cannot hold it (a float16 loss at ``2.0 ** 16``, or at a
+    scale so small that float16 rounds it to 0) raises ``ValueError`` too, since it never
+    backs off."""
 
     loss_scale: Any
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _check_scale("StaticLossScale", "loss_scale", self.loss_scale)
         object.__setattr__(self, "loss_scale", _coerce(self.loss_scale, F32))
 
     def _check_fits(self, tree: Any) -> None:
-        """A leaf whose dtype cannot hold the scale (a float16 loss and a scale of 2**16) raises
-        ``ValueError``: it and every gradient would be inf at every step, where a dynamic scale
-        backs off (checked where the scale is known, not under ``jax.jit`` with the scale an
-        argument)."""
-        if not isinstance(self.loss_scale, jax.core.Tracer):
-            scale = float(self.loss_scale)
-            for x in jax.tree.leaves(tree):
-                dtype = jnp.result_type(x)
-                if jnp.issubdtype(dtype, jnp.floating) and scale > float(jnp.finfo(dtype).max):
-                    raise ValueError(
-                        f"StaticLossScale({scale:g}).scale: the scale is past {dtype}'s largest "
-                        f"value ({float(jnp.finfo(dtype).max):g}), so a {dtype} loss scaled by "
-                        "it is inf, and so is every gradient: every step would be skipped. "
-                        "Compute the loss in float32 (autocast_transform and a region return "
-                        f"a float32 mean or sum), or use a scale under {jnp.finfo(dtype).max:g}"
-                    )
+        """A leaf whose dtype cannot hold the scale raises ``ValueError``: past its largest value
+        (a float16 loss and a scale of 2**16) the loss and every gradient would be inf at every
+        step, where a dynamic scale backs off; under its smallest (float16 rounds 2**-26 to 0)
+        they would all be 0. Checked where the scale is known, not under ``jax.jit`` with the
+        scale an argument."""
+        number = _concrete("StaticLossScale", "loss_scale", self.loss_scale)
+        if number is None:
+            return
+        scale = float(number)
+        for x in jax.tree.leaves(tree):
+            dtype = jnp.result_type(x)
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                continue
+            info = jnp.finfo(dtype)
+            if scale > float(info.max):
+                raise ValueError(
+                    f"StaticLossScale({scale:g}).scale: the scale is past {dtype}'s largest "
+                    f"value ({float(info.max):g}), so a {dtype} loss scaled by "
+                    "it is inf, and so is every gradient: every step would be skipped. "
+                    "Compute the loss in float32 (autocast_transform and a region return "
+                    f"a float32 mean or sum), or use a scale under {info.max:g}"
+                )
+            if np.float32(scale).astype(info.dtype) == 0:  # (numpy: no JAX op while tracing)
+                raise ValueError(
+                    f"StaticLossScale({scale:g}).scale: {dtype} rounds the scale to 0 (its "
+                    f"smallest value is {float(info.smallest_subnormal):g}), so a {dtype} loss "
+                    "scaled by it is 0, and so is every gradient. Compute the loss in float32, "
+                    "or use a larger scale"
+                )
 
 
 @_register
@@ -254,6 +287,12 @@ class DynamicLossScale(_LossScale):
         if int(scale.skips_at_min) > 0:   # the last step(s) skipped at the minimum scale
             raise FloatingPointError(f"overflow at the minimum loss scale: {scale}")
 
+    A float16 loss cannot be scaled by less than float16 holds: with ``min_loss_scale=None``
+    a long run of overflows takes the scale to ``2.0 ** -25`` or less, which float16 rounds to 0.
+    :func:`jamp.scaled_value_and_grad` then reports the step not finite (its gradients are
+    NaN, not 0), so it is skipped and the scale backs off on to its minimum, where
+    ``skips_at_min`` counts: the overflow was never the scale's doing.
+
     Example::
 
         scale = jamp.DynamicLossScale(loss_scale=2.0 ** 15, period=2000, factor=2)
@@ -270,6 +309,7 @@ class DynamicLossScale(_LossScale):
     skips_at_min: Any = 0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         name = "DynamicLossScale"
         if self.min_loss_scale is None:  # flax's "no minimum"
             object.__setattr__(self, "min_loss_scale", F32_TINY)
@@ -360,6 +400,7 @@ class MicroBatchLossScale(_LossScale):
     finite: Any = True
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         name = "MicroBatchLossScale"
         if not isinstance(self.inner, _LossScale) or isinstance(self.inner, MicroBatchLossScale):
             raise TypeError(
@@ -380,6 +421,9 @@ class MicroBatchLossScale(_LossScale):
     def loss_scale(self) -> jax.Array:  # type: ignore[override]
         return self.inner.loss_scale
 
+    def _check_fits(self, tree: Any) -> None:
+        self.inner._check_fits(tree)  # a wrapped static scale refuses what it refuses alone
+
     def adjust(self, grads_finite: jax.Array) -> MicroBatchLossScale:
         """Record one micro-batch; at the ``every_k``-th, adjust the wrapped scale once."""
         grads_finite = _check_grads_finite(grads_finite)
@@ -397,6 +441,45 @@ class MicroBatchLossScale(_LossScale):
 
 
 LossScale = NoOpLossScale | StaticLossScale | DynamicLossScale | MicroBatchLossScale
+
+
+# --- flax.serialization: state dicts for to_bytes/from_bytes and TrainState checkpoints -------
+
+
+def _to_state_dict(scale: Any) -> dict[str, Any]:  # (Any: a loss-scale dataclass)
+    from flax import serialization
+
+    return {
+        f.name: serialization.to_state_dict(getattr(scale, f.name))
+        for f in dataclasses.fields(scale)
+    }
+
+
+def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
+    from flax import serialization
+
+    names = [f.name for f in dataclasses.fields(target)]
+    missing = [n for n in names if n not in state]
+    unknown = [k for k in state if k not in names]
+    if missing or unknown:
+        name = type(target).__name__
+        raise ValueError(
+            f"restoring a {name} at '{serialization.current_path()}': the state dict's keys "
+            f"are {list(state)}, a {name}'s fields are {names} (missing: {missing}, "
+            f"unknown: {unknown})"
+        )
+    values = {n: serialization.from_state_dict(getattr(target, n), state[n], n) for n in names}
+    return dataclasses.replace(target, **values)  # (validated, naming a bad field)
+
+
+@functools.cache
+def _register_with_flax() -> None:
+    """Called as a scale is constructed (every scale flax could meet was): ``import jamp``
+    does not import flax (~0.2 s), and flax finds a type's handlers only in its registry."""
+    from flax import serialization
+
+    for cls in (NoOpLossScale, StaticLossScale, DynamicLossScale, MicroBatchLossScale):
+        serialization.register_serialization_state(cls, _to_state_dict, _from_state_dict)
 
 
 def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
@@ -487,8 +570,16 @@ def scaled_value_and_grad(
     Returns ``step(loss_scale, *args, **kwargs) -> (value, grads, new_loss_scale, grads_finite)``:
     the loss is multiplied by the current scale, gradients are unscaled with that same scale
     (then checked for inf/NaN), and only then is the scale adjusted. ``value`` is the unscaled
-    loss (``(loss, aux)`` with ``has_aux``); ``grads`` are float32. ``argnums`` counts ``fn``'s
-    arguments, as ``jax.value_and_grad`` does (the loss scale is not one of them).
+    loss (``(loss, aux)`` with ``has_aux``); ``grads`` are float32 (complex64 for complex
+    parameters). ``argnums`` counts ``fn``'s arguments, as ``jax.value_and_grad`` does (the loss
+    scale is not one of them).
+
+    A 16-bit loss is multiplied by the scale rounded to the loss's dtype (3000 is 3008 in
+    bfloat16), and the gradients are divided by that rounded value, so they come back unbiased.
+    A scale that float16 rounds to 0 (``2.0 ** -25`` or less, which a ``DynamicLossScale`` with
+    ``min_loss_scale=None`` reaches after a long run of overflows) cannot scale a float16 loss:
+    the gradients come back NaN and ``grads_finite`` False, so the step is skipped rather than
+    applied with gradients of 0.
 
     Inside ``jax.pmap`` or ``jax.shard_map(..., check_vma=False)``, where each device's
     gradients come back before you sum them across devices, pass the ``axis_name`` you sum over:
@@ -571,7 +662,8 @@ def scaled_value_and_grad(
             _check_differentiable(fn, name, requested, args)
             grad_fn = jax.value_and_grad(scaled, argnums=positions, has_aux=True)
             (_, (loss, aux)), grads = grad_fn(loss_scale, *args, **kwargs)
-        grads = loss_scale.unscale(grads)  # the scale the loss was multiplied by
+        applied = _applied(loss_scale, loss)  # the scale before adjust, as the loss had it
+        grads = jax.tree.map(lambda g: _unscale_leaf(g, applied), grads)
         finite = all_finite(grads, axis_name=axis_name)
         value = (loss, aux) if has_aux else loss
         return value, grads, loss_scale.adjust(finite), finite
@@ -580,6 +672,18 @@ def scaled_value_and_grad(
     step.__name__ = name
     step.__qualname__ = getattr(fn, "__qualname__", name)
     return compat.api_boundary(step)  # (fn's errors show fn's frames, as under jax.grad)
+
+
+def _applied(loss_scale: LossScale, loss: Any) -> jax.Array:
+    """What ``loss_scale.scale(loss)`` multiplied the loss by: the scale rounded to the loss's
+    dtype (3000 is 3008 in bfloat16), which the gradients are divided by.
+
+    Where that is 0 (a float16 loss and a scale of 2**-25 or less) every gradient is 0 and 0/0
+    makes it NaN: the step is not finite. Where it is inf (past float16's range) the gradients are
+    inf or NaN already; dividing by the float32 scale leaves an inf one inf, as flax does."""
+    scale = loss_scale.loss_scale
+    rounded = scale.astype(jnp.result_type(loss))
+    return jnp.where(jnp.isinf(rounded), scale, rounded.astype(scale.dtype))
 
 
 _LOSS_SCALES = (
