@@ -127,7 +127,8 @@ def trip_count(eqn: Any) -> int | None:
     carries = cond.invars[n_cond:]
     if not (isinstance(lhs, compat.Var) and lhs in carries and isinstance(rhs, compat.Literal)):
         return None
-    if not np.issubdtype(lhs.aval.dtype, np.integer):
+    counter_dtype = getattr(lhs.aval, "dtype", None)
+    if counter_dtype is None or not np.issubdtype(counter_dtype, np.integer):
         return None
     k = carries.index(lhs)
     start, bound = init[k], rhs.val
