@@ -510,6 +510,76 @@ def test_nnx_sow_or_assignment_is_named_with_its_own_remedy():
     assert "eval()" not in str(info.value) and "sow" not in str(info.value)
 
 
+class Wrapped(nnx.Module):
+    """A Linear and a BatchNorm called through an NNX transform (nnx.jit, nnx.remat, ...),
+    which hands every Variable back as a new value, updated or not."""
+
+    def __init__(self, wrap, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.wrap = wrap
+
+    def __call__(self, x):
+        return self.wrap(lambda model, x: model.drop(model.bn(model.linear(x))))(self, x)
+
+
+def scanned_remat(fn):
+    """fn(model, x) run twice by nnx.scan under nnx.remat, the model in the carry (a
+    broadcast model's updates are dropped by nnx.scan, so it would not show an update)."""
+    body = nnx.remat(lambda carry: ((carry[0], fn(*carry)), None))
+    scan = nnx.scan(body, in_axes=(nnx.Carry,), out_axes=(nnx.Carry, 0), length=2)
+    return lambda model, x: scan((model, x))[0][1]
+
+
+NNX_WRAPS = {
+    "jit": nnx.jit,
+    "remat": nnx.remat,
+    "scan+remat": scanned_remat,
+    "cond": lambda fn: lambda model, x: nnx.cond(x.sum() > 0, fn, fn, model, x),
+}
+
+
+@pytest.mark.parametrize("wrap", NNX_WRAPS.values(), ids=NNX_WRAPS.keys())
+def test_nnx_transforms_that_hand_state_back_unchanged_freeze(wrap):
+    """nnx.jit / nnx.remat write each Variable back as a new tracer: freeze said the eval-mode
+    call 'updates its state (Param linear.bias, ...)' and refused it; a Variable handed back
+    as it came in is not an update."""
+    model = Wrapped(wrap, nnx.Rngs(0))
+    model.bn.mean = nnx.BatchStat(jnp.linspace(-1.0, 1.0, 4))
+    model.eval()
+    x = jnp.linspace(-2.0, 2.0, 8).reshape(2, 4)
+    want = model(x)
+    frozen = checked(tracing.freeze(model, None, x))
+    chex.assert_trees_all_close(frozen(x), want, **F32_TOL)
+
+
+@pytest.mark.parametrize("wrap", NNX_WRAPS.values(), ids=NNX_WRAPS.keys())
+def test_nnx_transforms_that_update_state_are_refused(wrap):
+    """Through the same transforms, the training mode's updates (BatchNorm statistics,
+    Dropout's rng count) and an assignment are still refused, with their remedies."""
+    model = Wrapped(wrap, nnx.Rngs(0))  # training mode
+    x = jnp.ones((2, 4))
+    with pytest.raises(ValueError, match=r"updates its state \(.*BatchStat bn\.mean.*model\.eval"):
+        tracing.freeze(model, None, x)
+
+    class Counts(nnx.Module):
+        def __init__(self):
+            self.calls = nnx.Variable(jnp.zeros(()))
+            self.kept = nnx.Variable(jnp.ones(()))
+
+        def __call__(self, x):
+            def count(model, x):
+                model.calls[...] = model.calls[...] + 1
+                return x * model.kept[...]
+
+            return wrap(count)(self, x)
+
+    with pytest.raises(ValueError, match=r"updates its state \(Variable calls\); ") as info:
+        tracing.freeze(Counts(), None, x)
+    assert "eval()" not in str(info.value)
+
+
 def test_nnx_state_of_another_model_names_the_first_difference():
     class Net(nnx.Module):
         def __init__(self, rngs):

@@ -302,6 +302,20 @@ def test_no_kernel_to_quantize_says_so():
                        weights=jnp.int8)
 
 
+def test_no_kernel_left_names_the_kernels_kept_for_another_use():
+    """A kernel also returned (or read otherwise) stays unquantized; when no other is left the
+    error named no kernel and said to check for Dense/Conv layers."""
+    fn = lambda p, x: (x @ p["w"], p["w"])
+    p = {"w": jnp.ones((4, 3))}
+    with pytest.raises(ValueError, match=r"no kernel to quantize: .*also used otherwise.*"
+                                         r"\(float32\[4, 3\]\): it is also an output") as info:
+        tracing.freeze(fn, p, jnp.ones((2, 4)), weights=jnp.int8)
+    assert "Dense/Conv" not in str(info.value)
+    gathered = lambda p, t: p["w"][t] @ p["w"]  # a gather reads the kernel too
+    with pytest.raises(ValueError, match=r"\(float32\[3, 3\]\): a \w+ also reads it"):
+        tracing.freeze(gathered, {"w": jnp.ones((3, 3))}, jnp.array([0, 1]), weights=jnp.int8)
+
+
 def test_embeddings_biases_and_tied_kernels_stay():
     """A table read by a gather stays as frozen, also when the same constant is the output
     projection's kernel (tied); the other kernel is quantized; biases stay float32."""

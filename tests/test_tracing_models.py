@@ -262,3 +262,25 @@ def test_exports_with_flax_nodes_load_in_a_fresh_process(tmp_path):
                          check=True).stdout
     assert "refused:" in out and "flax.nnx" in out  # flax not imported yet: nothing imported
     assert "Param" in out.splitlines()[-1]
+
+
+def test_polymorphic_export_of_an_nnx_state_input_runs_in_a_fresh_process(tmp_path):
+    """On jax 0.12 the call failed with a bare AssertionError: jax.export's shape solving
+    rebuilt the inputs' pytree, whose Flax Variables cannot be rebuilt outside a trace."""
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    traced = tracing.trace(lambda s, x: nnx.merge(graphdef, s)(x), (state, jnp.ones((2, 4))))
+    (tmp_path / "poly.bin").write_bytes(traced.export(polymorphic_shapes=(None, "b, 4")))
+    script = (
+        "import jax.numpy as jnp, numpy as np, tracing\n"
+        "from flax import nnx\n"
+        "model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))\n"
+        f"served = tracing.load(open({str(tmp_path / 'poly.bin')!r}, 'rb').read())\n"
+        "x = jnp.arange(12.0).reshape(3, 4)\n"
+        "np.testing.assert_allclose(served(nnx.state(model), x), model(x), atol=1e-5)\n"
+        "try:\n    served(nnx.state(model), jnp.ones((3, 5)))\n"
+        "except ValueError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "inputs[1] has shape (3, 5)" in out.stdout

@@ -3,7 +3,9 @@
 The blob is ``jax.export``'s own serialization (StableHLO plus the input/output pytree
 structures), so it can also be read with ``jax.export.deserialize``. The pytree nodes it does not
 know natively, and dicts whose keys are not all strings (``nnx.List`` layers in an
-``nnx.State``), are stored as ``serialization.py`` describes. An export made with
+``nnx.State``), are stored as ``serialization.py`` describes; so is an output dict whose keys
+the function returned in another order than the sorted one, so that ``load`` gives it back in
+the function's order (``_in_callers_order``). An export made with
 ``polymorphic_shapes`` has symbolic dimensions (``b``); its loaded function takes any size for
 them, and a call that does not fit is reported by input and dimension.
 """
@@ -11,6 +13,7 @@ them, and a call that does not fit is reported by input and dimension.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import sys
@@ -31,23 +34,30 @@ _AND = "; "  # between constraints: cannot be part of one (``max(a, b) >= 2`` ho
 
 
 def export_program(
-    closed: Any, specs: Any, out_tree: Any, name: str, constraints: Sequence[str] = ()
+    closed: Any,
+    specs: Any,
+    out_tree: Any,
+    name: str,
+    constraints: Sequence[str] = (),
+    out_template: Any = None,
 ) -> bytes:
     """``jax.export`` of the closed jaxpr at ``specs`` (a tuple of input pytrees of
     ``ShapeDtypeStruct``, symbolic or not), with pytree outputs ``out_tree``, as bytes.
 
     The exported function is named ``name`` (what ``tracing.load`` calls it), followed by the
     symbolic shapes' ``constraints`` (``freeze(CNN) where b >= 2``), which ``jax.export``
-    checks but does not serialize, so that a loaded function can name the one a call breaks."""
+    checks but does not serialize, so that a loaded function can name the one a call breaks.
+    ``out_template`` (``program.order_skeleton`` of the function's outputs) gives the order of
+    its output dicts' keys, which the export keeps (``_in_callers_order``)."""
     label = f"{name}.export()"
     in_tree = serialization.storable(jax.tree.structure(specs), "inputs", label)
-    stored_out = serialization.storable(out_tree, "outputs", label)
+    ordered_out, leaf_order = _in_callers_order(out_tree, out_template)
+    stored_out = serialization.storable(ordered_out, "outputs", label)
     jaxpr, consts = compat.open_and_consts(closed)
 
     def run(*inputs: Any) -> Any:
-        return jax.tree.unflatten(
-            stored_out, compat.eval_jaxpr(jaxpr, consts, jax.tree.leaves(inputs))
-        )
+        flat = compat.eval_jaxpr(jaxpr, consts, jax.tree.leaves(inputs))
+        return jax.tree.unflatten(stored_out, [flat[i] for i in leaf_order])
 
     run.__name__ = run.__qualname__ = name + (
         _WHERE + _AND.join(constraints) if constraints else ""
@@ -59,6 +69,31 @@ def export_program(
         raise TypeError(
             f"export: the inputs or outputs hold a pytree node jax.export cannot serialize: {err}"
         ) from err
+
+
+def _in_callers_order(out_tree: Any, template: Any) -> tuple[Any, list[int]]:
+    """(the output tree to store, the program's output leaf at each of its leaves).
+
+    ``jax.export`` writes a dict's keys in the pytree's sorted order, so a dict whose keys the
+    function returned in another order is stored as a ``KeyedDict`` with the keys in the
+    function's order (its leaves in that order too), which ``load`` gives back as that dict."""
+    numbered = jax.tree.unflatten(out_tree, range(out_tree.num_leaves))
+    ordered = _ordered(template, numbered)
+    return jax.tree.structure(ordered), jax.tree.leaves(ordered)
+
+
+def _ordered(template: Any, tree: Any) -> Any:
+    if type(template) is dict and type(tree) is dict:
+        values = [_ordered(template[key], tree[key]) for key in template]
+        if list(template) == list(tree) or not all(
+            type(key) in serialization.KEY_TYPES for key in template
+        ):  # in pytree order already; or keys that ``storable`` refuses, naming the dict
+            return dict(zip(template, values))
+        return serialization.KeyedDict(list(template), values)
+    if isinstance(template, (list, tuple)) and type(template) is type(tree):
+        children = [_ordered(t, x) for t, x in zip(template, tree)]
+        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
+    return tree
 
 
 def _imported_class(name: str) -> type | None:
@@ -76,7 +111,7 @@ def _imported_class(name: str) -> type | None:
 
 
 _UNREGISTERED = re.compile(r"unregistered type `([^`]+)`")
-_ARGS = re.compile(r"\bargs(?=\[)")
+_ARG = re.compile(r"\bargs\[(\d+)\]")  # how JAX names a leaf of the flattened call
 
 
 _FIXED_SHAPES = (
@@ -95,6 +130,11 @@ class LoadedFunction:
         args_tree = jax.tree.unflatten(plain_in, list(exported.in_avals))[0]
         leaves, in_tree = jax.tree.flatten(args_tree)
         self.signature = Signature.from_avals(in_tree, leaves)
+        # Called on the flattened inputs (checked against the signature first): on jax 0.12 the
+        # shape solving of a symbolic export rebuilds the inputs' pytree, and Flax's Variable
+        # (an nnx.State input) cannot be rebuilt there (a bare AssertionError).
+        flat_args: tuple[tuple[int, ...], dict] = (tuple(range(len(leaves))), {})
+        self._flat = dataclasses.replace(exported, in_tree=jax.tree.structure(flat_args))
         self._out_tree = serialization.restored(exported.out_tree)
         self._symbolic = any(is_symbolic(a.shape) for a in leaves)
         _, where, constraints = exported.fun_name.rpartition(_WHERE)
@@ -106,9 +146,8 @@ class LoadedFunction:
         # Clear errors before jax.export's own: structure, dtypes, fixed and single-symbol
         # sizes, constraints on them.
         leaves = self.signature.flatten(inputs, self.__name__, _FIXED_SHAPES, self._constraints)
-        args, kwargs = jax.tree.unflatten(self.exported.in_tree, leaves)
         try:
-            outputs = self.exported.call(*args, **kwargs)
+            outputs = self._flat.call(*leaves)
         except ValueError as err:
             if not self._symbolic or "shape" not in str(err).lower():
                 raise
@@ -118,7 +157,8 @@ class LoadedFunction:
                 for where, a in zip(self.signature.paths, self.signature.avals)
                 if is_symbolic(a.shape)
             )
-            jax_says = _ARGS.sub("inputs", str(err))  # JAX's args[0] is the user's inputs[0]
+            # JAX's args[3] is the fourth leaf: its path, as inputs[1]['w']
+            jax_says = _ARG.sub(lambda m: self.signature.paths[int(m.group(1))], str(err))
             if "Error refining shapes" in jax_says:
                 # (the shapes passed jax.export's checks; its refinement of the program failed)
                 raise ValueError(

@@ -37,7 +37,7 @@ from .passes.fold_constants import with_aval
 from .passes.quantize_weights import Kernel, Rules, kernel_report, kernels, weight_rules
 from .program import CannotRetrace, Program, callable_name
 from .shapes import is_symbolic
-from .signature import Signature, leaf_aval
+from .signature import Signature, keep_dict_order, leaf_aval, order_skeleton
 from .trace import trace_errors_named
 
 _NO_RNGS = object()  # the frozen function has no rngs input
@@ -81,8 +81,9 @@ class FrozenFunction(Program):
         name: str,
         rngs: Any = _NO_RNGS,
         retrace: Any = None,
+        out_template: Any = None,
     ) -> None:
-        super().__init__(closed, signature, out_tree, name, retrace=retrace)
+        super().__init__(closed, signature, out_tree, name, out_template, retrace)
         self._rngs = rngs
 
     @property
@@ -190,8 +191,8 @@ def _nnx_target(module: Any, variables: Any, method: Any, kwargs: dict) -> _Targ
         _check_same_paths(name, state, variables)
         state = variables
 
-    def call(state: Any, inputs: tuple, kwargs: dict) -> Any:
-        before = _leaves_by_path(state)  # merge shares Variables with ``state``: snapshot now
+    def call_and_state(state: Any, inputs: tuple, kwargs: dict) -> tuple[Any, Any]:
+        """(the call's outputs, the model's state after it)."""
         model = nnx.merge(graphdef, state)
         fn = (
             getattr(model, method)
@@ -200,9 +201,10 @@ def _nnx_target(module: Any, variables: Any, method: Any, kwargs: dict) -> _Targ
             if method is not None
             else model
         )
-        out = fn(*inputs, **kwargs)
-        _check_nnx_unchanged(name, before, nnx.split(model)[1])
-        return out
+        return fn(*inputs, **kwargs), nnx.split(model)[1]
+
+    def call(state: Any, inputs: tuple, kwargs: dict) -> Any:
+        return _call_keeping_state(name, call_and_state, state, inputs, kwargs)
 
     return _Target(name, state, call)
 
@@ -235,25 +237,115 @@ def _leaves_by_path(state: Any) -> dict[str, Any]:
     }
 
 
-def _check_nnx_unchanged(name: str, before: dict[str, Any], after: Any) -> None:
-    """Raise ValueError naming the state a call updated (its leaves are new tracers)."""
+def _call_keeping_state(
+    name: str, call_and_state: Callable, state: Any, inputs: tuple, kwargs: dict
+) -> Any:
+    """The outputs of ``call_and_state(state, inputs, kwargs)``; ValueError naming the state
+    it updates.
+
+    The call is traced as a jaxpr of its own, then inlined: NNX's transforms (``nnx.jit``,
+    ``nnx.remat``, ``nnx.scan``) hand every Variable back as a new value even when it passes
+    through unchanged, which only the jaxpr tells apart from an update."""
     from flax import nnx
 
+    written: list[tuple[Any, bool]] = []  # (key path, traced) of each state leaf not as it was
+    variable_types: dict[tuple[str, ...], type] = {}  # after the call, by path
+
+    def run(state: Any, inputs: tuple) -> tuple[Any, list[Any]]:
+        before = _leaves_by_path(state)  # merge shares Variables with ``state``: snapshot now
+        out, after = call_and_state(state, inputs, kwargs)
+        variable_types.update(
+            (tuple(str(k) for k in path), type(var)) for path, var in nnx.to_flat_state(after)
+        )
+        new_values = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(after)[0]:
+            if before.get(jax.tree_util.keystr(path)) is not leaf:
+                written.append((path, compat.is_tracer(leaf)))
+                new_values.extend([leaf] if compat.is_tracer(leaf) else [])
+        return out, new_values
+
+    closed, (out_shape, _) = jax.make_jaxpr(run, return_shape=True)(state, inputs)
+    jaxpr, consts = compat.open_and_consts(closed)
+    input_at = {
+        jax.tree_util.keystr(path): i
+        for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0])
+    }
+    n_out = len(jax.tree.leaves(out_shape))
+    sources = iter(_forwarded_inputs(jaxpr)[n_out:])  # of the new values, in ``written`` order
     changed = [
         path
-        for path, leaf in jax.tree_util.tree_flatten_with_path(after)[0]
-        if before.get(jax.tree_util.keystr(path)) is not leaf
+        for path, traced in written
+        if not traced  # not an array: an assignment of a Python value
+        or not _is_input(next(sources), input_at.get(jax.tree_util.keystr(path)))
     ]
-    if not changed:
-        return
-    variables = {tuple(str(k) for k in path): var for path, var in nnx.to_flat_state(after)}
+    if changed:
+        _refuse_state_update(name, changed, variable_types)
+    flat = compat.eval_jaxpr(jaxpr, consts, jax.tree.leaves((state, inputs)))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), flat[:n_out])
+
+
+def _is_input(source: int | None, expected: int | None) -> bool:
+    """Whether a new value is the input it was (a new Variable, sown, was none)."""
+    return source is not None and source == expected
+
+
+# Calls whose body takes the equation's operands one for one and gives its outputs.
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2"})
+
+
+def _forwarded_inputs(jaxpr: Any) -> list[int | None]:
+    """For each output of ``jaxpr``, the index of the input it is, handed through unchanged
+    (by calls, scan and while carries, a scan's stacked inputs, cond branches), or None."""
+    source = {id(var): i for i, var in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        if not any(id(var) in source for var in eqn.invars):
+            continue
+        for out, operand in zip(eqn.outvars, _operands_handed_through(eqn)):
+            if operand is not None and id(eqn.invars[operand]) in source:
+                source[id(out)] = source[id(eqn.invars[operand])]
+    return [source.get(id(var)) for var in jaxpr.outvars]
+
+
+def _operands_handed_through(eqn: Any) -> list[int | None]:
+    """For each output of ``eqn``, the index of the operand it is unchanged, or None."""
+    params, name = eqn.params, eqn.primitive.name
+    body = lambda key: _forwarded_inputs(compat.open_and_consts(params[key])[0])
+    none: list[int | None] = [None] * len(eqn.outvars)
+    if name in _CALLS:
+        return body("jaxpr" if "jaxpr" in params else "call_jaxpr")
+    if name == "scan":  # operands: consts, carry, stacked; outputs: carry, stacked
+        n_consts, n_carry = compat.scan_counts(params, len(eqn.invars))
+        return [
+            k
+            if k is not None and (k == n_consts + i if i < n_carry else k >= n_consts + n_carry)
+            else None
+            for i, k in enumerate(body("jaxpr"))
+        ]
+    if name == "while":  # operands: cond consts, body consts, carry; outputs: carry
+        n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+        return [n_cond + k if k == n_body + i else None for i, k in enumerate(body("body_jaxpr"))]
+    if name == "cond":  # operands: index, then each branch's inputs
+        branches = [_forwarded_inputs(compat.open_and_consts(b)[0]) for b in params["branches"]]
+        return [
+            1 + ks[0] if ks[0] is not None and len(set(ks)) == 1 else None for ks in zip(*branches)
+        ]
+    return none
+
+
+def _refuse_state_update(
+    name: str, changed: list[Any], variable_types: dict[tuple[str, ...], type]
+) -> None:
+    """Raise ValueError naming the state a call updated (``changed``: key paths of the state's
+    leaves; ``variable_types``: the type of each Variable after the call, by path)."""
     described: dict[str, None] = {}
     kinds = []
     for path in changed:
         keys = tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
         # The Variable holding the leaf: a sown tuple's leaf is features.value.0.
-        owner = next((keys[:n] for n in range(len(keys), 0, -1) if keys[:n] in variables), keys)
-        kind = type(variables[owner]) if owner in variables else None
+        owner = next(
+            (keys[:n] for n in range(len(keys), 0, -1) if keys[:n] in variable_types), keys
+        )
+        kind = variable_types.get(owner)
         kinds.append(kind)
         described[f"{kind.__name__ if kind else 'state'} {'.'.join(owner)}"] = None
     raise ValueError(
@@ -415,6 +507,8 @@ def freeze(
         resolved.call,
         name,
         jax.tree.structure(resolved.variables),
+        order_skeleton(resolved.variables),
+        order_skeleton(tuple(example_inputs)),
         apply_kwargs,
         has_rngs,
         policy,
@@ -428,7 +522,13 @@ def freeze(
         return freezer.freeze(held.get(name), Signature.of(inputs))
 
     frozen = FrozenFunction(
-        closed, signature, out_tree, name, rngs if has_rngs else _NO_RNGS, retrace
+        closed,
+        signature,
+        out_tree,
+        name,
+        rngs if has_rngs else _NO_RNGS,
+        retrace,
+        freezer.out_template,
     )
     frozen.kernels = tuple(freezer.kernels)
     return frozen
@@ -460,16 +560,23 @@ class _Freezer:
     call: Callable[[Any, tuple, dict], Any]  # the target's
     name: str  # freeze(the target's name), for errors
     var_tree: Any
+    # ``order_skeleton``s of the variables and the example inputs: the target sees their dicts
+    # in the caller's order, as it would called directly (pytrees sort dict keys)
+    var_order: Any
+    in_order: Any
     apply_kwargs: dict
     has_rngs: bool
     policy: Policy | None
     fold_batchnorm: bool
     weights: Rules | None
     kernels: list[Kernel] = dataclasses.field(default_factory=list)  # of the last freeze
+    out_template: Any = None  # ``order_skeleton`` of the target's outputs, at the last freeze
 
     def freeze(self, leaves: list[Any], signature: Signature) -> tuple[Any, Any]:
         """(closed jaxpr over the inputs, output tree) with ``leaves`` as the variables."""
         var_avals = [leaf_aval(leaf, "variables") for leaf in leaves]
+
+        skeleton: list[Any] = []
 
         def flat_fn(*flat: Any) -> Any:
             frozen_vars = jax.tree.unflatten(self.var_tree, flat[: len(leaves)])
@@ -477,7 +584,13 @@ class _Freezer:
             kwargs = dict(self.apply_kwargs)
             if self.has_rngs:
                 inputs, kwargs["rngs"] = inputs[:-1], inputs[-1]
-            return self.call(frozen_vars, tuple(inputs), kwargs)
+            outputs = self.call(
+                keep_dict_order(self.var_order, frozen_vars),
+                keep_dict_order(self.in_order, tuple(inputs)),
+                kwargs,
+            )
+            skeleton.append(order_skeleton(outputs))
+            return outputs
 
         symbolic = any(is_symbolic(aval.shape) for aval in signature.avals)
         hint = _SYMBOLIC_FREEZE_ERROR_HINT if symbolic else _FREEZE_ERROR_HINT
@@ -489,6 +602,7 @@ class _Freezer:
             from jamp.transform import autocast_jaxpr
 
             closed = autocast_jaxpr(closed, self.policy)
+        self.out_template = skeleton[0]
         closed = passes.dce(passes.fold_constants(closed, leaves))
         if self.fold_batchnorm:
             closed = passes.dce(passes.fold_batchnorm(closed))

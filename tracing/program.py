@@ -21,7 +21,8 @@ from jamp import _compat as compat
 
 from .export import export_program
 from .shapes import shape_text, symbolic_specs
-from .signature import Signature, refuse_keywords
+from .signature import Signature, keep_dict_order, refuse_keywords
+from .signature import order_skeleton as order_skeleton  # where trace.py imports it from
 
 _SYMBOLIC_HINT = (
     "Hint: a symbolic dimension has no value while the program is made: a Python `if`, "
@@ -137,13 +138,20 @@ class Program:
             if constraints:
                 raise TypeError(f"{self.__name__}.export: constraints need polymorphic_shapes")
             return export_program(
-                self._closed, self.signature.specs(), self.out_tree, self.__name__
+                self._closed,
+                self.signature.specs(),
+                self.out_tree,
+                self.__name__,
+                out_template=self._out_template,
             )
         label = f"{self.__name__}.export(polymorphic_shapes={polymorphic_shapes!r})"
         flat = symbolic_specs(
             self.signature.specs(), self.signature.paths, polymorphic_shapes, constraints, label
         )
-        specs = jax.tree.unflatten(self.signature.in_tree, flat)
+        # in the caller's dict order: the function is traced again seeing its inputs as it did
+        specs = keep_dict_order(
+            self.signature.order, jax.tree.unflatten(self.signature.in_tree, flat)
+        )
         if self._retrace is None:
             raise TypeError(f"{label}: this program cannot be made again at symbolic shapes")
         shapes = ", ".join(shape_text(s.shape) for s in flat)
@@ -169,30 +177,12 @@ class Program:
             raise ValueError(
                 f"{context}: {type(err).__name__}: {first}{every}\n{_SYMBOLIC_HINT}"
             ) from err
-        return export_program(closed, specs, out_tree, self.__name__, tuple(constraints))
+        return export_program(
+            closed, specs, out_tree, self.__name__, tuple(constraints), self._out_template
+        )
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.__name__} inputs={self.signature.in_tree}>"
-
-
-def order_skeleton(tree: Any) -> Any:
-    """The dicts, lists and tuples of ``tree`` in their own order, leaves as None."""
-    if type(tree) is dict:
-        return {key: order_skeleton(value) for key, value in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        children = [order_skeleton(x) for x in tree]
-        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
-    return None
-
-
-def keep_dict_order(template: Any, tree: Any) -> Any:
-    """``tree`` with its dicts' keys in ``template``'s order (pytrees sort dict keys)."""
-    if type(template) is dict and isinstance(tree, dict):
-        return {key: keep_dict_order(template[key], tree[key]) for key in template}
-    if isinstance(template, (list, tuple)) and type(template) is type(tree):
-        children = [keep_dict_order(t, x) for t, x in zip(template, tree)]
-        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
-    return tree
 
 
 def callable_name(fn: Callable) -> str:

@@ -1,6 +1,7 @@
-"""The input signature of a traced program: each leaf's path (``inputs[0]['x']``) and aval, and
-the checks that name a wrong input by its path. Shared by ``program`` (calls) and ``export``
-(loaded functions), below both. An export's signature may have symbolic dimensions (``shapes.py``).
+"""The input signature of a traced program: each leaf's path (``inputs[0]['x']``) and aval, the
+order of its dicts' keys as the caller gave them (pytrees sort them), and the checks that name a
+wrong input by its path. Shared by ``program`` (calls) and ``export`` (loaded functions), below
+both. An export's signature may have symbolic dimensions (``shapes.py``).
 """
 
 from __future__ import annotations
@@ -54,13 +55,15 @@ class Signature:
     paths: tuple[str, ...]
     avals: tuple[Any, ...]
     aliases: tuple[tuple[str, str], ...] = ()  # (path prefix, the name errors give it instead)
+    # ``order_skeleton`` of the inputs (their dicts in the caller's order: ``in_tree`` sorts them)
+    order: Any = dataclasses.field(default=None, compare=False)
 
     @classmethod
     def of(cls, inputs: tuple) -> Signature:
         with_paths, in_tree = jax.tree_util.tree_flatten_with_path(inputs)
         paths = tuple(input_path(p) for p, _ in with_paths)
         avals = tuple(leaf_aval(leaf, where) for where, (_, leaf) in zip(paths, with_paths))
-        return cls(in_tree, paths, avals)
+        return cls(in_tree, paths, avals, order=order_skeleton(inputs))
 
     @classmethod
     def from_avals(cls, in_tree: Any, avals: Sequence[Any]) -> Signature:
@@ -147,6 +150,26 @@ class Signature:
             f"the inputs differ in container types from the traced ones. Traced with "
             f"{self.in_tree}, called with {tree}"
         )
+
+
+def order_skeleton(tree: Any) -> Any:
+    """The dicts, lists and tuples of ``tree`` in their own order, leaves as None."""
+    if type(tree) is dict:
+        return {key: order_skeleton(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        children = [order_skeleton(x) for x in tree]
+        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
+    return None
+
+
+def keep_dict_order(template: Any, tree: Any) -> Any:
+    """``tree`` with its dicts' keys in ``template``'s order (pytrees sort dict keys)."""
+    if type(template) is dict and isinstance(tree, dict):
+        return {key: keep_dict_order(template[key], tree[key]) for key in template}
+    if isinstance(template, (list, tuple)) and type(template) is type(tree):
+        children = [keep_dict_order(t, x) for t, x in zip(template, tree)]
+        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
+    return tree
 
 
 def _aliased(path: str, aliases: Sequence[tuple[str, str]]) -> str:

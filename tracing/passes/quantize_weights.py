@@ -326,36 +326,47 @@ def _own_line(frames: Sequence[tuple[str, int]]) -> str:
     return f"{LINE_RULE}{os.path.basename(file)}:{line}"
 
 
-def _candidates(jaxpr: Any, consts: Sequence[Any]) -> list[_Candidate]:
-    """The top-level constants read only as kernels (in one layout), in program order."""
+def _candidates(
+    jaxpr: Any, consts: Sequence[Any], kept: list[tuple[_Candidate, str]] | None = None
+) -> list[_Candidate]:
+    """The top-level constants read only as kernels (in one layout), in program order.
+
+    ``kept`` receives the others that products read as their kernel, each with why it stays as
+    it is (an output of the program, another use): what an error names when none is left."""
     values = dict(zip(jaxpr.constvars, consts))
     is_constant = lambda v: not isinstance(v, compat.Literal) and v in values
     found: dict[Any, _Candidate] = {}
-    excluded = {v for v in jaxpr.outvars if not isinstance(v, compat.Literal)}
+    other_use = {  # why a constant is not a kernel only
+        v: "it is also an output of the frozen function"
+        for v in jaxpr.outvars
+        if not isinstance(v, compat.Literal)
+    }
     for eqn in jaxpr.eqns:
         rule = SITES.get(eqn.primitive.name)
         at = rule(eqn, is_constant) if rule else None
         for i, var in enumerate(eqn.invars):
             if not is_constant(var):
                 continue
-            if at is None or at[0] != i:
-                excluded.add(var)  # read by something else than a product, as its kernel
+            if at is None or at[0] != i:  # read by something else than a product, as its kernel
+                other_use.setdefault(var, f"a {eqn.primitive.name} also reads it")
                 continue
             known = found.get(var)
             if known is None:
                 found[var] = _Candidate(var, values[var], at[1], [(eqn, i)])
             elif known.layout != at[1]:
-                excluded.add(var)
+                other_use.setdefault(var, "products read it in two layouts")
             else:
                 known.uses.append((eqn, i))
-    return [
-        c
+    storable = [
+        (v, c)
         for v, c in found.items()
-        if v not in excluded
-        and jnp.issubdtype(v.aval.dtype, jnp.floating)
+        if jnp.issubdtype(v.aval.dtype, jnp.floating)
         and v.aval.dtype.itemsize >= 2
         and v.aval.dtype != np.float64
     ]
+    if kept is not None:
+        kept.extend((c, other_use[v]) for v, c in storable if v in other_use)
+    return [c for v, c in storable if v not in other_use]
 
 
 def _describe(c: _Candidate) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...], str]:
@@ -395,7 +406,20 @@ def quantize_weights(
         closed = quantize_weights(frozen_closed, (("*head*", None), ("*", jnp.int8)))
     """
     jaxpr, consts = compat.open_and_consts(closed)
-    candidates = _candidates(jaxpr, consts)
+    kept: list[tuple[_Candidate, str]] = []
+    candidates = _candidates(jaxpr, consts, kept)
+    if not candidates and kept:
+        named = "; ".join(
+            f"{_describe(c)[2]} ({c.var.aval.dtype.name}{list(c.var.aval.shape)}): {why}"
+            for c, why in kept[:4]
+        )
+        more = f" and {len(kept) - 4} more" if len(kept) > 4 else ""
+        raise ValueError(
+            f"{where}: weights= found no kernel to quantize: the program's matmul or convolution "
+            f"kernels are also used otherwise, so they stay as they are ({named}{more}). A "
+            "kernel is stored quantized only where products alone read it: freeze a function "
+            "that does not return the kernel or read it otherwise, or drop weights="
+        )
     if not candidates:
         raise ValueError(
             f"{where}: weights= found no kernel to quantize: no matmul or convolution reads a "
