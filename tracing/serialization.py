@@ -11,7 +11,9 @@ the loading process has already imported (it never imports a module a blob names
 A builtin dict whose keys are not all strings (an ``nnx.List`` of layers gives an ``nnx.State``
 holding ``{0: ..., 1: ...}``) is stored as a :class:`KeyedDict` node, its keys (str, int, float,
 bool or None) in the auxiliary data with their types, and restored to the dict on load. Other
-keys (a tuple, an object) would not come back as they were: export refuses them.
+keys (a tuple, an object) would not come back as they were: export refuses them. An output dict
+the function returned in another order than the sorted one is stored the same way, its keys in
+that order (``export.py``), so it comes back in it.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ def serialized_name(cls: type) -> str:
 
 
 class KeyedDict:
-    """A builtin dict whose keys are not all strings, as an export stores it (``jax.export``
-    writes dicts with string keys only): the keys, in the dict's pytree order, and the values.
+    """A builtin dict whose keys are not all strings, or an output dict out of sorted order, as
+    an export stores it (``jax.export`` writes dicts with sorted string keys only): the keys, in
+    the dict's pytree order (for an output dict, the function's), and the values.
     ``tracing.load`` gives the dict back; ``jax.export.deserialize`` shows this node."""
 
     __slots__ = ("keys", "values")
