@@ -1,5 +1,7 @@
-"""``jamp.find_nonfinite``: the first equation of the mixed-precision program whose output is inf
-or NaN, why it ran in its dtype, and the narrowest change of policy that makes the call finite.
+"""``jamp.find_nonfinite``: the first equation of the mixed-precision program that turns finite
+values into inf or NaN, why it ran in its dtype, and the narrowest change of policy that stops it.
+An infinity the program writes on purpose (``jnp.where(mask, s, -jnp.inf)``) and passes on is
+not one: the equation found is where a value first went out of range.
 
 Example::
 
@@ -9,7 +11,7 @@ Example::
         policy = found.remedy.policy  # verified to make the call finite
 
 How: one compiled pass of the instrumented program (``probe.py``) returns the index of the first
-non-finite equation and its loop iterations; only then is the program walked op by op up to it,
+such equation and its loop iterations; only then is the program walked op by op up to it,
 for the operand values. Remedies are verified with the same compiled pass.
 """
 
@@ -37,16 +39,24 @@ from .probe import (
     _is_library,
     bind,
     decision,
-    floating_outputs,
     forward_site,
+    made_nonfinite,
     trace_program,
 )
 
 F32 = np.dtype(np.float32)
 
 
+def _may_create_nonfinite(site: Site) -> bool:
+    """False for the sites that cannot turn finite operands into inf or NaN (not measured)."""
+    if site.primitive in FINITE_PRESERVING:
+        return False
+    return not (site.primitive == "convert_element_type" and _widening(site.eqn))
+
+
 class _FirstNonFinite(Observer):
-    """Compiled pass: (index of the first non-finite site or -1, its loop iterations)."""
+    """Compiled pass: (index of the first site that turned finite values into inf or NaN, or -1;
+    its loop iterations)."""
 
     kind = "first_nonfinite"
 
@@ -54,12 +64,9 @@ class _FirstNonFinite(Observer):
         return jnp.int32(-1), jnp.zeros((depth,), jnp.int32)
 
     def measure(self, site, invals, outs, iters):
-        if site.primitive in FINITE_PRESERVING and not _nonfinite_literal(site.eqn):
+        if not _may_create_nonfinite(site):
             return None
-        if site.primitive == "convert_element_type" and _widening(site.eqn):
-            return None
-        flags = [jnp.all(jnp.isfinite(o)) for o in floating_outputs(outs)]
-        return flags[0] if len(flags) == 1 else jnp.all(jnp.stack(flags))
+        return ~made_nonfinite(site, invals, outs)  # (the fold reads True as fine)
 
     def fold(self, state, sites, measures, iters):
         first, where = state
@@ -69,15 +76,6 @@ class _FirstNonFinite(Observer):
         if iters:
             where = jnp.where(hit, jnp.stack([jnp.asarray(i, jnp.int32) for i in iters]), where)
         return jnp.where(hit, batch_first, first), where
-
-
-def _nonfinite_literal(eqn: Any) -> bool:
-    return any(
-        isinstance(v, compat.Literal)
-        and is_float(np.result_type(v.val))
-        and not np.isfinite(np.asarray(v.val, np.float64)).all()
-        for v in eqn.invars
-    )
 
 
 def _widening(eqn: Any) -> bool:
@@ -94,8 +92,9 @@ class _Found(Exception):
 
 
 class _StopAtNonFinite(Observer):
-    """Eager walk: stops at the first site whose concrete outputs are not all finite; keeps the
-    output range of each 16-bit lower-table site on the way (the producers of large values)."""
+    """Eager walk: stops at the first site that turns finite values into inf or NaN (the test of
+    the compiled pass, on concrete values); keeps the output range of each 16-bit lower-table
+    site on the way (the producers of large values)."""
 
     kind = "eager"
 
@@ -106,9 +105,7 @@ class _StopAtNonFinite(Observer):
     def measure(self, site, invals, outs, iters):
         if site.primitive in self.lower and site.sixteen_bit and outs:
             self.ranges[id(site.eqn)] = ValueRange.of(outs[0])
-        if not all(
-            bool(np.isfinite(np.asarray(o, np.float32)).all()) for o in floating_outputs(outs)
-        ):
+        if _may_create_nonfinite(site) and bool(made_nonfinite(site, invals, outs)):
             raise _Found(site, invals, outs, tuple(int(i) for i in iters))
         return None
 
@@ -192,7 +189,8 @@ class Producer:
 
 @dataclasses.dataclass(frozen=True)
 class NonFinite:
-    """The first non-finite equation of a call (``find_nonfinite``'s answer).
+    """The first equation of a call that turned finite values into inf or NaN
+    (``find_nonfinite``'s answer).
 
     Attributes:
       primitive, dtype: the equation's primitive and output dtype.
@@ -205,9 +203,9 @@ class NonFinite:
       backward_of: for an equation of the backward pass, the forward equation it derives from
         (``"`rsqrt` at model.py:12:8 (f)"``), else None.
       operands, output: ranges of what went in and came out.
-      float32_finite: whether the same equation on the same operands, computed in float32, is
-        finite (None if it cannot run in float32).
-      remedy: the narrowest verified change that makes the call finite, or None.
+      float32_finite: whether the same equation on the same operands, computed in float32,
+        makes no inf or NaN of them (None if it cannot run in float32).
+      remedy: the narrowest verified change after which no equation makes inf or NaN, or None.
       tried: every change tried, with whether it made the call finite.
       produced_by: the matmul or convolution (lower-table op) the out-of-range operands came
         from (a :class:`Producer`), followed back through the program; None if none feeds it.
@@ -279,14 +277,21 @@ def find_nonfinite(
     max_remedies: int = 6,
     **kwargs: Any,
 ) -> NonFinite | None:
-    """Run ``autocast_transform(fn, policy)(*args, **kwargs)`` and find its first inf/NaN.
+    """Run ``autocast_transform(fn, policy)(*args, **kwargs)`` and find the first equation that
+    turns finite values into inf or NaN (an overflow, ``log(0)``, ``inf - inf``).
+
+    An infinity the function writes on purpose, a ``-inf`` attention mask (a literal or a
+    constant), and what it passes on (broadcasts, casts, selects, ``x - max``) is no such
+    equation: a masked function whose values all stay in range, or that returns a ``-inf`` on
+    purpose, reports None.
 
     Equations are checked in program order, inside jit, scan, while, cond, remat and
     custom_jvp/custom_vjp bodies, with the loop iteration. With ``grad=True`` (or an argument index
     or tuple of them) the checked program is ``jax.value_and_grad`` of the mixed-precision
     function, as it runs in training, and backward equations are covered too. Returns None when
-    every value is finite, else a :class:`NonFinite` whose ``remedy`` (if any) was checked to make
-    the call finite. Up to ``max_remedies`` candidate changes are tried, narrowest first.
+    no equation makes an inf or NaN, else a :class:`NonFinite` whose ``remedy`` (if any) was
+    checked: under it, no equation does. Up to ``max_remedies`` candidate changes are tried,
+    narrowest first.
 
     Example::
 
@@ -309,8 +314,25 @@ def find_nonfinite(
     site = found.site
     f32 = _finite_in_float32(site, found.invals) if found.invals else None
     outputs = [ValueRange.of(v) for v in found.outs]
-    overflow = any(r.inf for r in outputs)
+    # (an inf it made, not a -inf mask it passed on beside a NaN it made)
+    overflow = (
+        bool(made_nonfinite(site, found.invals, found.outs, nan=False))
+        if found.invals
+        else any(r.inf for r in outputs)
+    )
+    producer_site = _producer(program.policy, site, sites) if overflow else None
+    producer, producer_remedy = None, None
+    if producer_site is not None:
+        producer = _describe_producer(producer_site, walk.ranges.get(id(producer_site.eqn)))
+        if producer.share_of_max is not None and producer.share_of_max < _LARGE:
+            producer = None  # its outputs were small: not named as what overflowed
     candidates = _candidates(program, site, sites, f32, overflow)
+    if producer_site is not None and producer is None and f32:
+        # Though its values were small, float32 at the producer hands the overflowing op (in
+        # float32 on these operands, finite) float32 operands, and with them float32: a
+        # candidate among the others, often far narrower than float32 throughout.
+        extra = _producer_candidates(program, producer_site, sites, site, overflow)
+        candidates = sorted(candidates + extra, key=lambda r: r.equations_changed)
     tried, remedy = [], None
     for candidate in candidates[:max_remedies]:
         ok = _verify(fn, candidate, program, leaves, grad, args, kwargs)
@@ -318,13 +340,7 @@ def find_nonfinite(
         if ok:
             remedy = candidate
             break
-    producer_site = _producer(program.policy, site, sites) if overflow else None
-    producer, producer_remedy = None, None
-    if producer_site is not None:
-        producer = _describe_producer(producer_site, walk.ranges.get(id(producer_site.eqn)))
-        if producer.share_of_max is not None and producer.share_of_max < _LARGE:
-            producer = producer_site = None  # its outputs were small: not what overflowed
-    if producer_site is not None:
+    if producer_site is not None and producer is not None:
         for candidate in _producer_candidates(program, producer_site, sites, site, overflow):
             ok = candidate == remedy or _verify(fn, candidate, program, leaves, grad, args, kwargs)
             tried.append((candidate, ok))
@@ -348,7 +364,7 @@ def find_nonfinite(
         caller=site.caller,
         iterations=tuple(zip(site.loops, found.iters)),
         backward_of=backward_of,
-        operands=tuple(ValueRange.of(v) for v in found.invals),
+        operands=_operand_ranges(site, found.invals),
         output=tuple(outputs),
         float32_finite=f32,
         remedy=remedy,
@@ -356,6 +372,19 @@ def find_nonfinite(
         index=site.index,
         produced_by=producer,
         producer_remedy=producer_remedy,
+    )
+
+
+def _operand_ranges(site: Site, invals: Sequence[Any]) -> tuple[ValueRange, ...]:
+    """A literal operand arrives as a Python number: shown in its traced dtype (float32[],
+    not numpy's float64[])."""
+    return tuple(
+        ValueRange.of(
+            np.asarray(v, getattr(var.aval, "dtype", None))
+            if isinstance(var, compat.Literal)
+            else v
+        )
+        for var, v in zip(site.eqn.invars, invals)
     )
 
 
@@ -393,7 +422,8 @@ _DTYPE_PARAMS = ("new_dtype", "preferred_element_type")
 
 
 def _finite_in_float32(site: Site, invals: Sequence[Any]) -> bool | None:
-    """Whether the equation, its 16-bit operands and dtype params widened to float32, is finite."""
+    """Whether the equation, its 16-bit operands and dtype params widened to float32, makes no
+    inf or NaN of finite values (a -inf mask it passes on stays, in any dtype)."""
     eqn = site.eqn
     widened = [
         jnp.asarray(v, F32) if hasattr(v, "dtype") and np.dtype(v.dtype) in SIXTEEN_BIT else v
@@ -407,7 +437,7 @@ def _finite_in_float32(site: Site, invals: Sequence[Any]) -> bool | None:
         outs = bind(eqn.replace(params=params), widened)
     except Exception:  # a primitive whose params pin its operand dtypes
         return None
-    return all(bool(np.isfinite(np.asarray(o, np.float32)).all()) for o in floating_outputs(outs))
+    return not bool(made_nonfinite(site, widened, outs))
 
 
 # --- remedies -----------------------------------------------------------------------------------
@@ -593,7 +623,7 @@ def _describe_producer(site: Site, output: ValueRange | None) -> Producer:
 
 def _own_line(site: Site) -> tuple[str, int] | None:
     """The innermost frame of the user's own code the equation was traced from."""
-    for file, line, _ in compat.user_frames(site.eqn):
+    for file, line, _ in site.frames:
         if not _is_library(file):
             return file, line
     return None
@@ -651,7 +681,9 @@ def _verify(
     args: tuple,
     kwargs: dict,
 ) -> bool:
-    """Whether the call is finite everywhere under the remedy (one compiled pass)."""
+    """Whether, under the remedy, no equation of the call turns finite values into inf or NaN
+    (one compiled pass: the test that found the site, so the remedied call reports nothing;
+    an infinity the function returns on purpose, a fully masked row's -inf, does not count)."""
     if remedy.loss_scale is not None:
         return _first(program, leaves, remedy.loss_scale)[0] < 0
     fixed, _ = trace_program(fn, remedy.policy, grad, args, kwargs, "find_nonfinite")

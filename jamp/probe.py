@@ -58,6 +58,12 @@ class Site:
     state: RegionState
     loops: tuple[str, ...]  # primitives of the enclosing loops, outermost first
     backward: bool
+    # the higher-order equations (jit, scan, ...) it sits in, outermost first: an equation of
+    # jnp's own jitted helpers (`jnp.where`'s `_where`) has no user frame, its call has
+    enclosing: tuple = ()
+    # whether an operand may hold an infinity the program wrote itself (a -inf mask: a
+    # non-finite literal or constant, or a value computed from one); see made_nonfinite
+    deliberate_nonfinite: bool = False
 
     @property
     def primitive(self) -> str:
@@ -82,15 +88,29 @@ class Site:
     def sixteen_bit(self) -> bool:
         return self.out_dtype in SIXTEEN_BIT
 
+    @functools.cached_property  # (read per site, and per pair of sites by forward_site)
+    def traced_from(self) -> Any:
+        """The equation whose source info says where this one came from: itself, or where it was
+        traced inside JAX's own code, the nearest enclosing call traced from user code."""
+        for eqn in (self.eqn, *reversed(self.enclosing)):
+            if compat.user_frames(eqn):
+                return eqn
+        return self.eqn
+
+    @property
+    def frames(self) -> list[tuple[str, int, str]]:
+        """``(file, line, function)`` of the user frames it was traced from, innermost first."""
+        return compat.user_frames(self.traced_from)
+
     @property
     def source(self) -> str:
-        return compat.source_line(self.eqn)
+        return compat.source_line(self.traced_from)
 
     @property
     def caller(self) -> str | None:
         """The innermost frame in the user's own code (outside installed libraries and jamp),
         when ``source`` is in a library (a Flax or Haiku layer)."""
-        frames = compat.user_frames(self.eqn)
+        frames = self.frames
         own = [f for f in frames if not _is_library(f[0])]
         if not frames or not own or own[0] == frames[0]:
             return None
@@ -347,12 +367,23 @@ class Walker:
         loops: tuple = (),
         backward: bool = False,
         regions: Rewriter | None = None,
+        enclosing: tuple = (),
+        deliberate_args: bool = False,
     ) -> tuple[list[Any], Any]:
         regions = regions or Rewriter(self.policy, RegionState(True, self.policy.compute_dtype))
         env: dict[Any, Any] = {}
         read = lambda a: a.val if isinstance(a, compat.Literal) else env[a]
         env.update(zip(jaxpr.constvars, consts))
         env.update(zip(jaxpr.invars, args))
+        # Variables that may hold an infinity the program wrote itself (made_nonfinite): its
+        # non-finite constants and what is computed from them; all of a body's arguments where
+        # its call passes one in or the body writes one (a loop carries it round).
+        deliberate = {v for v, c in zip(jaxpr.constvars, consts) if _nonfinite_value(c)}
+        if deliberate_args:
+            deliberate.update(jaxpr.invars)
+        passes_on = lambda eqn, a: (
+            _writes_literal(eqn, a) if isinstance(a, compat.Literal) else a in deliberate
+        )
         index = base
         # Measures of the sites since the last fold: folded in one batch (one reduction over a
         # stack, not a chain of hundreds of scalar updates, which compiles much faster).
@@ -370,7 +401,9 @@ class Walker:
             invals = [read(v) for v in eqn.invars]
             kind = walk_rules(eqn.primitive.name)
             is_backward = backward or self.is_derivative(eqn)
+            fed = any(passes_on(eqn, v) for v in eqn.invars)
             if kind is not None:
+                fed = fed or _writes_nonfinite(eqn)
                 state = fold(state)  # earlier sites first: the body's fold comes after them
                 ctx = Context(
                     self,
@@ -380,12 +413,16 @@ class Walker:
                     loops,
                     is_backward,
                     regions.child(regions.state_for(eqn)),
+                    enclosing,
+                    fed,
                 )
                 outs, state = kind.walk(ctx, invals, state)  # type: ignore[misc]
                 index += sum(count_sites(b)[0] for b in kind.bodies(eqn))  # type: ignore[misc]
             else:
                 outs = bind(eqn, invals)
-                site = Site(index, eqn, jaxpr, regions.state_for(eqn), loops, is_backward)
+                site = Site(
+                    index, eqn, jaxpr, regions.state_for(eqn), loops, is_backward, enclosing, fed
+                )
                 self.sites[index] = site
                 if site.floating:
                     measure = self.observer.measure(site, invals, outs, self.pad(iters))
@@ -395,6 +432,8 @@ class Walker:
             for var, value in zip(eqn.outvars, outs):
                 if not isinstance(var, compat.DropVar):
                     env[var] = value
+                    if fed and hasattr(var.aval, "dtype") and is_float(var.aval.dtype):
+                        deliberate.add(var)  # (not a comparison's booleans)
         return [read(v) for v in jaxpr.outvars], fold(state)
 
     def pad(self, iters: tuple) -> tuple:
@@ -418,6 +457,8 @@ class Context:
     loops: tuple
     backward: bool
     regions: Rewriter
+    enclosing: tuple  # the higher-order equations around this one, outermost first
+    deliberate_args: bool  # its bodies' arguments may hold an infinity the program wrote
 
     def run(
         self, closed: Any, args: Sequence[Any], state: Any, offset: int = 0, iteration: Any = None
@@ -434,6 +475,8 @@ class Context:
             self.loops + ((self.eqn.primitive.name,) if looped else ()),
             self.backward,
             self.regions,
+            (*self.enclosing, self.eqn),
+            self.deliberate_args,
         )
 
     def bind(self, invals: Sequence[Any]) -> list[Any]:
@@ -474,7 +517,7 @@ class Observer:
 
 
 # Primitives that cannot turn finite operands into inf/NaN (they move, pick or compare values):
-# the first non-finite equation of a program is never one of them, unless a literal operand is.
+# never the equation where a non-finite value appears, so not measured.
 FINITE_PRESERVING = frozenset(
     {
         "reshape",
@@ -528,6 +571,129 @@ def floating_outputs(outs: Sequence[Any]) -> list[Any]:
     return [o for o in outs if hasattr(o, "dtype") and is_float(o.dtype)]
 
 
+# Each output element is computed from the operand elements at its position only: an inf/NaN is
+# new where those were finite, even when the same array passes on a -inf mask elsewhere.
+ELEMENTWISE = frozenset(
+    {
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "rem",
+        "pow",
+        "integer_pow",
+        "square",
+        "sqrt",
+        "rsqrt",
+        "cbrt",
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "expm1",
+        "tan",
+        "atan2",
+        "asin",
+        "acos",
+        "sinh",
+        "cosh",
+        "asinh",
+        "acosh",
+        "atanh",
+        "erf_inv",
+        "lgamma",
+        "digamma",
+        "convert_element_type",
+        "reduce_precision",
+        "nextafter",
+    }
+)
+
+
+def made_nonfinite(
+    site: Site, invals: Sequence[Any], outs: Sequence[Any], *, nan: bool = True
+) -> Any:
+    """Whether the site made an inf (or, with ``nan``, a NaN) of values that had none, as a
+    traced boolean.
+
+    An infinity the program writes on purpose (a ``-inf`` mask: a literal or a constant) and
+    what it passes on (broadcast, convert, select, ``x - max``) is not made there: an overflow
+    is where a value first went out of range. Where no operand can hold such an infinity
+    (``Site.deliberate_nonfinite``: most programs) any inf/NaN in the outputs is new, as no
+    earlier equation made one; else elementwise primitives are judged element by element and the
+    others by sign over whole arrays (a +inf of operands holding only -inf is new)."""
+    results = floating_outputs(outs)
+    if not site.deliberate_nonfinite:
+        flags = [jnp.any(~jnp.isfinite(o) if nan else jnp.isinf(o)) for o in results]
+        return functools.reduce(jnp.logical_or, flags)
+    operands = [
+        jnp.asarray(value, var.aval.dtype)  # (a literal is a Python number: its traced dtype)
+        for var, value in zip(site.eqn.invars, invals)
+        if hasattr(var.aval, "dtype") and is_float(var.aval.dtype)
+    ]
+    if (
+        site.primitive in ELEMENTWISE
+        and len(results) == 1
+        and all(o.shape in ((), results[0].shape) for o in operands)
+    ):
+        out = results[0]
+        finite_in, nan_in = jnp.asarray(True), jnp.asarray(False)
+        for operand in operands:
+            finite_in = finite_in & jnp.isfinite(operand)
+            nan_in = nan_in | jnp.isnan(operand)
+        made = jnp.isinf(out) & finite_in
+        return jnp.any((made | (jnp.isnan(out) & ~nan_in)) if nan else made)
+    # (+inf, -inf, NaN) anywhere in the outputs, not in any operand: one reduction an array
+    kinds = (jnp.isposinf, jnp.isneginf, jnp.isnan) if nan else (jnp.isposinf, jnp.isneginf)
+    held = lambda arrays: functools.reduce(
+        jnp.logical_or,
+        [jnp.any(jnp.stack([k(a).ravel() for k in kinds]), axis=1) for a in arrays],
+        jnp.zeros(len(kinds), bool),
+    )
+    return jnp.any(held(results) & ~held(operands))
+
+
+# max(-inf, x) is x, min(+inf, x) is x (jnp.max's `initial`, in every softmax): no infinity
+# passes on from such a literal.
+_IDENTITY = {"max": -np.inf, "min": np.inf}
+
+
+def _writes_literal(eqn: Any, literal: Any) -> bool:
+    """Whether a literal operand writes an inf or NaN into the equation's output."""
+    identity = _IDENTITY.get(eqn.primitive.name)
+    if identity is not None and bool(np.all(np.asarray(literal.val) == identity)):
+        return False
+    return _nonfinite_value(literal.val)
+
+
+def _nonfinite_value(value: Any) -> bool:
+    """Whether a literal's or a constant's value holds an inf or NaN."""
+    try:
+        array = np.asarray(value)
+    except Exception:  # (not concrete: it may hold anything)
+        return True
+    return is_float(array.dtype) and not bool(np.isfinite(array).all())
+
+
+def _writes_nonfinite(eqn: Any) -> bool:
+    """Whether a higher-order equation's bodies hold a non-finite literal or constant."""
+    for sub in compat.sub_jaxprs(eqn.params):
+        body, consts = compat.open_and_consts(sub)
+        if any(_nonfinite_value(c) for c in consts) or _body_writes_nonfinite(body):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=4096)
+def _body_writes_nonfinite(jaxpr: Any) -> bool:
+    return any(
+        any(isinstance(v, compat.Literal) and _writes_literal(eqn, v) for v in eqn.invars)
+        or _writes_nonfinite(eqn)
+        for eqn in jaxpr.eqns
+    )
+
+
 # --- what a site's dtype was decided by ---------------------------------------------------------
 
 _TABLE_TEXT: dict[str | None, Callable[[RegionState, str], str]] = {
@@ -536,10 +702,27 @@ _TABLE_TEXT: dict[str | None, Callable[[RegionState, str], str]] = {
     "promote": lambda s, d: f"promote table: its operands arrived in {d}, it runs in the widest",
     None: lambda s, d: f"in no table: runs in the dtype its operands arrive in ({d})",
 }
+# rules/powers.py: these go to float32 only where their result is summed (a one-pass variance)
+_FLOAT32_WHERE_SUMMED = ("square", "integer_pow")
+
+
+def _table_text(category: str | None, state: RegionState, name: str, dtype: str) -> str:
+    """The table's text, where what ran (``dtype``, the site's output) is what the table says."""
+    if category in ("lower", "fp32") and dtype == "float64":
+        return f"{category} table, but float64 is never narrowed: runs in float64"
+    if category == "fp32" and dtype != "float32":
+        if name in _FLOAT32_WHERE_SUMMED:
+            return (
+                f"fp32 table, which casts `{name}` to float32 only where its result is summed; "
+                f"this one's is not: runs in the dtype its operand arrives in ({dtype})"
+            )
+        return f"fp32 table, but its operands were not cast: runs in {dtype}"
+    return _TABLE_TEXT[category](state, dtype)
 
 
 def decision(policy: Policy, site: Site) -> str:
-    """Why a site ran in its dtype, in the policy's terms (table, region, rule, inputs)."""
+    """Why a site ran in its dtype, in the policy's terms (table, region, rule, inputs); read
+    against the dtype it ran in, which the rules may keep (float64, an unsummed power)."""
     state, name = site.state, site.primitive
     dtype = getattr(site.out_dtype, "name", str(site.out_dtype))
     if name == "convert_element_type":
@@ -553,7 +736,7 @@ def decision(policy: Policy, site: Site) -> str:
             f"arrive in ({dtype})"
         )
     else:
-        text = _TABLE_TEXT[policy.category(name)](state, dtype)
+        text = _table_text(policy.category(name), state, name, dtype)
     if state.decided_by != "policy" and state.enabled:
         text += f"; compute dtype {state.dtype.name} set by {state.decided_by}"
     return text

@@ -21,7 +21,15 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from .policy import Policy
-from .probe import Observer, Site, decision, forward_site, trace_program
+from .probe import (
+    FINITE_PRESERVING,
+    Observer,
+    Site,
+    decision,
+    forward_site,
+    made_nonfinite,
+    trace_program,
+)
 
 F16 = np.dtype(np.float16)
 # |x| below half the smallest float16 subnormal rounds to zero; below the smallest normal it
@@ -31,8 +39,13 @@ _F16_NORMAL = float(jnp.finfo(jnp.float16).smallest_normal)
 _F16_MAX = float(jnp.finfo(jnp.float16).max)
 
 
+def _measured(site: Site) -> bool:
+    return site.sixteen_bit and site.primitive not in MOVES_VALUES
+
+
 class _Ranges(Observer):
-    """Per 16-bit site: max |x|, and counts of nonzero / float16-flushing / subnormal values."""
+    """Per 16-bit site: max |x| (inf where it holds an overflow; not for the -inf of a mask),
+    and counts of nonzero / float16-flushing / subnormal values."""
 
     kind = "ranges"
 
@@ -40,7 +53,7 @@ class _Ranges(Observer):
         return (jnp.zeros((n_sites,), jnp.float32),) + (jnp.zeros((n_sites,), jnp.int32),) * 3
 
     def measure(self, site, invals, outs, iters):
-        if not site.sixteen_bit or site.primitive in MOVES_VALUES:
+        if not _measured(site):
             return None
         values = [
             jnp.abs(o.astype(jnp.float32)).ravel()
@@ -49,8 +62,15 @@ class _Ranges(Observer):
         ]
         x = jnp.concatenate(values) if len(values) > 1 else values[0]
         nz = x != 0
+        if not site.deliberate_nonfinite:
+            largest = jnp.max(jnp.where(jnp.isnan(x), 0.0, x), initial=0.0)
+        else:  # a -inf mask is no overflow: inf only where this equation made one
+            largest = jnp.max(jnp.where(jnp.isfinite(x), x, 0.0), initial=0.0)
+            if site.primitive not in FINITE_PRESERVING:
+                made = made_nonfinite(site, invals, outs, nan=False)
+                largest = jnp.where(made, jnp.inf, largest)
         return (
-            jnp.max(x, initial=0.0),
+            largest,
             jnp.sum(nz, dtype=jnp.int32),
             jnp.sum(nz & (x <= _F16_FLUSH), dtype=jnp.int32),
             jnp.sum(nz & (x < _F16_NORMAL), dtype=jnp.int32),
@@ -66,7 +86,8 @@ class _Ranges(Observer):
         )
 
 
-# Only move or copy values: their range is their operand's (listed under its own equation).
+# Only move or copy values: their range is their operand's (listed under its own equation), so
+# they are neither measured nor listed.
 MOVES_VALUES = frozenset(
     {
         "reshape",
@@ -88,7 +109,9 @@ class RangeEntry:
     """One 16-bit equation of the call (values of all loop iterations together).
 
     Attributes:
-      max_abs: largest magnitude (inf if it overflowed); max_fraction: that over the dtype's max.
+      max_abs: largest magnitude, inf if it overflowed (an infinity the program writes on
+        purpose, a ``-inf`` mask, is no overflow and left out); max_fraction: that over the
+        dtype's max.
       flush_share: share of the nonzero values that would round to zero in float16.
       subnormal_share: share of the nonzero values below float16's smallest normal number.
       backward_of: for an equation of the backward pass, the forward equation it derives from.
@@ -174,8 +197,11 @@ def value_ranges(
     """Run ``autocast_transform(fn, policy)(*args, **kwargs)`` and measure every 16-bit value.
 
     For each equation with a bfloat16/float16 output: the largest magnitude as a fraction of the
-    dtype's maximum, and the shares of nonzero values that flush to zero (or go subnormal) in
-    float16. ``grad`` as in :func:`jamp.find_nonfinite` covers the backward pass.
+    dtype's maximum (infinite where the equation overflowed; a ``-inf`` mask the program writes on
+    purpose is no overflow), and the shares of nonzero values that flush to zero (or go
+    subnormal) in float16. Equations that only move values (reshape, transpose, broadcast, ...)
+    are not listed: their values are their operand's. ``grad`` as in
+    :func:`jamp.find_nonfinite` covers the backward pass.
 
     Example::
 
@@ -192,7 +218,7 @@ def value_ranges(
             policy, site, sites, float(peak[i]), int(nonzero[i]), int(flushed[i]), int(subnormal[i])
         )
         for i, site in sorted(sites.items())
-        if site.sixteen_bit
+        if _measured(site)
     ]
     # Real overflows first, then what would overflow (or come closest to it) in float16.
     entries.sort(key=lambda e: (-min(e.max_fraction, 1.0), -e.float16_fraction, e.index))

@@ -317,8 +317,8 @@ def test_a_non_finite_argument_is_named_by_its_path():
 def test_decision_names_the_region_or_rule_that_set_the_dtype():
     def f(x, w):
         h = x @ w                                   # float16 by the policy
-        with jamp.autocast(enabled=False):
-            return h * 1e4                          # stays float16: regions do not cast back
+        with jamp.autocast(enabled=False):          # runs as traced: your float16 cast
+            return h.astype(jnp.float16) * 1e4
 
     found = jamp.find_nonfinite(f, jnp.full((1, 2), 10.0), jnp.eye(2), policy=F16)
     assert found.primitive == "mul" and found.dtype == "float16"
@@ -392,3 +392,33 @@ def test_grad_of_a_loss_aux_pair_or_a_non_scalar_says_what_to_pass():
             tool(lambda w: w @ w, w, grad=True)
         assert "(loss, aux)" not in str(info.value)
     assert jamp.find_nonfinite(lambda w: loss_with_aux(w)[0], w, grad=True) is None  # as said
+
+
+def test_a_literal_operand_is_shown_in_its_traced_dtype():
+    found = jamp.find_nonfinite(lambda x: x * 1e30, jnp.full(2, 1e10))
+    assert found.primitive == "mul" and found.output[0].inf == 2
+    assert [r.dtype for r in found.operands] == ["float32", "float32"]  # not numpy's float64
+    assert "operand 1: float32[] finite values in [1e+30, 1e+30]" in str(found)
+
+
+def test_decision_says_the_dtype_that_ran_where_a_rule_kept_it_out_of_float32():
+    def cubed(w, x):
+        return jnp.mean(jax.nn.gelu(x @ w, approximate=True))  # x ** 3, unsummed: float16
+    found = jamp.find_nonfinite(cubed, jnp.eye(8) * 100.0, jnp.ones((2, 8)), policy=F16)
+    assert (found.primitive, found.dtype) == ("integer_pow", "float16")
+    assert "computes in float32" not in found.decision
+    assert "only where its result is summed" in found.decision and "float16" in found.decision
+
+    with jax.enable_x64(True):                                 # float64 is never narrowed
+        found = jamp.find_nonfinite(lambda w: jnp.exp(w * 1000), jnp.ones(2, jnp.float64))
+    assert (found.primitive, found.dtype) == ("exp", "float64")
+    assert "computes in float32" not in found.decision and "float64" in found.decision
+
+
+def test_an_equation_inside_a_jnp_helper_is_placed_at_the_users_line():
+    def leaky(w, x):
+        h = jnp.where(x @ w > 0, x @ w, 0.01 * (x @ w))  # leaky-line
+        return jnp.mean(h)
+    ranges = jamp.value_ranges(leaky, jnp.full((8, 8), 900.0), jnp.ones((2, 8)), policy=F16)
+    selected = next(e for e in ranges.entries if e.primitive == "select_n")  # in jnp's `_where`
+    assert file_and_line(selected.source) == here("leaky-line")

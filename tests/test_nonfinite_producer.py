@@ -103,3 +103,23 @@ def test_no_producer_is_named_for_a_nan_from_small_values():
     assert found.primitive == "rsqrt" and found.output[0].nan > 0
     assert found.produced_by is None and found.producer_remedy is None
     assert "overflow" not in found.remedy.why
+
+
+def gelu_mlp(w, x):
+    h = x @ w  # gelu-matmul
+    return jnp.mean(jax.nn.gelu(h, approximate=True))   # its x ** 3 overflows float16
+
+
+def test_a_small_producer_is_still_tried_as_the_remedy_before_float32_throughout():
+    """The matmul's outputs (100) are far below float16's maximum, so it is not named as what
+    overflowed; but float32 at its line hands x ** 3 float32 operands, which then runs in
+    float32: a narrower remedy than float32 throughout, which was all that was offered."""
+    w, x = jnp.eye(8) * 100.0, jnp.ones((2, 8))
+    found = jamp.find_nonfinite(gelu_mlp, w, x, policy=F16)
+    assert found.primitive == "integer_pow" and found.produced_by is None
+    with open(__file__) as f:
+        line = next(n for n, text in enumerate(f, 1) if text.rstrip().endswith("# gelu-matmul"))
+    assert found.remedy.kind == "line rule"
+    assert found.remedy.policy.rules[-1] == (f"@{os.path.basename(__file__)}:{line}",
+                                             np.dtype(jnp.float32))
+    assert bool(jnp.isfinite(jamp.autocast_transform(gelu_mlp, found.remedy.policy)(w, x)))

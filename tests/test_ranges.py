@@ -134,3 +134,16 @@ def test_a_program_with_a_prng_key_and_an_nnx_module_with_rng_state():
     assert_unchanged(before, nnx.state(model))  # left as it was
     with pytest.raises(TypeError, match=r"got DiffState.*RNG counters get no gradient"):
         jamp.value_ranges(mean_out, model, jnp.ones((4, 3)), grad=nnx.DiffState(0, nnx.Param))
+
+
+def test_equations_that_only_move_values_are_not_listed_with_a_range_of_zero():
+    """transpose/squeeze/broadcast were listed with max_abs 0 and no nonzero values: they are
+    never measured (their values are their operand's, listed under its own equation)."""
+    def f(w, x):
+        h = (x @ w).T                       # a bfloat16 transpose
+        return jnp.sum(h[0] * 2.0)          # a slice, then a squeeze
+    ranges = jamp.value_ranges(f, jnp.full((4, 4), 3.0), jnp.full((2, 4), 5.0))
+    primitives = {e.primitive for e in ranges.entries}
+    assert "dot_general" in primitives and "slice" in primitives
+    assert not primitives & {"transpose", "squeeze", "broadcast_in_dim", "reshape"}
+    assert all(e.max_abs > 0 and e.nonzero > 0 for e in ranges.entries)    # all values nonzero
