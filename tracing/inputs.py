@@ -11,10 +11,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jamp import _compat as compat
 
-from .signature import Signature
+from .signature import Signature, weak_type_mismatch
 
 _CHECK_INPUTS_FORM = (
     "check_inputs is a list with one tuple of positional arguments per check, "
@@ -155,9 +156,9 @@ def validate_check_inputs(
 
 
 def _check_types(label: str, example: Signature, entry: Signature) -> None:
-    """Each leaf of a ``check_inputs`` entry has its example's dtype and rank: the program takes
-    no other (its calls refuse them), so its trace there would differ for no fault of the
-    function's (reported as "Graphs differed")."""
+    """Each leaf of a ``check_inputs`` entry has its example's dtype, rank and weak type (a
+    Python number or not): the program takes no other (its calls refuse them), so its trace
+    there would differ for no fault of the function's (reported as "Graphs differed")."""
     for path, want, got in zip(example.paths, example.avals, entry.avals):
         if got.dtype != want.dtype or len(got.shape) != len(want.shape):
             raise TypeError(
@@ -165,7 +166,37 @@ def _check_types(label: str, example: Signature, entry: Signature) -> None:
                 f"{_type_text(want)}; check_inputs retrace the function at other sizes of the "
                 "same dtypes and ranks (the traced program takes no other)"
             )
+        weak = weak_type_mismatch(path, got, want)
+        if weak:
+            raise TypeError(f"{label}: {weak}")
 
 
 def _type_text(aval: Any) -> str:
     return f"{aval.dtype}[{','.join(map(str, aval.shape))}]"  # (float32[3,4] on every JAX)
+
+
+def with_drawn_values(inputs: tuple, seed: int) -> tuple:
+    """``inputs`` with each ``jax.ShapeDtypeStruct`` leaf replaced by an array of its shape and
+    dtype, for the output check, which runs the function and so needs values: floating and
+    complex leaves are drawn from a standard normal (a fixed key per ``seed`` and leaf), the
+    others (integers, bools, PRNG keys) are zeros, valid as indices and keys."""
+    leaves, tree = jax.tree.flatten(inputs)
+    if not any(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves):
+        return inputs
+    key = jax.random.key(seed)
+    drawn = [
+        _drawn(leaf, jax.random.fold_in(key, number))
+        if isinstance(leaf, jax.ShapeDtypeStruct)
+        else leaf
+        for number, leaf in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(tree, drawn)
+
+
+def _drawn(spec: jax.ShapeDtypeStruct, key: Any) -> Any:
+    if jnp.issubdtype(spec.dtype, jnp.inexact):
+        wide = jnp.complex64 if jnp.issubdtype(spec.dtype, jnp.complexfloating) else jnp.float32
+        value = jax.random.normal(key, spec.shape, wide).astype(spec.dtype)
+    else:
+        value = jnp.zeros(spec.shape, spec.dtype)
+    return compat.convert(value, spec.dtype, weak_type=True) if spec.weak_type else value

@@ -7,8 +7,9 @@ across calls, which ``checking_leaks`` reports as a leak (and its reporter can f
 global, a closure variable, a default argument, or an object attribute. After each trace this
 module walks what the traced function can reach (its closure cells, the globals its code names,
 defaults, bound ``self``, ``functools.partial`` arguments, and the containers and user-defined
-objects inside them) and reports the first tracer found, with the path to it. Library code
-(installed packages and the standard library) is not walked: its caches are its own business.
+objects inside them, with their classes' attributes and methods, ``__call__`` included) and
+reports the first tracer found, with the path to it. Library code (installed packages and the
+standard library) is not walked: its caches are its own business.
 """
 
 from __future__ import annotations
@@ -96,8 +97,11 @@ def _children(obj: Any, where: str) -> Iterator[tuple[Any, str]]:
     if isinstance(obj, type):
         if not _module_is_library(obj.__module__):
             for key, value in vars(obj).items():
-                if not key.startswith("__"):
+                # (``__call__``: what a callable object runs, its globals and closure)
+                if not key.startswith("__") or key == "__call__":
                     yield value, f"{obj.__qualname__}.{key}"
+            for base in obj.__bases__:  # class attributes read through self, inherited
+                yield base, base.__qualname__
         return
     wrapped = getattr(obj, "__wrapped__", None)  # jax.jit(f), functools.wraps
     if wrapped is not None and wrapped is not obj:
@@ -109,6 +113,7 @@ def _children(obj: Any, where: str) -> Iterator[tuple[Any, str]]:
     for slot in getattr(type(obj), "__slots__", ()):
         if isinstance(slot, str) and hasattr(obj, slot):
             yield getattr(obj, slot), f"{where}.{slot}"
+    yield type(obj), type(obj).__qualname__  # its class attributes and methods (``__call__``)
 
 
 def _function_children(fn: types.FunctionType) -> Iterator[tuple[Any, str, str]]:

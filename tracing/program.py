@@ -19,6 +19,7 @@ import jax
 
 from jamp import _compat as compat
 
+from .errors import TracingCheckError
 from .export import export_program
 from .shapes import shape_text, symbolic_specs
 from .signature import Signature, keep_dict_order, refuse_keywords
@@ -51,6 +52,11 @@ Retrace = Callable[[tuple], tuple[Any, Any]]
 
 class CannotRetrace(ValueError):
     """What a retrace needs is gone (a frozen function's variables were freed): raised as is."""
+
+
+class ChangedSinceTraced(TracingCheckError):
+    """State the function reads changed since it was traced, so a retrace would make another
+    program: raised as is."""
 
 
 def _evaluator(closed: Any) -> Callable[..., list[Any]]:
@@ -157,7 +163,7 @@ class Program:
         shapes = ", ".join(shape_text(s.shape) for s in flat)
         try:
             closed, out_tree = self._retrace(specs)
-        except CannotRetrace:
+        except (CannotRetrace, ChangedSinceTraced):
             raise
         except Exception as err:
             every = (

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jamp import _compat as compat
+from jamp import policy
 
 from .errors import TracerWarning
 
@@ -44,6 +45,22 @@ def _sub_jaxpr_operands(eqn: Any) -> list[tuple[Any, list[Any]]]:
     ]
 
 
+def _draw_line(eqn: Any) -> str:
+    """The user's line an equation was traced from: JAX counts an installed library's frames
+    (Flax's Dropout) as user code, so the innermost frame outside installed packages is named,
+    with the library's line after it, as ``jamp.tune`` names a layer."""
+    source = compat.source_line(eqn)
+    try:
+        frames = compat.user_frames(eqn)
+    except Exception:  # (no traceback recorded): JAX's summary only
+        return source
+    own = policy.own_frame([(file, line) for file, line, _ in frames])
+    if not frames or own is None or own == frames[0][:2]:
+        return source
+    function = next(fn for file, line, fn in frames if (file, line) == own)
+    return f"{own[0]}:{own[1]} ({function}), inside {source}"
+
+
 class _InputDependence:
     """Forward data dependence on the program's inputs; reports draws from input-free keys."""
 
@@ -58,7 +75,7 @@ class _InputDependence:
             return not isinstance(var, compat.Literal) and id(var) in dependent
 
         for eqn in jaxpr.eqns:
-            source = compat.source_line(eqn)
+            source = _draw_line(eqn)
             if source.startswith("<"):  # inside jax.random: point at the caller's line
                 source = outer_source
             name = eqn.primitive.name

@@ -35,6 +35,29 @@ def leaf_aval(leaf: Any, where: str) -> Any:
     )
 
 
+def weak_type_mismatch(where: str, got: Any, want: Any) -> str | None:
+    """Why an input weakly typed where the program's is not (or the reverse) is refused: JAX
+    promotes a Python number and a typed array of the same dtype differently (a bfloat16 array
+    times a Python float stays bfloat16, times ``jnp.float32(3)`` becomes float32), so the program
+    would not return what the function does."""
+    if bool(got.weak_type) == bool(want.weak_type):
+        return None
+    dtype = getattr(want.dtype, "name", want.dtype)
+    typed = f"jnp.{dtype}(...)" if dtype != "bool" else "jnp.bool_(...)"
+    number, array = f"a Python number (weakly typed {dtype})", f"a typed {dtype} array"
+    given, traced = (number, array) if got.weak_type else (array, number)
+    if got.weak_type:
+        here, example = f"a typed scalar such as {typed}", "a Python number"
+    else:
+        here, example = "a Python number", typed
+    return (
+        f"{where} is {given} where the function was traced with {traced}: JAX promotes the two "
+        "differently (a bfloat16 array times a Python float stays bfloat16, times a float32 "
+        f"scalar becomes float32). Make them agree: pass {here} here, or trace with {example} "
+        "at this position of example_inputs"
+    )
+
+
 def refuse_keywords(name: str, keywords: dict[str, Any]) -> None:
     """A traced, frozen or loaded program takes its inputs by position, as they were traced (its
     function's keyword arguments were fixed then): name the keywords a call passed."""
@@ -57,6 +80,8 @@ class Signature:
     aliases: tuple[tuple[str, str], ...] = ()  # (path prefix, the name errors give it instead)
     # ``order_skeleton`` of the inputs (their dicts in the caller's order: ``in_tree`` sorts them)
     order: Any = dataclasses.field(default=None, compare=False)
+    # whether ``avals`` tell Python numbers (weakly typed) from arrays: an export's do not
+    weak_types: bool = dataclasses.field(default=True, compare=False)
 
     @classmethod
     def of(cls, inputs: tuple) -> Signature:
@@ -69,7 +94,7 @@ class Signature:
     def from_avals(cls, in_tree: Any, avals: Sequence[Any]) -> Signature:
         tree = jax.tree.unflatten(in_tree, list(range(len(avals))))
         paths = tuple(input_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-        return cls(in_tree, paths, tuple(avals))
+        return cls(in_tree, paths, tuple(avals), weak_types=False)  # (jax.export drops them)
 
     def with_last_input_named(self, name: str) -> Signature:
         """This signature with the last positional input named ``name`` in errors (a frozen
@@ -113,6 +138,9 @@ class Signature:
                     f"{name}: {where} has dtype {got.dtype}, but the function was "
                     f"traced for {aval.dtype} (shape {shape_text(aval.shape)})"
                 )
+            weak = self.weak_types and weak_type_mismatch(where, got, aval)
+            if weak:
+                raise TypeError(f"{name}: {weak}")
             if is_symbolic(aval.shape):
                 problem = symbols.mismatch(where, got.shape, aval.shape)
                 if problem:

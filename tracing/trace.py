@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -32,8 +33,9 @@ from .inputs import (
     reject_number_lists,
     reject_tracers,
     validate_check_inputs,
+    with_drawn_values,
 )
-from .program import Program, callable_name, keep_dict_order, order_skeleton
+from .program import ChangedSinceTraced, Program, callable_name, keep_dict_order, order_skeleton
 from .signature import Signature
 
 
@@ -80,7 +82,10 @@ def resolve_function(fn: Any) -> tuple[Callable, str]:
         from flax import linen, nnx
 
         if isinstance(fn, nnx.Module):
-            graphdef, state = nnx.split(fn)
+            graphdef, live = nnx.split(fn)
+            # The state as it is now, in Variables of its own: the split's share the module's,
+            # so a later weight update would reach a retrace (a polymorphic export).
+            state = jax.tree.map(_own_value, live)
 
             def call_module(*args: Any) -> Any:
                 # Fresh Variables inside the trace (NNX refuses updates to ones made outside it,
@@ -104,6 +109,11 @@ def resolve_function(fn: Any) -> tuple[Callable, str]:
     return fn, callable_name(fn)
 
 
+def _own_value(leaf: Any) -> Any:
+    """A copy of a NumPy array (the caller may write to it); JAX arrays are immutable."""
+    return leaf.copy() if isinstance(leaf, np.ndarray) else leaf
+
+
 _TRACE_ERROR_HINT = (
     "Hint: a Python `if`, `int()`, `float()` or `np.asarray` on a traced value needs its concrete "
     "value, which a trace does not have. Make such arguments static (bind them with "
@@ -113,11 +123,13 @@ _TRACE_ERROR_HINT = (
 
 
 @contextlib.contextmanager
-def trace_errors_named(name: str, hint: str = _TRACE_ERROR_HINT) -> Iterator[None]:
+def trace_errors_named(
+    name: str, hint: str = _TRACE_ERROR_HINT, paths: Sequence[str] = ()
+) -> Iterator[None]:
     """JAX's errors for a trace that needed a concrete value, used a leaked tracer or gave
     ``jax.jit`` a tracer for a static argument, as a :class:`TracingCheckError` naming ``name``
     (the user's function) with ``hint``: JAX's own name the function it traced, a wrapper of
-    ours, and its flattened arguments."""
+    ours, and its flattened arguments (``leaves[1]``), named here by ``paths`` (``inputs[1]``)."""
     try:
         yield
     except (
@@ -127,7 +139,8 @@ def trace_errors_named(name: str, hint: str = _TRACE_ERROR_HINT) -> Iterator[Non
         jax.errors.TracerBoolConversionError,
     ) as err:
         raise TracingCheckError(
-            f"Tracing {name} failed: it needs the concrete value of a traced input.\n"
+            f"Tracing {name} failed: it needs the concrete value of a traced input"
+            f"{_inputs_named(str(err), paths)}.\n"
             f"{hint}\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
         ) from err
     except jax.errors.UnexpectedTracerError as err:  # a tracer leaked by an earlier trace, used
@@ -145,6 +158,16 @@ def trace_errors_named(name: str, hint: str = _TRACE_ERROR_HINT) -> Iterator[Non
             "is traced. Bind static arguments first (functools.partial(fn, n=2)) and trace the "
             f"rest.\nOriginal error: {type(err).__name__}: {str(err).splitlines()[0]}"
         ) from err
+
+
+_FLAT_ARGUMENT = re.compile(r"\bleaves\[(\d+)\]")  # how JAX names an argument of flat_fn
+
+
+def _inputs_named(message: str, paths: Sequence[str]) -> str:
+    """`` (inputs[1])``: the inputs whose values JAX's ``message`` says were needed, by path."""
+    numbers = dict.fromkeys(int(n) for n in _FLAT_ARGUMENT.findall(message))
+    named = [paths[n] for n in numbers if n < len(paths)]
+    return f" ({', '.join(named)})" if named else ""
 
 
 def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
@@ -167,8 +190,9 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
         skeleton.append(order_skeleton(outputs))
         return outputs
 
-    with trace_errors_named(name):
+    with trace_errors_named(name, paths=signature.paths):
         closed, out_shape = jax.make_jaxpr(flat_fn, return_shape=True)(*signature.avals)
+    closed = _with_own_constants(closed)
     leaked = leaks.find_leaked_tracer(fn, name)
     if leaked is not None:
         tracer, where = leaked
@@ -180,6 +204,17 @@ def trace_once(fn: Callable, inputs: tuple, name: str) -> Trace:
             "it now)."
         )
     return Trace(closed, signature, jax.tree.structure(out_shape), skeleton[0])
+
+
+def _with_own_constants(closed: Any) -> Any:
+    """``closed`` with copies of its NumPy constants: JAX captures a closed-over NumPy array by
+    reference, so a caller writing to it later (``w[:] = 5``) would change what the program, its
+    checks and its export compute. The values seen when traced are the ones kept, as
+    ``jax.jit`` and ``torch.jit.trace`` keep them (JAX arrays are immutable: shared)."""
+    jaxpr, consts = compat.open_and_consts(closed)
+    if not any(isinstance(c, np.ndarray) for c in consts):
+        return closed
+    return compat.close_jaxpr(jaxpr, [_own_value(c) for c in consts])
 
 
 def trace(
@@ -225,12 +260,31 @@ def trace(
     )
 
     def retrace(inputs: tuple) -> tuple[Any, Any]:  # for export(polymorphic_shapes=...)
+        _check_state_unchanged(resolved, name, primary)
         again = trace_once(resolved, inputs, name)
         return again.closed, again.out_tree
 
     return TracedFunction(
         primary.closed, primary.signature, primary.out_tree, name, primary.out_template, retrace
     )
+
+
+def _check_state_unchanged(fn: Callable, name: str, primary: Trace) -> None:
+    """``TracingCheckError`` when ``fn`` traced again now, at the traced shapes, captures other
+    constants than when it was traced: a polymorphic export traces it again, and would otherwise
+    compute other numbers than the traced program (a global setting changed since)."""
+    specs = keep_dict_order(primary.signature.order, primary.signature.specs())
+    label = "export(polymorphic_shapes=...), which traces it again now"
+    now = trace_once(fn, specs, name)  # (a failure: reported as the export's retrace's)
+    try:
+        reference, other = (graphs.canonicalize(t.closed) for t in (primary, now))
+        _compare_graphs(reference, other, primary, now, label)
+    except TracingCheckError as err:
+        raise ChangedSinceTraced(
+            f"{name} reads state that changed since it was traced, so an export at symbolic "
+            "shapes would compute other numbers than the traced program; trace it again, or "
+            f"restore the state, before exporting.\n{err}"
+        ) from None
 
 
 def check_trace(
@@ -305,9 +359,8 @@ def _run_checks(
         label = "the example inputs" if number == 0 else f"check_inputs[{number - 1}]"
         again = _trace_entry(fn, inputs, name, label)
         _compare_graphs(reference, graphs.canonicalize(again.closed), primary, again, label)
-        _compare_outputs(
-            fn, name, primary if again.same_avals(primary) else again, inputs, tolerance
-        )
+        traced = primary if again.same_avals(primary) else again
+        _compare_outputs(fn, name, traced, with_drawn_values(inputs, number), tolerance)
 
 
 def _trace_entry(fn: Callable, inputs: tuple, name: str, label: str) -> Trace:
@@ -356,6 +409,14 @@ def _compare_graphs(
             )
 
 
+def _fresh_containers(inputs: tuple) -> tuple:
+    """``inputs`` in new dicts, lists and tuples (in the caller's dict order), the leaves shared:
+    a function that updates its input dict (``batch["x"] = ...``) must not change the caller's,
+    as it cannot through the traces, which rebuild them too."""
+    leaves, tree = jax.tree.flatten(inputs)
+    return keep_dict_order(order_skeleton(inputs), jax.tree.unflatten(tree, leaves))
+
+
 def _compare_outputs(
     fn: Callable, name: str, traced: Trace, inputs: tuple, check_tolerance: float
 ) -> None:
@@ -364,7 +425,7 @@ def _compare_outputs(
     program = Program(traced.closed, traced.signature, traced.out_tree, name)  # leaves only
     got = program(*inputs)
     with jax.disable_jit():
-        expected = fn(*inputs)
+        expected = fn(*_fresh_containers(inputs))
     got_leaves, expected_leaves = jax.tree.leaves(got), jax.tree.leaves(expected)
     if len(got_leaves) != len(expected_leaves):
         warnings.warn(
