@@ -152,18 +152,18 @@ class _Builder:
             )
             for sub in params.subs:
                 self.add_jaxpr(compat.open_and_consts(sub)[0], depth + 1)
-        outs = []
+        returned: list[str] = []
         for number, var in enumerate(jaxpr.outvars, start=1):
             # A value returned as it is (a counter, an np.random array) is used nowhere else:
             # its output names it, as the output check does (``Output nr 2``).
             source = f"output nr {number} (returned as it is)" if depth == 0 else "<outputs>"
             if isinstance(var, compat.Literal):
                 self.literals.append((var.val, aval_text(var.aval), source))
-                outs.append(f"lit:{aval(var)}")
+                returned.append(f"lit:{aval(var)}")
             else:
                 self.first_use.setdefault(id(var), source)
-                outs.append(names.get(id(var), "?"))
-        self.lines.append(Line(f"{pad}return {' '.join(outs)}", "<outputs>"))
+                returned.append(names.get(id(var), "?"))
+        self.lines.append(Line(f"{pad}return {' '.join(returned)}", "<outputs>"))
 
 
 class _Params:
