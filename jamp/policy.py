@@ -830,7 +830,17 @@ def report_unmatched_rules(rewriter: Any, jaxpr: Any) -> None:
     if callable(record):
         record(unmatched)
     elif unmatched:
-        warn_unmatched(unmatched, compat.function_label(jaxpr), rewriter.scope_log.paths)
+        warn_unmatched(
+            unmatched, _own_label(compat.function_label(jaxpr)), rewriter.scope_log.paths
+        )
+
+
+def _own_label(label: str) -> str:
+    """``loss_fn at model.py:12``, or the name alone for a function of an installed library
+    (``model.apply``'s ``apply at .../flax/linen/module.py:2091`` is no place of the user's: the
+    warning itself points at the user's line)."""
+    name, at, where = label.partition(" at ")
+    return name if at and any(marker in where for marker in _LIBRARY) else label
 
 
 def _is_internal(filename: str) -> bool:

@@ -192,3 +192,18 @@ def test_a_decorated_linen_method_runs_as_a_region_outside_one():
     assert jax.jit(_HalfBlock().apply)(variables, x).dtype == jnp.float16
     grads = jax.grad(lambda v: _HalfBlock().apply(v, x).astype(jnp.float32).sum())(variables)
     assert grads["params"]["Dense_0"]["kernel"].dtype == jnp.float32
+
+
+def test_an_unmatched_rule_on_a_linen_apply_names_no_place_inside_flax():
+    """The warning named ``apply at .../site-packages/flax/linen/module.py:2091``: no place of
+    the user's (the warning itself is at the user's line)."""
+    x = jnp.ones((2, 8))
+    variables = _Stack().init(jax.random.key(0), x)
+    policy = jamp.Policy(rules=(("*Head", None),))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jamp.autocast_transform(_Stack().apply, policy)(variables, x)
+    found = [w for w in caught if issubclass(w.category, jamp.UnmatchedRuleWarning)]
+    assert len(found) == 1 and found[0].filename == __file__
+    message = str(found[0].message)
+    assert "matched no scope of apply;" in message and "site-packages" not in message
