@@ -1,13 +1,13 @@
 """find_nonfinite and value_ranges pass over an infinity the program writes on purpose (a -inf
 attention mask) and report where a value really went out of range."""
-import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jamp
+from tests import source_lines
+from tests.source_lines import file_and_line
 
 F16 = jamp.Policy(jnp.float16)
 CAUSAL = np.tril(np.ones((4, 4), bool))
@@ -16,18 +16,11 @@ SMALL_V, LARGE_V = jnp.ones((4, 8)), jnp.ones((4, 8)) * 1000.0   # x 100: 1e5 ov
 
 
 def line_of(marker: str) -> int:
-    with open(__file__) as f:
-        return next(n for n, text in enumerate(f, 1) if text.rstrip().endswith(f"# {marker}"))
-
-
-def file_and_line(source: str) -> tuple[str, int]:
-    match = re.match(r"(.*?):(\d+)(?::\d+)? \(", source)
-    assert match, source
-    return os.path.basename(match.group(1)), int(match.group(2))
+    return source_lines.line_of(__file__, marker)
 
 
 def here(marker: str) -> tuple[str, int]:
-    return os.path.basename(__file__), line_of(marker)
+    return source_lines.here(__file__, marker)
 
 
 def where_masked(q, k, v):

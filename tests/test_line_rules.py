@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 import jamp
+from tests import source_lines
 
 HERE = "test_line_rules.py"
 
 
 def line_of(marker):
-    source = open(__file__).read().splitlines()
-    return next(i for i, line in enumerate(source, 1) if line.rstrip().endswith(f"# {marker}"))
+    return source_lines.line_of(__file__, marker)
 
 
 def rule(marker, dtype):

@@ -1,6 +1,5 @@
 """jamp.find_nonfinite: the first inf/NaN of the mixed-precision program, why, and a remedy."""
 import os
-import re
 
 import flax.linen as nn
 import jax
@@ -9,6 +8,8 @@ import numpy as np
 import pytest
 
 import jamp
+from tests import source_lines
+from tests.source_lines import file_and_line
 
 BF16 = jamp.Policy(jnp.bfloat16)
 F16 = jamp.Policy(jnp.float16)
@@ -17,22 +18,11 @@ SQUARE_IN_BF16 = BF16.replace(fp32=BF16.fp32 - {"square", "integer_pow"})
 
 
 def line_of(marker: str) -> int:
-    """The line of this file carrying ``# <marker>``."""
-    with open(__file__) as f:
-        for number, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {marker}"):
-                return number
-    raise AssertionError(marker)
-
-
-def file_and_line(source: str) -> tuple[str, int]:
-    match = re.match(r"(.*?):(\d+)(?::\d+)? \(", source)
-    assert match, source
-    return os.path.basename(match.group(1)), int(match.group(2))
+    return source_lines.line_of(__file__, marker)
 
 
 def here(marker: str) -> tuple[str, int]:
-    return os.path.basename(__file__), line_of(marker)
+    return source_lines.here(__file__, marker)
 
 
 def all_finite(tree) -> bool:
