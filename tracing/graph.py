@@ -131,19 +131,20 @@ class _Builder:
             names[id(var)] = f"{prefix}{len(names)}"
             return f"{names[id(var)]}:{aval(var)}"
 
+        def read(var: Any, source: str) -> str:
+            """An operand's text, recording a literal's value or a variable's first use."""
+            if isinstance(var, compat.Literal):
+                self.literals.append((var.val, aval_text(var.aval), source))
+                return f"lit:{aval(var)}"
+            self.first_use.setdefault(id(var), source)
+            return names.get(id(var), "?")
+
         header = " ".join(define(v, "c") for v in jaxpr.constvars)
         header += " ; " + " ".join(define(v, "a") for v in jaxpr.invars)
         self.lines.append(Line(f"{pad}lambda {header}", "<inputs>"))
         for eqn in jaxpr.eqns:
             source = compat.source_line(eqn)
-            ins = []
-            for var in eqn.invars:
-                if isinstance(var, compat.Literal):
-                    self.literals.append((var.val, aval_text(var.aval), source))
-                    ins.append(f"lit:{aval(var)}")
-                else:
-                    self.first_use.setdefault(id(var), source)
-                    ins.append(names.get(id(var), "?"))
+            ins = [read(var, source) for var in eqn.invars]
             params = _Params(self.sizes)
             text = params.text(eqn.primitive.name, eqn.params)
             outs = " ".join(define(v, "v") for v in eqn.outvars)
@@ -152,17 +153,12 @@ class _Builder:
             )
             for sub in params.subs:
                 self.add_jaxpr(compat.open_and_consts(sub)[0], depth + 1)
-        returned: list[str] = []
-        for number, var in enumerate(jaxpr.outvars, start=1):
-            # A value returned as it is (a counter, an np.random array) is used nowhere else:
-            # its output names it, as the output check does (``Output nr 2``).
-            source = f"output nr {number} (returned as it is)" if depth == 0 else "<outputs>"
-            if isinstance(var, compat.Literal):
-                self.literals.append((var.val, aval_text(var.aval), source))
-                returned.append(f"lit:{aval(var)}")
-            else:
-                self.first_use.setdefault(id(var), source)
-                returned.append(names.get(id(var), "?"))
+        # A value returned as it is (a counter, an np.random array) is used nowhere else: its
+        # output names it, as the output check does (``Output nr 2``).
+        returned = [
+            read(var, f"output nr {number} (returned as it is)" if depth == 0 else "<outputs>")
+            for number, var in enumerate(jaxpr.outvars, start=1)
+        ]
         self.lines.append(Line(f"{pad}return {' '.join(returned)}", "<outputs>"))
 
 
