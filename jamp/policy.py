@@ -840,7 +840,7 @@ def _own_label(label: str) -> str:
     (``model.apply``'s ``apply at .../flax/linen/module.py:2091`` is no place of the user's: the
     warning itself points at the user's line)."""
     name, at, where = label.partition(" at ")
-    return name if at and any(marker in where for marker in _LIBRARY) else label
+    return name if at and in_installed_package(where) else label
 
 
 def _is_internal(filename: str) -> bool:
@@ -858,12 +858,16 @@ _CONTEXTLIB = contextlib.__file__
 _LIBRARY = (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}")
 
 
+def in_installed_package(file: str) -> bool:
+    return any(marker in file for marker in _LIBRARY)
+
+
 def own_frame(frames: Sequence[tuple[str, int]]) -> tuple[str, int] | None:
     """Of an equation's source frames (innermost first), the innermost in the user's own code
     (outside installed packages: an NNX Linear's product runs on a line of Flax's), else the
     innermost outside JAX and jamp. How ``jamp.tune`` and ``tracing.freeze(weights=...)`` name
     a matmul outside any scope."""
-    own = [f for f in frames if not any(p in f[0] for p in _LIBRARY)]
+    own = [f for f in frames if not in_installed_package(f[0])]
     return own[0] if own else (frames[0] if frames else None)
 
 
