@@ -236,6 +236,11 @@ def _unmark(value: Any) -> Any:
     return value.value if type(value) is _Static else value
 
 
+def as_static(value: Any) -> _Static:
+    """``value`` marked static, as ``static_argnums`` marks an argument (it is hashable)."""
+    return _Static(value)
+
+
 def unmarked(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args``/``kwargs`` (marked by ``CallSignature.mark_static``) with the static arguments
     unwrapped to their values."""

@@ -393,6 +393,11 @@ KEEP_TRACED_DTYPES = frozenset(
         # operands' types in their params: rebound on other dtypes they declare a type they do
         # not have (an ill-typed program, whose gradient fails).
         "call_hi_primitive",
+        # Host and foreign calls declare their result types (traced from the float32 program);
+        # the function behind them receives what it was written for.
+        "pure_callback",
+        "io_callback",
+        "ffi_call",
     }
 )
 

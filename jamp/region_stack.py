@@ -86,6 +86,19 @@ def entered(enabled: bool, dtype: np.dtype) -> Iterator[None]:
         stack.pop()
 
 
+@contextlib.contextmanager
+def as_rewritten() -> Iterator[None]:
+    """Around binding a program ``autocast_transform`` rewrote, inside a region or another
+    transformed function: a disabled scope there, so that its operations run as its own policy
+    decided them (the innermost policy wins, as a nested region's does) instead of being
+    decided again by the enclosing one. Elsewhere nothing."""
+    if not _stack():
+        yield
+        return
+    with jax.named_scope(marker(False, None)), entered(False, get_autocast_dtype()):
+        yield
+
+
 def transform_depth() -> int:
     """How many ``autocast_transform`` traces are running in this thread."""
     return getattr(_tls, "transforms", 0)

@@ -1837,6 +1837,8 @@ def pushed(policy: Policy) -> Iterator[None]:
     policy = _canonical(policy)
     trace = RegionTrace(compat.current_trace(), policy)
     _tls.depth = getattr(_tls, "depth", 0) + 1
+    outer_dtypes = getattr(_tls, "region_dtypes", None)
+    _tls.region_dtypes = dtypes = {policy.compute_dtype}
     try:
         with (
             REGION_KEY(policy),
@@ -1848,13 +1850,22 @@ def pushed(policy: Policy) -> Iterator[None]:
             log = trace.rewriter.scope_log
             warn_unmatched(log.unmatched(policy.rules), "a jamp.autocast region", log.paths)
     except (TypeError, ValueError) as err:  # (jax.dtypes.TypePromotionError is a ValueError)
-        dtype = policy.compute_dtype.name
-        # (the dtype as a word: a float16 region says nothing of a bfloat16 value)
-        names_dtype = re.search(rf"\b{dtype}\b", str(err)) is not None
+        # The dtype as a word, of this region or one nested in it (a float16 region says nothing
+        # of a bfloat16 value the user made).
+        named = [d.name for d in sorted(dtypes, key=lambda d: d.name)
+                 if re.search(rf"\b{d.name}\b", str(err))]
         for refused, note in _REFUSAL_NOTES:
-            if refused(err) and names_dtype and hasattr(err, "add_note"):
-                err.add_note(note.format(dtype=dtype))  # (add_note: Python 3.11+)
+            if refused(err) and named and hasattr(err, "add_note"):
+                err.add_note(note.format(dtype=named[0]))  # (add_note: Python 3.11+)
         raise
     finally:
         _tls.depth -= 1
+        _tls.region_dtypes = outer_dtypes
         trace.invalidate()
+
+
+def entered_nested(dtype: np.dtype) -> None:
+    """A region with ``dtype`` was entered inside the pushed one (for the notes on its errors)."""
+    dtypes = getattr(_tls, "region_dtypes", None)
+    if dtypes is not None:
+        dtypes.add(np.dtype(dtype))

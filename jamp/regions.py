@@ -25,7 +25,7 @@ from jax.typing import DTypeLike
 
 from . import _compat as compat
 from . import region_trace
-from .call_args import short_repr
+from .call_args import as_static, short_repr
 from .policy import Policy
 from .region_stack import (
     cast_inputs_name,
@@ -80,7 +80,8 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
 
     As a decorator, ``@jamp.autocast(dtype=...)`` makes a region when the function is called
     inside a region or a transformed function and applies ``autocast_transform`` itself when
-    called anywhere else. ``@jamp.autocast(enabled=False, cast_inputs=jnp.float32)`` is torch's
+    called anywhere else (a Python ``int`` given as a whole argument is static there, a
+    ``float`` traced). ``@jamp.autocast(enabled=False, cast_inputs=jnp.float32)`` is torch's
     ``custom_fwd(cast_inputs=torch.float32)``: inside an enabled region the function runs with
     autocast off and its floating (non-float64) inputs cast to float32.
     """
@@ -153,6 +154,11 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
             transformed = self._transformed.get(policy)
             if transformed is None:
                 transformed = self._transformed[policy] = autocast_transform(fn, policy)
+            # A Python int given as a whole argument is static, as the function's own Python
+            # would see it under torch's decorator (a shape, an axis, a loop count); a float
+            # stays traced as autocast_transform traces it (a changing learning rate).
+            args = tuple(_static_if_int(a) for a in args)
+            kwargs = {k: _static_if_int(v) for k, v in kwargs.items()}
             return transformed(*args, **kwargs)
 
         return compat.api_boundary(wrapper)  # (fn's errors show fn's frames, as under jax.jit)
@@ -207,6 +213,8 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
             exits.enter_context(entered(self.enabled, dtype))
             if self.enabled and outermost:
                 exits.enter_context(region_trace.pushed(self._region_policy()))
+            elif self.enabled:
+                region_trace.entered_nested(dtype)
             return exits.pop_all()
 
     def _region_policy(self) -> Policy:
@@ -215,6 +223,10 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         if self.policy is None:
             self.policy = _default_policy(self.dtype)
         return self.policy
+
+
+def _static_if_int(value: Any) -> Any:
+    return as_static(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def _check_region_policy(policy: Policy) -> None:

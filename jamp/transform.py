@@ -38,7 +38,7 @@ from .call_args import (
 )
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
-from .region_stack import tracing_under
+from .region_stack import as_rewritten, tracing_under
 from .rules import custom_ad
 
 # A Policy, a floating dtype (meaning Policy(dtype)) or None (meaning Policy()). Public
@@ -183,7 +183,9 @@ def autocast_transform(
     """torch.autocast for JAX: ``fn`` rewritten op by op under a precision policy.
 
     The returned function has ``fn``'s signature and composes with ``jax.jit``, ``jax.grad``,
-    ``jax.vmap`` and sharding in any order; gradients come back in the primal dtypes.
+    ``jax.vmap`` and sharding in any order; gradients come back in the primal dtypes. Called
+    inside a ``jamp.autocast`` region or another transformed function, it keeps its own policy
+    (the innermost wins, as with nested regions).
 
     Args:
       fn: the function to transform.
@@ -556,11 +558,13 @@ def _transform_arrays(
         ):
             # Inside a program being built (jit, make_jaxpr, a scan body) the rewrite is bound
             # into it directly; a closure over an outer trace's values can only be re-bound.
-            return _bound_directly(traced, policy, flat)
+            with as_rewritten():
+                return _bound_directly(traced, policy, flat)
         # Eagerly, and under eager grad/vmap: one compiled program, whose jit caches (also those
         # of its JVP and batching) make later calls skip tracing, rewriting and compiling.
         try:
-            outs = traced.compiled(policy)(*flat)
+            with as_rewritten():
+                outs = traced.compiled(policy)(*flat)
         except custom_ad.RuleClosureError:
             if eager:
                 raise
@@ -569,7 +573,8 @@ def _transform_arrays(
             # grad(jit(f)), where it fails. Bound directly, the rule runs during the rewrite
             # (as in plain eager JAX), which maps the value.
             traced.rules_close_over_values = True
-            return _bound_directly(traced, policy, flat)
+            with as_rewritten():
+                return _bound_directly(traced, policy, flat)
         except TypeError:
             # A string jax.Array traces (so does under jax.jit, which refuses it only here, as
             # it runs the program, without naming it); named as the user passed it.

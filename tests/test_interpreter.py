@@ -3,6 +3,7 @@ import re
 import warnings
 
 import jax
+import jax.experimental
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -203,6 +204,29 @@ def test_keep_traced_primitives_see_their_traced_dtypes():
         out = f(x)           # excess precision for the bf16 product)
     np.testing.assert_array_equal(
         out, lax.bitcast_convert_type((x.astype(BF16) @ x.astype(BF16)).astype(F32), jnp.int32))
+
+
+@pytest.mark.parametrize("callback", ["pure", "io"])
+def test_host_callbacks_get_the_dtypes_they_declared(callback):
+    # A host function returning its input's dtype (np.tanh) failed at run time: jamp handed it
+    # the bfloat16 matmul output while its declared result (traced from float32) said float32.
+    x, w = _rand(8, 4), _rand(4, 4, key=1)
+    seen = []
+
+    def host(h):
+        seen.append(h.dtype)
+        return np.tanh(h)
+
+    def f(a):
+        h = a @ w
+        shape = jax.ShapeDtypeStruct(h.shape, h.dtype)
+        if callback == "pure":
+            return jax.pure_callback(host, shape, h)
+        return jax.experimental.io_callback(host, shape, h, ordered=True)
+
+    out = jamp.autocast_transform(f)(x)
+    assert out.dtype == F32 and seen[-1] == np.float32
+    np.testing.assert_allclose(out, np.tanh(x @ w), atol=2e-2)
 
 
 def test_a_reduce_with_a_computation_of_its_own_runs_in_its_init_values_dtype():

@@ -905,6 +905,30 @@ def test_a_loop_carry_the_region_made_16_bit_gets_an_error_that_says_what_to_do(
     assert jax.jit(carried, static_argnums=1)(X, True).dtype == F32  # the carry keeps its type
 
 
+@pytest.mark.parametrize("nested", ["with", "decorator"])
+def test_the_loop_carry_note_names_a_nested_regions_dtype(nested):
+    """The note was added only when the error named the outermost region's dtype: a float16
+    region (or decorated helper) inside a bfloat16 one raised JAX's error alone."""
+
+    def rnn(x):
+        h = jnp.tanh(x @ W)
+        return lax.scan(lambda c, _: (jnp.tanh(c @ W), None), h, None, length=2)[0]
+
+    helper = jamp.autocast(dtype=F16)(rnn)
+
+    def run(x):
+        with jamp.autocast():
+            if nested == "decorator":
+                return helper(x)
+            with jamp.autocast(dtype=F16):
+                return rnn(x)
+
+    with pytest.raises(TypeError) as raised:
+        run(X)
+    notes = "".join(getattr(raised.value, "__notes__", ()))
+    assert "inside a jamp.autocast region: the loop's initial carry is float16" in notes
+
+
 @pytest.mark.parametrize("switch", [False, True])
 def test_cond_branches_that_promote_a_16_bit_operand_get_an_error_that_says_what_to_do(switch):
     """JAX traces a cond's branches with the operand's type before jamp sees the cond: a matmul

@@ -81,6 +81,38 @@ def test_nesting_innermost_wins_and_implicit_nesting():
     assert [o.dtype for o in jamp.autocast_transform(f)(A)] == [F32, BF16, F32, BF16]
 
 
+@pytest.mark.parametrize("jitted", [False, True])
+def test_a_transformed_function_keeps_its_own_policy_inside_a_region_or_a_transform(jitted):
+    """Innermost wins for ``autocast_transform`` too: its program is not decided again by the
+    enclosing region's or transform's policy (it ran bfloat16, rules lost, while the queries in
+    it answered float16)."""
+    seen = []
+
+    def f(a):
+        seen.append(jamp.get_autocast_dtype())
+        return a @ a
+
+    def g(a):
+        with jax.named_scope("head"):
+            return a @ a
+
+    half = jamp.autocast_transform(f, F16)
+    head_off = jamp.autocast_transform(g, jamp.Policy(rules=(("head", None),)))
+    call = jax.jit if jitted else (lambda fn: fn)
+
+    def in_region(a):
+        with jamp.autocast():
+            return half(a), head_off(a), (a @ a)
+
+    assert [o.dtype for o in call(in_region)(A)] == [F16, F32, BF16]
+    assert seen[-1] == F16
+    outer = jamp.autocast_transform(lambda a: (half(a), head_off(a), a @ a))
+    assert [o.dtype for o in call(outer)(A)] == [F16, F32, BF16]
+    grads = jax.grad(lambda a: jnp.sum(in_region(a)[0]).astype(F32))(A)
+    assert grads.dtype == F32
+    np.testing.assert_allclose(grads, jax.grad(lambda a: jnp.sum(a @ a))(A), rtol=1e-2)
+
+
 def test_one_instance_entered_repeatedly_and_nested():
     off = jamp.autocast(enabled=False)
 
@@ -239,6 +271,27 @@ def test_decorator_is_a_region_inside_and_a_transform_outside():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         half(A)  # the decorator never warns
+
+
+def test_decorator_outside_a_region_takes_a_python_int_as_the_function_sees_it():
+    """A head count, an axis or a loop count given as an int: the decorated function called
+    outside a region failed with JAX's tracer errors where it runs undecorated."""
+    traces = []
+
+    @jamp.autocast()
+    def split_heads(x, num_heads, scale=1.0):
+        traces.append(num_heads)
+        h = (x @ x) * scale
+        for _ in range(num_heads):
+            h = h + 1
+        return h.reshape(h.shape[0], num_heads, -1)
+
+    out = split_heads(A, 2, scale=0.5)
+    assert out.shape == (4, 2, 2) and out.dtype == BF16
+    np.testing.assert_allclose(out.reshape(4, 4), (A @ A) * 0.5 + 2, rtol=1e-2)
+    assert split_heads(A, num_heads=4).shape == (4, 4, 1)
+    split_heads(A, 2, scale=0.25)  # a float stays traced: no new trace
+    assert traces == [2, 4]
 
 
 def test_decorator_cast_inputs_runs_the_function_in_float32():
