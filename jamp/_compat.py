@@ -62,6 +62,22 @@ def close_jaxpr(jaxpr: Any, consts: Sequence[Any]) -> Any:
     return jaxpr.with_consts(list(consts))
 
 
+def unclosed_constvars(jaxpr: Any) -> int:
+    """How many constvars an open jaxpr of jax < 0.12 (``closed.jaxpr``) leaves without values
+    (from 0.12 a ``Jaxpr`` holds its consts itself: 0)."""
+    if _ClosedJaxpr is None or isinstance(jaxpr, _ClosedJaxpr):
+        return 0
+    return len(jaxpr.constvars)
+
+
+def as_closed(jaxpr: Any) -> Any:
+    """A closed jaxpr as this JAX's ``jax.make_jaxpr`` returns one, from a closed one or an open
+    one without constvars."""
+    if _ClosedJaxpr is None or isinstance(jaxpr, _ClosedJaxpr):
+        return jaxpr
+    return _ClosedJaxpr(jaxpr, [])
+
+
 # Pure call wrappers (a body and nothing else). jax 0.12 folds ``closed_call``/``call`` into one
 # ``eval_jaxpr`` primitive (what ``checkpoint`` of a ``vmap`` of a ``scan`` binds under ``grad``;
 # body in ``call_jaxpr``). jax 0.10 has an ``eval_jaxpr`` primitive of its own (body in ``jaxpr``)

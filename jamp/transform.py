@@ -168,6 +168,14 @@ def autocast_jaxpr(closed_jaxpr: Any, policy: Policy | DTypeLike | None = None) 
             "autocast_jaxpr expects a closed jaxpr (jax.make_jaxpr(f)(...)), "
             f"got {type(closed_jaxpr).__name__}"
         )
+    unbound = compat.unclosed_constvars(closed_jaxpr)
+    if unbound:
+        raise TypeError(
+            f"autocast_jaxpr expects a closed jaxpr (jax.make_jaxpr(f)(...)), got an open "
+            f"jaxpr with {unbound} constvar(s) and no values for them: pass the closed jaxpr "
+            "itself (closed, not closed.jaxpr)"
+        )
+    closed_jaxpr = compat.as_closed(closed_jaxpr)
     in_avals = list(closed_jaxpr.in_avals)
     return compat.trace_to_closed(lambda *a: rewrite_and_eval(closed_jaxpr, policy, a), in_avals)
 

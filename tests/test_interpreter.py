@@ -391,6 +391,16 @@ def test_a_float32_contraction_of_16_bit_operands_differs_between_the_forms_as_d
     assert (in_region.dtype, jamp.autocast_transform(f)(x, w).dtype) == (F32, BF16)
 
 
+def test_an_integer_or_bool_mask_differs_between_the_forms_as_documented():
+    x, w = _rand(8, 4), _rand(4, 4, key=1)
+    int_mask, bool_mask = jnp.ones((8, 4), jnp.int32), jnp.ones((8, 4), bool)
+    for f in (lambda x: (x @ w) * int_mask, lambda x: (x @ w) * bool_mask,
+              lambda x: jnp.where(bool_mask, x @ w, int_mask)):
+        with jamp.autocast():
+            assert f(x).dtype == BF16
+        assert jamp.autocast_transform(f)(x).dtype == F32
+
+
 def test_float32_updates_into_a_16_bit_buffer_differ_between_the_forms_as_documented():
     """docs/reference/dtypes.md, "Regions": in a region jnp's ``.at`` casts float32 updates to
     the buffer the policy made bfloat16 (JAX's FutureWarning says so); the transform sees a

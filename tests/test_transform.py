@@ -148,6 +148,24 @@ def test_autocast_jaxpr_rewrites_a_closed_jaxpr():
     jamp._compat.check_closed_jaxpr(mixed)
 
 
+def test_autocast_jaxpr_given_closed_jaxpr_dot_jaxpr_answers_alike_on_every_jax():
+    """``closed.jaxpr`` is an open jaxpr on jax < 0.12 (its constants apart) and the closed one
+    from 0.12: it failed with an internal KeyError on one and was rewritten on the other."""
+    w = _params()["w1"]
+    closed = jax.make_jaxpr(lambda a: a @ w)(X)
+    if closed.jaxpr.constvars and closed.jaxpr is not closed:
+        with pytest.raises(TypeError, match=r"open jaxpr with 1 constvar.*not closed.jaxpr"):
+            jamp.autocast_jaxpr(closed.jaxpr)
+    else:
+        assert operand_dtypes(jamp.autocast_jaxpr(closed.jaxpr), "dot_general") == [
+            ("bfloat16", "bfloat16")]
+    no_consts = jax.make_jaxpr(lambda a, b: a @ b)(X, w)
+    for given in (no_consts, no_consts.jaxpr):
+        mixed = jamp.autocast_jaxpr(given)
+        assert type(mixed) is type(no_consts)  # what jax.make_jaxpr returns
+        jamp._compat.check_closed_jaxpr(mixed)
+
+
 def test_generator_functions_and_method_descriptors_are_refused_as_jax_jit_refuses_them():
     """JAX's ``test_jit_of_generator`` and ``test_staticmethod_is_not_supported``: a generator
     function would "return" a generator untouched, and a transformed staticmethod would become a
