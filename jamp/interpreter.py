@@ -1312,7 +1312,26 @@ def convert_rule(step: Step) -> Sequence[Any]:
         _rounds_reduction_result(step) or _converts_a_contraction_result(step)
     ):
         return [step.args[0]]
+    if step.rewriter.region and step.state.enabled:
+        saturated = _saturated_weak_constant(step)
+        if saturated is not None:
+            return [saturated]
     return default_rule(step)
+
+
+def _saturated_weak_constant(step: Step) -> Any:
+    """In a region, jnp's conversion of a Python number to a 16-bit operand's dtype (``-1e9`` in
+    ``jnp.where(mask, logits, -1e9)``, ``h + 7e4``): saturated, as ``autocast_transform`` casts
+    the constant of its float32 program, not an infinity (a fully masked row's NaN). None
+    elsewhere."""
+    atom = step.eqn.invars[0]
+    new = np.dtype(step.params["new_dtype"])
+    if not (atom.aval.weak_type and new in SIXTEEN_BIT and is_float(atom.aval.dtype)):
+        return None
+    source = step.env.source(atom)
+    if source is None or source.steps:
+        return None
+    return jnp.asarray(saturating_cast(source.base, new, source.bound))
 
 
 def _converts_a_contraction_result(step: Step) -> bool:

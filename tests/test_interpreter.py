@@ -149,6 +149,30 @@ def test_constants_saturate_so_fully_masked_rows_have_no_nan(dtype):
                for v in literals)
 
 
+def test_a_python_number_beyond_float16_saturates_in_a_region_as_under_the_transform():
+    """jnp converts a Python number to a 16-bit operand's dtype before the region sees the
+    operation: ``-1e9`` became ``-inf`` there (a fully masked row NaN) and ``h + 7e4`` inf, where
+    the transform saturates its float32 program's constant."""
+    q, k = _rand(2, 4), _rand(3, 4, key=1)
+    mask = jnp.array([[True, True, False], [False, False, False]])  # row 1 fully masked
+
+    def attention(q, k, fill):
+        return jax.nn.softmax(jnp.where(mask, q @ k.T, fill), axis=-1)
+
+    def region(q, k, fill, shift):
+        with jamp.autocast(dtype=F16):
+            return attention(q, k, fill), q @ k.T + shift
+
+    for form in (region, jax.jit(region, static_argnums=(2, 3))):
+        for fill, shift in ((-1e9, 7e4), (-1.0, 3.0), (-1e9, -7e4)):  # (a replay per value)
+            probs, shifted = form(q, k, fill, shift)
+            reference = attention(q, k, fill)
+            np.testing.assert_allclose(probs, reference, atol=2e-3)
+            expected = np.clip((q @ k.T) + shift, -65504, 65504)
+            assert shifted.dtype == F16
+            np.testing.assert_allclose(shifted.astype(F32), expected, rtol=2e-3, atol=2e-3)
+
+
 def test_an_additive_mask_taken_for_a_bias_is_clipped_not_inf():
     """An additive float32 mask (-1e9 where masked) passed as an argument or closed over and
     broadcast over the batch adapts to float16 like a bias; it became -inf and a fully masked
