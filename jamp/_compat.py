@@ -1667,6 +1667,61 @@ def current_in_jnp_contraction() -> bool:
     return _traced_in(_siu.current(), _JNP_CONTRACTIONS)
 
 
+# Where a convert is a cast the code asked for (torch's ``.float()``), told from a library's
+# promotion of a value to what an operation's other operands or computation need: frames in
+# a cast's entry points (module path's tail, function names), and none in promoting code
+# (module path's tail, function name prefix, "" for every function). A ``jnp`` function that
+# is an inline jit leaves, in the equations it inlines, the frames of its call site: the
+# ufunc's or the function's own, never a cast's entry point.
+_ASKED_CASTS = (
+    (os.path.join("jax", "_src", "numpy", "lax_numpy.py"), frozenset({"astype"})),
+    (os.path.join("jax", "_src", "numpy", "array_methods.py"), frozenset({"_astype"})),
+    (os.path.join("jax", "_src", "numpy", "array_constructors.py"),
+     frozenset({"asarray", "array"})),
+    (os.path.join("jax", "_src", "lax", "lax.py"), frozenset({"convert_element_type"})),
+)
+_PROMOTING_CODE = (
+    (os.path.join("jax", "_src", "numpy", "util.py"), ""),  # promote_dtypes, _where...
+    (os.path.join("jax", "_src", "numpy", "ufuncs.py"), ""),
+    (os.path.join("jax", "_src", "numpy", "ufunc_api.py"), ""),
+    (_JNP_REDUCTIONS, ""),  # a reduction's float32 accumulation
+    (_JNP_CONTRACTIONS, ""),
+    (os.path.join("flax", "linen", "dtypes.py"), "promote_dtype"),  # Flax's layers
+    (os.path.join("flax", "nnx", "nn", "dtypes.py"), "promote_dtype"),
+    # Flax's normalizations widen a 16-bit input for their statistics, then read it again
+    # through jnp's promotions (x - mean): one promotion, so its cotangents add up in float32
+    (os.path.join("flax", "linen", "normalization.py"), "_compute_stats"),
+    (os.path.join("flax", "nnx", "nn", "normalization.py"), "_compute_stats"),
+)
+
+
+def traced_as_an_asked_cast(eqn: Any) -> bool:
+    """Whether ``eqn`` (a convert) is a cast the code asked for (``x.astype(...)``,
+    ``jnp.asarray(x, dtype)``, ``lax.convert_element_type``) rather than a library's type
+    promotion (jnp's binary operations, reductions and contractions; Flax's ``promote_dtype``)."""
+    return _asked_cast(eqn.source_info)
+
+
+def current_an_asked_cast() -> bool:
+    """``traced_as_an_asked_cast`` of what an operation bound now is traced at."""
+    return _asked_cast(_siu.current())
+
+
+def _asked_cast(source_info: Any) -> bool:
+    traceback = source_info.traceback
+    if traceback is None:
+        return False  # (no frames to tell by: a promotion, as before they were told)
+    asked = False
+    for code in traceback.raw_frames()[0]:
+        name, file = code.co_name, code.co_filename
+        for module, prefix in _PROMOTING_CODE:
+            if name.startswith(prefix) and file.endswith(module):
+                return False
+        if not asked:
+            asked = any(name in names and file.endswith(module) for module, names in _ASKED_CASTS)
+    return asked
+
+
 def _traced_in(source_info: Any, module: str) -> bool:
     """Whether ``source_info``'s traceback passes through ``module`` (a path's tail)."""
     traceback = source_info.traceback

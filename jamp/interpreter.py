@@ -980,7 +980,12 @@ def _track_lowered(step: Step, outs: Sequence[Any]) -> None:
     atom = eqn.invars[0] if eqn.invars else None
     if eqn.primitive.name == "convert_element_type" and _is_lowered(env, atom):
         new = np.dtype(eqn.params["new_dtype"])
-        if is_float(new) and new.itemsize > compute.itemsize:
+        # (a cast the code asked for, x.astype(jnp.float32), is kept: torch's .float() sticks)
+        if (
+            is_float(new)
+            and new.itemsize > compute.itemsize
+            and not compat.traced_as_an_asked_cast(eqn)
+        ):
             env.upcast_of[eqn.outvars[0]] = step.args[0]
             env.promotions.setdefault((atom, new), outs[0])  # (region_trace._promotion_of)
             if atom in env.lower_outputs:  # a matmul's output still, for the bias-add rule

@@ -447,7 +447,9 @@ def _widening_made(env: RegionEnv, var: Any, aval: Any, params: dict) -> Any:
     """The value a convert of ``var`` (of type ``aval``) to a wider floating dtype gives, where
     ``jnp`` promoted it so already in this region (``_promotion_of``); else None."""
     new = _widening_of_sixteen_bits(params) if _is_sixteen_bit(aval) else None
-    return None if new is None else _promotion_of(env, var, new)
+    if new is None or compat.current_an_asked_cast():  # (a cast asked for is its own)
+        return None
+    return _promotion_of(env, var, new)
 
 
 def _widening_of_sixteen_bits(params: dict) -> np.dtype | None:
@@ -1496,13 +1498,16 @@ _UNSEEN = object()
 def _convert_reads_more(params: dict, avals: list) -> tuple | None:
     """What ``convert_rule`` reads besides the operation: for a floating value converted to
     another floating dtype, whether it was traced inside jnp's contractions (there the convert
-    ending one is left out) and, for a float32 value converted to 16 bits, inside jnp's
-    reductions (there it is left out, and the result stays float32); nothing (None) for any
-    other convert."""
+    ending one is left out), for a float32 value converted to 16 bits, inside jnp's reductions
+    (there it is left out, and the result stays float32), and for a 16-bit value widened,
+    inside a promotion (``_track_lowered``); nothing (None) for any other convert."""
     if not convert_may_end_a_contraction(params, avals):
         return None
     reduction = convert_may_round_a_reduction(params, avals) and compat.current_in_jnp_reduction()
-    return (reduction, compat.current_in_jnp_contraction())
+    # a 16-bit value widened: jnp's promotion (read as the 16-bit value) or a cast asked for
+    widening = _is_sixteen_bit(avals[0]) and _widening_of_sixteen_bits(params) is not None
+    promotion = widening and not compat.current_an_asked_cast()
+    return (reduction, compat.current_in_jnp_contraction(), promotion)
 
 
 # What a rule reads of an operation besides its primitive, parameters and operands, by primitive:

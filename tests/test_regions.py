@@ -113,6 +113,35 @@ def test_a_transformed_function_keeps_its_own_policy_inside_a_region_or_a_transf
     np.testing.assert_allclose(grads, jax.grad(lambda a: jnp.sum(a @ a))(A), rtol=1e-2)
 
 
+@pytest.mark.parametrize("cast", ["astype", "asarray", "lax"])
+def test_a_float32_cast_the_code_asks_for_sticks_in_a_region(cast):
+    """torch's ``.float()``: what is computed from ``h.astype(jnp.float32)`` is float32 (it ran
+    bfloat16 again, ``h32 + 1e-3`` giving 1.0), eagerly, under jax.jit and in a jitted callee
+    given the 16-bit value; jnp's own promotions (a bias add) are still read as the 16-bit
+    value. (A callee given ``x`` traces ``x @ w`` float32: its cast to float32 leaves nothing
+    in its program, as under the transform, dtypes.md.)"""
+    widen = {"astype": lambda h: h.astype(F32), "asarray": lambda h: jnp.asarray(h, F32),
+             "lax": lambda h: jax.lax.convert_element_type(h, F32)}[cast]
+    x, w = jnp.ones((2, 4)), jnp.full((4, 4), 0.25)  # x @ w == 1.0 exactly
+
+    def tail(h):
+        h32 = widen(h)
+        return jnp.tanh(h32), -h32, h32 + 1e-3, jnp.maximum(h32, 0.5), h + jnp.zeros(4)
+
+    def in_region(x):
+        with jamp.autocast():
+            return tail(x @ w)
+
+    def in_region_callee(x):
+        with jamp.autocast():
+            return jax.jit(tail)(x @ w)
+
+    for form in (in_region, jax.jit(in_region), in_region_callee):
+        *wide, bias_add = form(x)
+        assert [o.dtype for o in wide] == [F32] * 4 and bias_add.dtype == BF16
+        np.testing.assert_allclose(wide[2], 1.001, rtol=1e-7)
+
+
 def test_one_instance_entered_repeatedly_and_nested():
     off = jamp.autocast(enabled=False)
 
