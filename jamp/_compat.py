@@ -70,14 +70,6 @@ def unclosed_constvars(jaxpr: Any) -> int:
     return len(jaxpr.constvars)
 
 
-def as_closed(jaxpr: Any) -> Any:
-    """A closed jaxpr as this JAX's ``jax.make_jaxpr`` returns one, from a closed one or an open
-    one without constvars."""
-    if _ClosedJaxpr is None or isinstance(jaxpr, _ClosedJaxpr):
-        return jaxpr
-    return _ClosedJaxpr(jaxpr, [])
-
-
 # Pure call wrappers (a body and nothing else). jax 0.12 folds ``closed_call``/``call`` into one
 # ``eval_jaxpr`` primitive (what ``checkpoint`` of a ``vmap`` of a ``scan`` binds under ``grad``;
 # body in ``call_jaxpr``). jax 0.10 has an ``eval_jaxpr`` primitive of its own (body in ``jaxpr``)
@@ -1676,8 +1668,10 @@ def current_in_jnp_contraction() -> bool:
 _ASKED_CASTS = (
     (os.path.join("jax", "_src", "numpy", "lax_numpy.py"), frozenset({"astype"})),
     (os.path.join("jax", "_src", "numpy", "array_methods.py"), frozenset({"_astype"})),
-    (os.path.join("jax", "_src", "numpy", "array_constructors.py"),
-     frozenset({"asarray", "array"})),
+    (
+        os.path.join("jax", "_src", "numpy", "array_constructors.py"),
+        frozenset({"asarray", "array"}),
+    ),
     (os.path.join("jax", "_src", "lax", "lax.py"), frozenset({"convert_element_type"})),
 )
 _PROMOTING_CODE = (

@@ -1857,8 +1857,11 @@ def pushed(policy: Policy) -> Iterator[None]:
     except (TypeError, ValueError) as err:  # (jax.dtypes.TypePromotionError is a ValueError)
         # The dtype as a word, of this region or one nested in it (a float16 region says nothing
         # of a bfloat16 value the user made).
-        named = [d.name for d in sorted(dtypes, key=lambda d: d.name)
-                 if re.search(rf"\b{d.name}\b", str(err))]
+        named = [
+            d.name
+            for d in sorted(dtypes, key=lambda d: d.name)
+            if re.search(rf"\b{d.name}\b", str(err))
+        ]
         for refused, note in _REFUSAL_NOTES:
             if refused(err) and named and hasattr(err, "add_note"):
                 err.add_note(note.format(dtype=named[0]))  # (add_note: Python 3.11+)
