@@ -1226,7 +1226,8 @@ def tune_weights(
         )
     tolerance = _weights_tolerance(tolerance)
     held_out = _check_inputs_tuple(check_inputs, calibration_inputs)
-    found = kernels(closed)
+    # (a float8 policy's 8-bit kernels are listed too, and stay as they are: not a choice here)
+    found = [k for k in kernels(closed) if np.dtype(k.dtype).itemsize >= 2]
     if not found:
         raise ValueError(
             f"tune_weights: {frozen.__name__} has no kernel to quantize (no matmul or "

@@ -329,6 +329,54 @@ def test_mlp_weight_gradient_in_grad_program_is_float8():
     assert all(any(n.startswith("float8") for n in d) for d in dtypes), dtypes
 
 
+def matmul(a, b):
+    return a @ b          # one source line for every product below
+
+
+@pytest.mark.parametrize("helper", [matmul, jax.jit(matmul)], ids=["inline", "jitted"])
+@pytest.mark.parametrize("order", ["weight_first", "activations_first"])
+def test_products_sharing_a_line_keep_their_own_decisions(order, helper):
+    """A helper puts a weight product and an activation product on one source line, with equal
+    operand shapes (h and y are both (8, 32)): in ``autocast_transform(jax.grad(f))`` the weight
+    gradient (h.T times a cotangent) follows its forward dot into float8 and the activation
+    product's two transposes stay bfloat16, in either order (the first product at the line
+    decided for all of them, either way)."""
+    def loss(w, x):
+        h = jnp.tanh(x * 2.0)                     # an activation that needs no gradient
+        if order == "weight_first":
+            y = helper(h, w)
+            z = helper(y, y.T)
+        else:
+            s = helper(h, h.T)                    # no transposes: h needs no gradient
+            y = helper(h, w)
+            z = s + helper(y, y.T)
+        return jnp.sum(z ** 2)
+    w, x = normal(1, (32, 32), scale=0.2), normal(0, (8, 32))
+    grad = jamp.autocast_transform(jax.grad(loss), FP8)
+    dtypes = dot_operand_dtypes(jax.make_jaxpr(grad)(w, x))
+    bf16 = {"weight_first": 1 + 2, "activations_first": 2 + 2}[order]
+    assert dtypes.count(("bfloat16", "bfloat16")) == bf16, dtypes
+    assert dtypes.count(("float8_e4m3fn", "float8_e4m3fn")) == 1, dtypes   # y = h @ w
+    assert [d for d in dtypes if "float8_e5m2" in d] == [("float8_e5m2", "float8_e4m3fn")]
+    assert len(dtypes) == bf16 + 2
+    assert cosine(grad(w, x), jax.grad(loss)(w, x)) > 0.99
+
+
+def test_transposed_product_follows_the_forward_operand_it_reads():
+    """Two products on one line alike in every shape, one with a weight: the weight gradient
+    (h1.T times its cotangent) is float8, the activation product's (h2.T times its cotangent)
+    bfloat16; told apart by the forward operand each reads."""
+    def loss(w, v, x):
+        h1, h2 = jnp.tanh(x), jnp.sin(x)
+        return jnp.sum(matmul(h1, w) * matmul(h2, jnp.tanh(v)))
+    w, v, x = normal(1, (32, 32), scale=0.2), normal(2, (32, 32)), normal(0, (8, 32))
+    grad = jamp.autocast_transform(jax.grad(loss, argnums=(0, 1)), FP8)
+    dtypes = dot_operand_dtypes(jax.make_jaxpr(grad)(w, v, x))
+    # forward: h1 @ w in float8, h2 @ tanh(v) in bfloat16; backward: one transpose each
+    assert dtypes == sorted([("float8_e4m3fn", "float8_e4m3fn"), ("bfloat16", "bfloat16"),
+                             ("float8_e5m2", "float8_e4m3fn"), ("bfloat16", "bfloat16")]), dtypes
+
+
 # --- Policy.min_float8_flops: small matmuls stay bfloat16 -------------------------------------
 
 def spec(*shape):

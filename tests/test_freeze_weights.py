@@ -230,6 +230,42 @@ def test_nnx_kernels_are_named_by_the_users_lines():
     assert "test_freeze_weights.py" in head_kept.report()
 
 
+class TwoEinsums(nnx.Module):
+    def __init__(self, rngs):
+        self.first = nnx.Einsum("bd,dk->bk", (16, 16), (16,), rngs=rngs)
+        self.second = nnx.Einsum("bd,dk->bk", (16, 16), (16,), rngs=rngs)
+
+    def __call__(self, x):
+        h = self.first(x)
+        return self.second(h)
+
+
+class LinenEinsum(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Einsum((16, 8), "bd,dk->bk", name="proj")(x)
+
+
+def test_einsum_kernels_are_named_by_the_users_scopes_and_lines():
+    """jnp.einsum opens a scope named by its subscripts: both nnx.Einsum kernels were named
+    'bd,dk->bk', a line rule for one of them matched nothing while '*' matched that scope, and
+    a Linen Einsum was 'LinenEinsum/proj/bd,dk->bk'. That scope is JAX's, not the user's."""
+    model = TwoEinsums(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (4, 16))
+    first = TwoEinsums.__call__.__code__.co_firstlineno + 1
+    lines = [f"@test_freeze_weights.py:{first}", f"@test_freeze_weights.py:{first + 1}"]
+    assert [k.scope for k in tracing.freeze(model, None, x).kernels] == lines
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jamp.UnmatchedRuleWarning)
+        kept = tracing.freeze(model, None, x, weights=((lines[1], None), ("*", jnp.int8)))
+    assert [k.stored for k in kept.kernels] == ["int8", "float32"]
+    assert rel_error(kept(x), model(x)) <= INT8_ERROR
+    linen = LinenEinsum()
+    variables = linen.init(jax.random.key(0), x)
+    frozen = tracing.freeze(linen, variables, x, weights=(("*/proj", jnp.int4),))
+    assert [(k.scope, k.stored) for k in frozen.kernels] == [("LinenEinsum/proj", "int4")]
+
+
 def test_polymorphic_export_loads_in_a_fresh_process(mlp, tmp_path):
     model, variables, x = mlp
     frozen = tracing.freeze(model, variables, x, weights=jnp.int4)
@@ -392,6 +428,35 @@ def test_float8_policy_stores_float8_kernels(mlp):
                              if compat.aval_of(c).size > 1}
     assert len(f8.export()) < 0.6 * len(bf16.export())
     assert rel_error(f8(x), model.apply(variables, x)) <= FLOAT8_ERROR
+
+
+def test_float8_policy_kernels_are_listed_in_float8(mlp):
+    """A float8 policy's kernels are 8-bit already: frozen.kernels listed none of them and
+    report() said the program had no kernel. weights= leaves them as they are (a rule naming
+    one matches it) and quantizes the kernels a size threshold kept in bfloat16."""
+    model, variables, x = mlp
+    f8 = tracing.freeze(model, variables, x,
+                        policy=jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=0))
+    assert [(k.scope, k.shape, k.stored) for k in f8.kernels] == [  # (module paths, not lines)
+        ("MLP/body", (300, 256), "float8_e4m3fn"), ("MLP/mid", (256, 256), "float8_e4m3fn"),
+        ("MLP/head", (256, 10), "float8_e4m3fn")]
+    size = 300 * 256 + 256 * 256 + 256 * 10
+    assert f8.report().splitlines()[-1].startswith(f"3 kernels: {size:,} bytes stored, 0.250x")
+    with pytest.raises(ValueError, match="a float8 policy stores its kernels in float8 already"):
+        tracing.freeze(model, variables, x, weights=jnp.int8,
+                       policy=jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=0))
+    # Only the body's product (2 * 4 * 300 * 256 FLOPs) reaches the threshold: mid and head
+    # stay bfloat16, and weights= stores those two in int8.
+    mixed = jamp.Policy(jnp.float8_e4m3fn, min_float8_flops=2 * 4 * 300 * 256)
+    plain = tracing.freeze(model, variables, x, policy=mixed)
+    assert [k.stored for k in plain.kernels] == ["float8_e4m3fn", "bfloat16", "bfloat16"]
+    body = plain.kernels[0].scope
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jamp.UnmatchedRuleWarning)
+        served = tracing.freeze(model, variables, x, policy=mixed,
+                                weights=((body, jnp.int4), ("*", jnp.int8)))
+    assert [k.stored for k in served.kernels] == ["float8_e4m3fn", "int8", "int8"]
+    assert rel_error(served(x), model.apply(variables, x)) <= FLOAT8_ERROR
 
 
 def test_caller_variables_unchanged(mlp):

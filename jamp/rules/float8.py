@@ -18,8 +18,9 @@ value, nothing saturates to inf). Forward operands use ``float8_e4m3fn``, cotang
 - Under ``autocast_transform(jax.grad(f))`` the transposed products are ordinary equations: an
   operand computed by a transposed equation (``Env.cotangent``) is scaled to e5m2.
 
-Quantization is straight-through for gradients (as in Flax and TransformerEngine), and gradients
-come back in the operands' own dtypes. Every other op follows the bfloat16 tables
+Quantization is straight-through for gradients (as in Flax and TransformerEngine); through the
+``custom_vjp`` gradients come back in the operands' own dtypes (in the rewritten gradient
+program, in their last op's: a kernel's in bfloat16). Every other op follows the bfloat16 tables
 (``Policy.value_dtype``). Scales come from the tensor itself on every call ("current scaling"):
 no state to carry, one max-reduction per operand. Under ``jax.vmap`` a tensor is one example's
 slice.
@@ -239,13 +240,39 @@ def _scaled_dot_bwd(
 scaled_dot.defvjp(_scaled_dot_fwd, _scaled_dot_bwd)
 
 
+# A key at which forward products decided differently: the transposed product cannot tell which
+# one it derives from there (see ``_qualifies``).
+_MIXED = "mixed"
+
+
+def _record(decisions: dict, key: tuple, qualifies: bool) -> None:
+    if decisions.setdefault(key, qualifies) != qualifies:
+        decisions[key] = _MIXED
+
+
+def _site_keys(step: Step, site: tuple, operand: int, product_shape: tuple) -> list[tuple]:
+    """Where a forward product at ``site`` (whose operand ``operand`` gives a value of
+    ``product_shape``) records its decision and a transposed product reading that operand looks
+    it up, most specific first: the operand's variable (a transposed product in the same jaxpr
+    reads the forward one's; kept only where the jaxpr has a backward pass, so an eager region's
+    values leave no records), the operand's and product's shapes (a backward pass in another
+    jaxpr: a scan body, a jitted callee), then the source site alone (a transposed convolution
+    reads its kernel reversed or regrouped)."""
+    atom = step.eqn.invars[operand]
+    shapes = site + (tuple(atom.aval.shape), tuple(product_shape))
+    if isinstance(atom, compat.Var) and step.env.cotangent:
+        return [shapes + (atom,), shapes, site]
+    return [shapes, site]
+
+
 def _qualifies(step: Step) -> bool:
     """Two floating (not float64) operands, one of them a weight: a function input or constant
     seen through reshapes and broadcasts (``Env.input_view``). Products of two activations
     (attention's ``q @ k`` and ``p @ v``) stay bfloat16, as in TransformerEngine: their per-tensor
     amax and quantization passes over the score matrix cost more than float8 saves (measured on
-    an H100, benchmarks/README.md). A transposed dot of a ``jax.grad`` program (an operand that is
-    a cotangent) follows the decision made at the forward dot of the same source line and scope."""
+    an H100, benchmarks/README.md). A transposed dot of a ``jax.grad`` program (an operand that
+    is a cotangent) follows the decision made at its forward dot: the one at the same source line
+    and scope that read its other operand and made a value of its cotangent's shape."""
     floating = step.floating()
     if not (
         step.eqn.primitive.name in SCALED_PRIMITIVES
@@ -254,14 +281,29 @@ def _qualifies(step: Step) -> bool:
         and all(step.aval(i).dtype != F64 for i in floating)
     ):
         return False
-    # JAX gives transposed equations tracebacks of their own: link them by the user's source
-    # position and scope path instead (the same line in one layer is the same kind of product).
-    site = ("float8", compat.scope_names(step.eqn), compat.source_line(step.eqn))
-    decisions = step.rewriter.site_decisions
-    if any(step.has_tag(i, "cotangent") for i in range(2)) and site in decisions:
-        return decisions[site]
     qualifies = any(step.has_tag(i, "input_view") for i in range(2))
-    decisions.setdefault(site, qualifies)
+    decisions = step.rewriter.site_decisions
+    cotangents = [i for i in range(2) if step.has_tag(i, "cotangent")]
+    site = ("float8", compat.scope_names(step.eqn), compat.source_line(step.eqn))
+    if not cotangents:
+        for operand in range(2):
+            for key in _site_keys(step, site, operand, step.eqn.outvars[0].aval.shape):
+                _record(decisions, key, qualifies)
+        return qualifies
+    # JAX gives transposed equations tracebacks of their own, but the user's source position
+    # and scope path survive. One line can hold several products (a helper ``mm(a, b)``), so
+    # the link also takes the forward operand the transposed product reads and the forward
+    # product's shape (its cotangent's). The most specific record decides; a mixed one (forward
+    # products alike in all of that) leaves the decision to the operands.
+    if len(cotangents) == 1:
+        cotangent = cotangents[0]
+        keys = _site_keys(step, site, 1 - cotangent, step.eqn.invars[cotangent].aval.shape)
+    else:  # two cotangents (a second-order product): the site alone
+        keys = [site]
+    for key in keys:
+        found = decisions.get(key)
+        if found is not None:
+            return qualifies if found is _MIXED else found
     return qualifies
 
 

@@ -298,7 +298,8 @@ def custom_derivative_call(folder: Folder, eqn: Any, values: list) -> list[Any]:
     if body is None or not any(is_known(v) for v in values) or not folder.foldable(eqn):
         return fold_or_bind(folder, eqn, values)
     jaxpr, consts = compat.open_and_consts(body)
-    return folder.run(jaxpr, consts, values)
+    with compat.equation_context(eqn):  # (the call's scopes: the layer its kernel belongs to)
+        return folder.run(jaxpr, consts, values)
 
 
 @register("convert_element_type")

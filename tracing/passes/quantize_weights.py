@@ -27,10 +27,11 @@ This is the last pass of ``freeze``: nothing folds the dequantization back into 
 
 Which kernel gets which format is decided by rules, as ``jamp.Policy.rules`` decides a scope's
 dtype: ``(glob, dtype or None)`` pairs matched against the ``/``-joined scope path of the product
-(Flax module paths, ``jax.named_scope`` names), shallow to deep (a rule matching a deeper scope
-overrides one matching its parent; at one scope the later rule wins), ``'@file.py:12'`` rules
-against the source lines of products outside any scope rule, and a glob matching the empty path
-(``'*'``) for kernels outside every scope.
+(Flax module paths, ``jax.named_scope`` names; not the scope ``jnp.einsum`` names by its
+subscripts), shallow to deep (a rule matching a deeper scope overrides one matching its parent;
+at one scope the later rule wins), ``'@file.py:12'`` rules against the source lines of products
+outside any scope rule, and a glob matching the empty path (``'*'``) for kernels outside every
+scope.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import fnmatch
 import functools
 import math
 import os
+import re
 import sys
 import types
 import warnings
@@ -329,7 +331,8 @@ def _own_line(frames: Sequence[tuple[str, int]]) -> str:
 def _candidates(
     jaxpr: Any, consts: Sequence[Any], kept: list[tuple[_Candidate, str]] | None = None
 ) -> list[_Candidate]:
-    """The top-level constants read only as kernels (in one layout), in program order.
+    """The top-level floating constants (float64 aside) read only as kernels (in one layout),
+    in program order, 8-bit ones (a float8 policy's) included: see ``_quantizable``.
 
     ``kept`` receives the others that products read as their kernel, each with why it stays as
     it is (an output of the program, another use): what an error names when none is left."""
@@ -360,23 +363,39 @@ def _candidates(
     storable = [
         (v, c)
         for v, c in found.items()
-        if jnp.issubdtype(v.aval.dtype, jnp.floating)
-        and v.aval.dtype.itemsize >= 2
-        and v.aval.dtype != np.float64
+        if jnp.issubdtype(v.aval.dtype, jnp.floating) and v.aval.dtype != np.float64
     ]
     if kept is not None:
         kept.extend((c, other_use[v]) for v, c in storable if v in other_use)
     return [c for v, c in storable if v not in other_use]
 
 
+def _quantizable(c: _Candidate) -> bool:
+    """Whether ``weights=`` stores the kernel narrower: one of 16 or 32 bits. An 8-bit kernel (a
+    float8 policy's, already scaled) stays as it is, and is still listed as a kernel."""
+    return c.var.aval.dtype.itemsize >= 2
+
+
+# jnp.einsum names the scope of its products by its subscripts (``jax.named_call(name=spec)``):
+# JAX's scope, not the user's. Two operands' subscripts hold a comma (letters, '...', spaces).
+_EINSUM_SUBSCRIPTS = re.compile(r"[A-Za-z. ]*(,[A-Za-z. ]*)+(->[A-Za-z. ]*)?")
+
+
+def user_scopes(path: Sequence[str]) -> tuple[str, ...]:
+    """``path`` without the scopes jnp opens itself (``jnp.einsum``'s subscripts): an
+    ``nnx.Einsum`` kernel is then named, and selected by rules, as an ``nnx.Linear`` one is."""
+    return tuple(name for name in path if not _EINSUM_SUBSCRIPTS.fullmatch(name))
+
+
 def _describe(c: _Candidate) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...], str]:
-    path = compat.scope_names(c.first)
+    path = user_scopes(compat.scope_names(c.first))
     frames = compat.frame_lines(c.first.source_info)
     return path, frames, "/".join(path) if path else _own_line(frames)
 
 
 def kernels(closed: Any) -> list[Kernel]:
-    """The kernels ``quantize_weights`` could quantize, as frozen (``stored`` is their dtype).
+    """The program's kernels as frozen (``stored`` is their dtype): those ``quantize_weights``
+    could quantize, and 8-bit ones (a float8 policy's) it leaves as they are.
 
     Example::
 
@@ -399,7 +418,8 @@ def quantize_weights(
 
     Raises ``ValueError`` when the program has no kernel to quantize; warns
     (``jamp.UnmatchedRuleWarning``) about a rule that matched no kernel. ``log`` receives one
-    :class:`Kernel` per kernel found (kept ones with their own dtype as ``stored``).
+    :class:`Kernel` per kernel found (kept ones, 8-bit ones among them, with their own dtype as
+    ``stored``).
 
     Example::
 
@@ -407,7 +427,9 @@ def quantize_weights(
     """
     jaxpr, consts = compat.open_and_consts(closed)
     kept: list[tuple[_Candidate, str]] = []
-    candidates = _candidates(jaxpr, consts, kept)
+    found = _candidates(jaxpr, consts, kept)
+    candidates = [c for c in found if _quantizable(c)]
+    kept = [(c, why) for c, why in kept if _quantizable(c)]
     if not candidates and kept:
         named = "; ".join(
             f"{_describe(c)[2]} ({c.var.aval.dtype.name}{list(c.var.aval.shape)}): {why}"
@@ -431,11 +453,13 @@ def quantize_weights(
     plans: dict[Any, tuple[Format, np.ndarray, np.ndarray]] = {}
     used: set[int] = set()
     scopes = []
-    for c in candidates:
+    for c in found:  # (in program order, for the log)
         path, frames, scope = _describe(c)
         scopes.append(scope)
         _, dtype, matched = decide(rules, path, frames)
-        used |= matched
+        used |= matched  # (a rule that names an 8-bit kernel matched it: it stays as it is)
+        if not _quantizable(c):
+            dtype = None
         aval = c.var.aval
         frozen_nbytes = int(aval.size * aval.dtype.itemsize)
         record = functools.partial(Kernel, scope, aval.shape, aval.dtype.name, path=path)
