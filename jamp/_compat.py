@@ -1772,12 +1772,34 @@ def evaluate_dim(size: Any, env: dict[str, int]) -> int | None:
 SPMD_PASS = "spmd-partitioning"
 
 
+@contextlib.contextmanager
+def _persistent_cache_off() -> Iterator[None]:
+    """Compile without JAX's persistent compilation cache: a program found there is loaded, not
+    compiled, so XLA runs no pass and dumps nothing. The dump options are left out of the cache
+    key, so only turning the cache off helps. JAX decides once per process whether the cache is
+    in use; ``reset_cache`` (public, ``jax.experimental.compilation_cache``) makes it decide again
+    here and again after, and only forgets the open cache: its entries stay on disk."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    config: Any = jax.config  # (its options are attributes mypy does not know)
+    if not (config.jax_enable_compilation_cache and config.jax_compilation_cache_dir):
+        yield
+        return
+    compilation_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+
+
 def compile_partitioned(lowered: Any) -> tuple[Any, str | None]:
     """Compile ``lowered``; also return the HLO text right after SPMD partitioning, or None where
     the pass did not run (a program compiled for one device)."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="jamp_spmd_") as folder:
+    with tempfile.TemporaryDirectory(prefix="jamp_spmd_") as folder, _persistent_cache_off():
         options = {"xla_dump_to": folder, "xla_dump_hlo_pass_re": SPMD_PASS}
         compiled = lowered.compile(compiler_options=options)
         names = sorted(n for n in os.listdir(folder) if f"after_{SPMD_PASS}" in n)

@@ -28,7 +28,11 @@ leaf's bits depend on its pytree path, so wrappers with one seed side by side ov
 (one per ``optax.multi_transform`` group, which keeps the whole tree's paths) draw their own;
 give each a different ``seed`` only when they update separate trees whose paths are the same.
 The counter is part of the state: a step that ``optax.apply_if_finite`` (wrapped around these)
-or ``jamp.select_tree`` skips leaves it unchanged with the rest.
+or ``jamp.select_tree`` skips leaves it unchanged with the rest. A leaf's bits come from each
+element's index in the whole array under ``jax.jit`` on sharded arrays (the same as on one
+device); inside ``jax.shard_map`` the index is the shard's own and the key is the same on every
+shard, so every shard of a split parameter would draw the same bits: call ``update`` outside
+``shard_map``, under ``jit`` on the sharded arrays (no collective is added).
 
 ``optax.lookahead`` goes outside the parameter wrappers
 (``optax.lookahead(jamp.optim.master_weights(tx), ...)``), which then see its fast parameters;

@@ -12,6 +12,7 @@ that it reads. A thread-local stack (``region_stack``) answers :func:`is_autocas
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import threading
@@ -169,12 +170,18 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
 
         Only array leaves cross the jit boundary; everything else (``self``, a Python bool or
         number, a string) is passed through as it came, like the static arguments of
-        ``autocast_transform``.
+        ``autocast_transform``. So do the outputs: only JAX arrays come out of the jit, and any
+        other leaf (a string, a dtype, a Python number) comes back as the function returned it,
+        as it does outside a region. (The jit is new each call, so the function's Python runs,
+        and its other outputs are read, on every call. It is not cached: its inputs' other
+        leaves may be mutable or unhashable, and what the enclosing regions decide is no part
+        of a jit's cache key.)
         """
         flat, tree = jax.tree.flatten((args, kwargs))
         traced_at = [i for i, leaf in enumerate(flat) if isinstance(leaf, _ARRAYS)]
+        returned: list[Any] = []  # the output leaves, the output tree, where its arrays are
 
-        def region(*traced: Any) -> Any:
+        def region(*traced: Any) -> list[Any]:
             leaves = list(flat)
             for i, leaf in zip(traced_at, traced):
                 # Cast here too, before the body's Python reads its inputs (as torch's custom_fwd
@@ -183,22 +190,47 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 leaves[i] = leaf.astype(dtype) if is_castable(leaf) else leaf
             call_args, call_kwargs = jax.tree.unflatten(tree, leaves)
             with self._open_region():
-                return fn(*call_args, **call_kwargs)
+                out = fn(*call_args, **call_kwargs)
+            out_leaves, out_tree = jax.tree.flatten(out)
+            arrays_at = [i for i, leaf in enumerate(out_leaves) if isinstance(leaf, jax.Array)]
+            returned[:] = [out_leaves, out_tree, arrays_at]
+            return [out_leaves[i] for i in arrays_at]
 
         region.__name__ = cast_inputs_name(dtype)
-        return jax.jit(region)(*(flat[i] for i in traced_at))
+        arrays = jax.jit(region)(*(flat[i] for i in traced_at))
+        out_leaves, out_tree, arrays_at = returned
+        out_leaves = list(out_leaves)
+        for i, array in zip(arrays_at, arrays, strict=True):
+            out_leaves[i] = array
+        return jax.tree.unflatten(out_tree, out_leaves)
 
     def _open_region(self) -> contextlib.ExitStack:
         """Enter the named scope the rewriter and the region trace read, the state the queries
         answer, and (outermost enabled region outside a transform) the region trace."""
         outermost = not inside_transform() and not region_trace.active()
         policy = self.policy
-        if policy is not None and not outermost and policy != Policy(policy.compute_dtype):
+        default = None if policy is None else Policy(policy.compute_dtype)
+        if policy is not None and not outermost and policy != default:
+            differ = [
+                f.name
+                for f in dataclasses.fields(Policy)
+                if getattr(policy, f.name) != getattr(default, f.name)
+            ]
+            fields = ", ".join(differ)
+            where = (
+                # (the transform's policy is the one that applies here: explain's or
+                # autocast_transform's, given by policy=)
+                "in a function traced by jamp.explain or jamp.autocast_transform, whose policy "
+                f"applies instead: give {policy!r} to them as policy=, and open the region "
+                "with its compute dtype"
+                if inside_transform()
+                else "inside another region, whose policy applies instead: give it to the "
+                "outermost region, and open this one with its compute dtype"
+            )
             raise ValueError(
-                "jamp.autocast(policy): a Policy's tables, rules and accumulate_dtype apply in the "
-                "outermost region only (or to a function given to autocast_transform); inside "
-                f"another region pass its compute dtype: jamp.autocast(dtype=jnp."
-                f"{policy.compute_dtype.name})"
+                f"jamp.autocast({policy!r}): a region's Policy applies in the outermost region "
+                f"only, and this one is {where}: jamp.autocast(dtype=jnp."
+                f"{policy.compute_dtype.name}) (what the Policy sets beyond that dtype: {fields})"
             )
         with contextlib.ExitStack() as exits:  # left as it was if entering raises
             exits.enter_context(jax.named_scope(marker(self.enabled, self.dtype)))

@@ -375,6 +375,48 @@ def _compiled_as(x: Any, structs: dict[int, jax.ShapeDtypeStruct]) -> jax.ShapeD
     )
 
 
+def _lower_as_called(
+    program: Callable, fn: Callable, args: tuple, kwargs: dict, flat: list, shaped: list
+) -> tuple[Any, list[int]]:
+    """``jax.jit(program)`` lowered at ``shaped`` (one per traced leaf in ``flat``), called in the
+    shape of the user's call so that JAX's lowering errors name the user's pytree paths
+    (``p['b']``, ``st.step``) as ``jax.jit(fn).lower`` does, not ``program``'s flat ``a[2]``.
+    Leaves that are not traced (static arguments, Python values) pass as ``None``, an empty
+    subtree to JAX. Also returns the index in ``flat`` of each of the program's parameters."""
+    position = {id(x): i for i, x in enumerate(flat)}
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    position_seen: set[int] = set()
+    order: list[int] = []  # the flat index of each leaf passed, in the call's leaf order
+    passed: list[Any] = []
+    for leaf in leaves:
+        i = position.get(id(leaf))
+        if i is None or i in position_seen:  # (a leaf passed twice is traced once)
+            passed.append(None)
+        else:
+            position_seen.add(i)
+            order.append(i)
+            passed.append(shaped[i])
+    try:
+        if sorted(order) != list(range(len(flat))):
+            raise ValueError("the call's leaves are not the traced ones")
+        call_args, call_kwargs = jax.tree_util.tree_unflatten(tree, passed)
+    except Exception:  # (a pytree node that refuses None or a struct: flat, unnamed)
+        return jax.jit(program).lower(*shaped), list(range(len(flat)))
+
+    def as_called(*a: Any, **k: Any) -> Any:
+        traced = [None] * len(flat)
+        for i, x in zip(order, jax.tree_util.tree_leaves((a, k)), strict=True):
+            traced[i] = x
+        return program(*traced)
+
+    as_called.__name__ = as_called.__qualname__ = program.__name__
+    try:  # JAX names the arguments by the signature it finds
+        as_called.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):
+        pass
+    return jax.jit(as_called).lower(*call_args, **call_kwargs), order
+
+
 def explain(
     fn: Callable,
     *args: Any,
@@ -429,8 +471,10 @@ def explain(
         compat.trace_to_closed(program, [compat.aval_of(x) for x in flat])
         return recorder.report()
     program.__name__ = program.__qualname__ = traced.name
-    lowered = jax.jit(program).lower(*[_compiled_as(x, structs) for x in flat])
-    compiled_program, collectives = report_collectives(lowered, _arg_names(fn, args, kwargs, flat))
+    shaped = [_compiled_as(x, structs) for x in flat]
+    lowered, order = _lower_as_called(program, fn, args, kwargs, flat, shaped)
+    names = _arg_names(fn, args, kwargs, flat)
+    compiled_program, collectives = report_collectives(lowered, [names[i] for i in order])
     check = check_compiled(compiled_program, recorder.float8_dots)
     warn_fallbacks(check, traced.name)
     return recorder.report(check, collectives)

@@ -23,8 +23,14 @@ key to key (step to step in ``jamp.optim``) whatever the hash's quality: unbiase
 the key draw, not on the mix. The one round of lowbias32 (a bijective multiply-xorshift
 finalizer with near-ideal avalanche) only makes neighbouring elements' bits unrelated within one
 draw; ``tests/test_rounding.py`` checks both 16-bit halves for uniformity and lag-1 / next-row
-correlation. The index comes from ``broadcasted_iota``, so a sharded array is hashed shard by
-shard with no communication and the bits do not depend on the number of devices. Cost:
+correlation. The index comes from ``broadcasted_iota`` (made with the value's sharding on a mesh
+of explicit axes), so under ``jit`` a sharded array is hashed shard by shard with no
+communication and the bits do not depend on the number of devices. Inside ``shard_map`` the
+body sees its shard alone and the index is the shard's own: with one key every shard draws the
+same bits (each element is still rounded without bias, but the shards' errors are the same
+draws and do not average out). There, fold the shard's position into the key for values split
+across the axis (``jax.random.fold_in(key, jax.lax.axis_index("data"))``) and keep it for
+values replicated across it, which must round alike on every device. Cost:
 ``jax.random.bits`` per element (threefry) made a stochastically rounded optimizer update 9-18x
 the nearest one on the CPU; two rounds of the hash 1.9x; one round, with the bfloat16 result
 taken as the word's top half (a shift, where ``astype`` is an emulated round-to-nearest on the
@@ -49,6 +55,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import NamedSharding
+
+from ._compat import under_staging
 
 F32 = np.dtype(np.float32)
 
@@ -162,7 +171,10 @@ def stochastic_round(x: Any, dtype: Any, key: Any) -> jax.Array:
     same key gives the same result, under ``jit`` and on sharded arrays alike (each device
     hashes the indices of its own shard, and the result does not depend on the number of
     devices). Under ``jax.vmap``, batch the key too (``jax.random.split``): one key shared by
-    the batch gives every example the same bits. The derivative is 1 (straight-through): the
+    the batch gives every example the same bits. Inside ``jax.shard_map`` the index is the
+    shard's own, so one key gives every shard the same bits: for a value split across an axis,
+    pass ``jax.random.fold_in(key, jax.lax.axis_index(axis))`` (a value replicated across it
+    keeps ``key``, and rounds alike everywhere). The derivative is 1 (straight-through): the
     tangent is cast to ``dtype``.
 
     Example::
@@ -185,7 +197,7 @@ def stochastic_round(x: Any, dtype: Any, key: Any) -> jax.Array:
                 "16- or 8-bit dtype, or cast with x.astype(jnp.float32)"
             )
         return x.astype(F32)
-    return _rounded(x, random_bits(key, x.shape), target)
+    return _rounded(x, random_bits(key, x.shape, _explicit_sharding(x)), target)
 
 
 def _mix(h: jax.Array) -> jax.Array:
@@ -199,22 +211,38 @@ def _mix(h: jax.Array) -> jax.Array:
     return h ^ (h >> np.uint32(16))
 
 
-def _global_index(shape: tuple[int, ...]) -> jax.Array:
+def _explicit_sharding(x: jax.Array) -> Any:
+    """``x``'s sharding while a jaxpr is being built (``jax.jit``) and its type carries one over
+    a mesh of explicit axes (``jax.make_mesh``'s default) that splits it, else None (no mesh,
+    ``Auto`` axes, inside ``shard_map``, or eager: an eager op cannot take a mesh's sharding
+    outside ``jax.set_mesh``). The bits are made with it: made replicated, they were hashed
+    whole on every device and then sliced."""
+    if not under_staging():
+        return None
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    if isinstance(sharding, NamedSharding) and any(a is not None for a in sharding.spec):
+        return sharding
+    return None
+
+
+def _global_index(shape: tuple[int, ...], sharding: Any = None) -> jax.Array:
     """Each element's row-major index in the whole array (wrapping at 2**32), from
-    ``broadcasted_iota``: computed shard by shard with no communication."""
-    index = jnp.zeros(shape, jnp.uint32)
+    ``broadcasted_iota`` (made with ``sharding``, an explicit-axes one, when given): computed
+    shard by shard with no communication."""
+    index = None
     stride = 1
     for axis in reversed(range(len(shape))):
-        index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * np.uint32(
-            stride % (1 << 32)
-        )
+        iota = jax.lax.broadcasted_iota(jnp.uint32, shape, axis, out_sharding=sharding)
+        term = iota * np.uint32(stride % (1 << 32))
+        index = term if index is None else index + term
         stride *= shape[axis]
-    return index
+    return jnp.zeros((), jnp.uint32) if index is None else index
 
 
-def hashed_bits(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+def hashed_bits(words: jax.Array, shape: tuple[int, ...], sharding: Any = None) -> jax.Array:
     """One uint32 of random bits an element of ``shape``, keyed by two uint32 ``words``:
-    ``lowbias32((index ^ words[1]) * 0x9E3779B9 + words[0])``.
+    ``lowbias32((index ^ words[1]) * 0x9E3779B9 + words[0])``, sharded like ``sharding`` (an
+    explicit-axes sharding, see ``_explicit_sharding``) when given.
 
     One round of the hash on a keyed Weyl sequence: the xor and the addend make a key choose its
     own bijection of the indices (not a shifted copy of another key's sequence) and the odd
@@ -223,11 +251,11 @@ def hashed_bits(words: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     cryptographic stream (llm.c rounds with a similar hash); ``tests/test_rounding.py`` checks
     the low and high 16 bits for uniformity and neighbour correlation.
     """
-    index = _global_index(shape)
+    index = _global_index(shape, sharding)
     return _mix((index ^ words[1]) * np.uint32(0x9E3779B9) + words[0])
 
 
-def random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
+def random_bits(key: Any, shape: tuple[int, ...], sharding: Any = None) -> jax.Array:
     """One uint32 of random bits an element of ``shape``: a hash of the element's index in the
     whole array, keyed by two words drawn from ``key`` with ``jax.random.bits``.
 
@@ -235,9 +263,10 @@ def random_bits(key: Any, shape: tuple[int, ...]) -> jax.Array:
     simple elementwise op on the CPU, which made a stochastically rounded optimizer update 9-18x
     the cost of the same update rounded to nearest (``benchmarks/optim_state.py``). Built from
     the global index, the bits of a sharded array are computed shard by shard with no
-    communication and do not depend on the number of devices. (Indices wrap at 2**32 elements.)
+    communication and do not depend on the number of devices (``sharding``: an explicit-axes
+    sharding to make them with, see ``_explicit_sharding``). (Indices wrap at 2**32 elements.)
     """
-    return hashed_bits(jax.random.bits(key, (2,), jnp.uint32), shape)
+    return hashed_bits(jax.random.bits(key, (2,), jnp.uint32), shape, sharding)
 
 
 def stochastic_round_many(
@@ -270,7 +299,8 @@ def stochastic_round_many(
         if target == F32:
             out.append(x.astype(F32))
         else:
-            out.append(_rounded(x, hashed_bits(words[i], tuple(x.shape)), target))
+            bits = hashed_bits(words[i], tuple(x.shape), _explicit_sharding(x))
+            out.append(_rounded(x, bits, target))
     return out
 
 
@@ -317,19 +347,23 @@ def round_with_bits(x: jax.Array, bits: jax.Array, target: np.dtype) -> jax.Arra
         on_grid = (magnitude + (bits & mask)) & ~mask
         # Below the smallest subnormal s: up to s with probability |x| / s = M / 2**drop, M the
         # 24-bit significand; compared on the top `drop` random bits (all 32, scaled, past 32).
-        significand = (magnitude & np.uint32(0x7FFFFF)) | jnp.where(
-            biased > 0, np.uint32(1 << 23), np.uint32(0)
-        )
+        # (Arithmetic, not a where between two scalars: under jax 0.12, vmap over an array split
+        # over explicit mesh axes made such a where fail to find the mesh.)
+        normal = (biased > 0).astype(jnp.uint32)
+        significand = (magnitude & np.uint32(0x7FFFFF)) | (normal << np.uint32(23))
         fits = drop <= 32
+        # Past 32 dropped bits the shift is 0 and top_bits is all the bits: no select between
+        # them and bits, which JAX refused on an explicit-axes mesh when the two were sharded
+        # differently.
         top_bits = bits >> jnp.where(fits, 32 - drop, 0).astype(jnp.uint32)
         threshold = jnp.where(
             fits,
             significand,
             significand >> jnp.clip(drop - 32, 0, 31).astype(jnp.uint32),
         )
-        up = jnp.where(fits, top_bits, bits) < threshold
+        up = top_bits < threshold
         smallest = np.uint32((minexp - nmant + 127) << 23)  # s as float32 bits (a normal)
-        out = jnp.where(small, on_grid, jnp.where(up, smallest, np.uint32(0)))
+        out = jnp.where(small, on_grid, up.astype(jnp.uint32) * smallest)  # (as for `normal`)
     rounded = jax.lax.bitcast_convert_type(sign | out, F32)
     rounded = jnp.where(jnp.isnan(x32), x32, rounded)  # a NaN's low payload bits must not carry
     return rounded.astype(target)

@@ -224,6 +224,15 @@ structs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding
 check(as_found(explained(jax.grad(fsdp_loss), *structs, policy=BF16_POLICY))
       == as_found(explained(jax.grad(fsdp_loss), *placed, policy=BF16_POLICY)),
       "ShapeDtypeStructs")
+# --- a lowering error names the user's pytree paths, as jax.jit(fn).lower's does -------------
+on_one = jax.ShapeDtypeStruct((64, 64), F32, sharding=jax.sharding.SingleDeviceSharding(
+    jax.devices()[0]))
+try:
+    jamp.explain(fsdp_loss, structs[0], on_one, compiled=True)
+    check(False, "explain lowered arguments on different devices")
+except ValueError as error:
+    check("argument p['w']" in str(error) and "argument x " in str(error)
+          and "a[0]" not in str(error), f"lowering error names: {error}")
 # --- loop trip counts: as often as the counter steps to the bound, else unknown ------------
 def loops(x):
     v = x.sum(0)
@@ -246,4 +255,26 @@ looped = jamp.explain(jax.shard_map(loops, mesh=mesh, in_specs=P("data"), out_sp
 runs = sorted((c.runs is None, c.runs or 0) for c in looped.collectives)
 check(runs == [(False, 4), (False, 5), (False, 7), (True, 0)], f"loop runs: {looped}")
 check(" x?" in str(looped), f"unknown count shown: {looped}")
+# --- the persistent compilation cache: a program found there is not partitioned again ---------
+import tempfile  # noqa: E402
+
+saved = {name: getattr(jax.config, name) for name in (
+    "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes")}
+with tempfile.TemporaryDirectory() as cache_dir:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    try:
+        cached = [as_found(explained(jax.grad(fsdp_loss), *placed, policy=BF16_POLICY))
+                  for _ in range(2)]
+        check(cached[0] and cached[0] == cached[1], f"explain with a persistent cache: {cached}")
+        jax.jit(lambda x: x * 3)(placed[1]).block_until_ready()
+        check(os.listdir(cache_dir), "the persistent cache is in use again after explain")
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+
+        compilation_cache.reset_cache()  # forget the deleted folder
 print("collective checks passed")

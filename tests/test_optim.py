@@ -3,11 +3,14 @@ updates, skipped steps, checkpoints, Flax linen / NNX, sharding (subprocess, 8 h
 errors in the user's terms. Equinox: tests/zoo/test_optim_equinox.py (the zoo extra has it)."""
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jamp
 from tests.check_modules import run_check_module
@@ -465,6 +468,37 @@ def test_sharded_state_and_no_gathers_in_a_subprocess():
     depend on the device count; the optimizer state is sharded like its parameter; the compiled
     update has no collectives."""
     run_check_module("optim_sharding_checks", "optim sharding checks passed")
+
+
+@pytest.mark.parametrize("make_tx, param_dtype", [
+    (lambda: optim.state_dtype(optax.adam(1e-3), jnp.float16), F32),
+    (lambda: optim.stochastic_rounding(optax.sgd(1e-3)), jnp.float16),
+    (lambda: optim.master_weights(optax.sgd(1e-3), rounding="stochastic"), jnp.float16),
+    (lambda: optim.state_dtype(optax.adam(1e-3), jnp.float8_e4m3fn), F32),
+], ids=["state_dtype-float16", "stochastic_rounding-float16", "master_weights-float16",
+        "state_dtype-float8"])
+def test_steps_on_a_mesh_of_explicit_axes(make_tx, param_dtype):
+    """On a mesh of explicit axes (jax.make_mesh's default) the second jitted step, whose step
+    counter the first one placed on the mesh, raised ShardingTypeError with a float16 or
+    float8 target. It runs, and lands where the same steps off the mesh land."""
+    mesh = jax.make_mesh((1,), ("data",))
+    tx = make_tx()
+    params = {"k": (1.0 + jnp.arange(64.0).reshape(16, 4) / 64).astype(param_dtype)}
+    grads = {"k": jnp.full((16, 4), 0.3, param_dtype)}
+
+    @jax.jit
+    def step(p, s):
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    def two_steps(p):
+        s = tx.init(p)
+        for _ in range(2):
+            p, s = step(p, s)
+        return p, s
+
+    on_mesh = jax.device_put(params, NamedSharding(mesh, P("data")))
+    chex.assert_trees_all_equal(two_steps(on_mesh), two_steps(params))
 
 
 def test_state_dtype_keeps_master_copies_and_saturates_narrow_moments():

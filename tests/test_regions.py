@@ -505,3 +505,33 @@ def test_a_regions_unmatched_rule_warning_names_the_users_line():
             A @ A
     found = [w for w in caught if issubclass(w.category, jamp.UnmatchedRuleWarning)]
     assert found and all(w.filename == __file__ for w in found), [w.filename for w in found]
+
+
+def test_a_whole_policy_in_a_region_explain_traces_names_what_differs_and_policy_arg():
+    """The error named tables, rules and accumulate_dtype for a Policy(reduce_dtype=...) and
+    advised autocast(dtype=...), silently dropping reduce_dtype."""
+    policy = jamp.Policy(BF16, reduce_dtype=F32)
+
+    def loss(w, x):
+        with jamp.autocast(policy):
+            return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+    with pytest.raises(ValueError, match=r"beyond that dtype: reduce_dtype\)") as error:
+        jamp.explain(jax.grad(loss), A, A)
+    assert "as policy=" in str(error.value) and "accumulate_dtype" not in str(error.value)
+
+
+def test_cast_inputs_function_returns_non_array_outputs_as_they_were_in_a_region():
+    """It ran inside a jax.jit: a string output raised JAX's "not a valid JAX type" naming
+    jamp's function, and a Python int came back as an Array."""
+    import contextlib
+
+    @jamp.autocast(enabled=False, cast_inputs=F32)
+    def sensitive(a, b):
+        return a @ b, 3, "ok", jnp.float16
+
+    for where in (contextlib.nullcontext(), jamp.autocast()):
+        with where:
+            product, count, label, kind = sensitive(A @ A, A)
+        assert product.dtype == F32
+        assert (type(count), count, label, kind) == (int, 3, "ok", jnp.float16)

@@ -1,11 +1,14 @@
 """jamp.stochastic_round: exact on representable values, unbiased, deterministic per key, astype's
-edge values, straight-through derivative, jit/vmap; errors in the caller's terms. (Sharded
-arrays: tests/optim_sharding_checks.py, run by test_optim.py.)"""
+edge values, straight-through derivative, jit/vmap, a mesh of explicit axes; errors in the
+caller's terms. (Arrays sharded over 8 devices, and shard_map: tests/optim_sharding_checks.py,
+run by test_optim.py.)"""
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jamp
 from jamp.rounding import FORMATS
@@ -204,3 +207,19 @@ def test_hashed_bits_are_uniform_and_unrelated_to_their_neighbours():
             for lag in (1, 512):
                 z = np.corrcoef(u[:-lag], u[lag:])[0, 1] * np.sqrt(n - lag)
                 assert abs(z) <= 5, (seed, lag, z)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_explicit_mesh_with_the_key_on_the_mesh(dtype):
+    """On a mesh of explicit axes (jax.make_mesh's default), a key placed on the mesh (as a
+    jitted step's own output is) raised ShardingTypeError for float16 and float8: a select
+    mixed bits made replicated with the value's shards. One device's mesh shows it; the bits
+    are the same as off the mesh (8 devices: tests/optim_sharding_checks.py)."""
+    mesh = jax.make_mesh((1,), ("data",))
+    x = jnp.asarray(between(dtype)[:, None] * np.linspace(1.0, 3.0, 16, dtype=np.float32))
+    key = jax.random.key(2)
+    on_mesh = jax.device_put(x, NamedSharding(mesh, P("data")))
+    key_on_mesh = jax.device_put(key, NamedSharding(mesh, P()))
+    got = round_jit(on_mesh, dtype, key_on_mesh)
+    np.testing.assert_array_equal(as_f32(got), as_f32(round_jit(x, dtype, key)))
+    assert got.sharding.spec == P("data", None)
