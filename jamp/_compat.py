@@ -228,8 +228,23 @@ def name_stack_of(eqn: Any) -> Any:
 
 
 def scope_names(eqn: Any) -> tuple[str, ...]:
-    """Names of the ``jax.named_scope``/Flax module scopes an equation was traced under."""
-    return tuple(s.name for s in eqn.source_info.name_stack.stack if isinstance(s, _siu.Scope))
+    """Names of the ``jax.named_scope``/Flax module scopes an equation was traced under (not
+    the scope ``jnp.einsum`` opens itself, named by its subscripts: JAX's, not the user's)."""
+    return tuple(
+        s.name
+        for s in eqn.source_info.name_stack.stack
+        if isinstance(s, _siu.Scope) and not _is_einsum_scope(s.name)
+    )
+
+
+# jnp.einsum names the scope of its products by its subscripts (``jax.named_call(name=spec)``):
+# letters, '...' and spaces around ',' (two operands or more) and '->'.
+_EINSUM_SUBSCRIPTS = re.compile(r"[A-Za-z. ]*(,[A-Za-z. ]*)*(->[A-Za-z. ]*)?")
+
+
+def _is_einsum_scope(name: str) -> bool:
+    # (the regex only for names with a comma or an arrow: asked for every equation rewritten)
+    return ("," in name or "->" in name) and _EINSUM_SUBSCRIPTS.fullmatch(name) is not None
 
 
 def source_line(eqn: Any) -> str:
@@ -1505,7 +1520,9 @@ def current_scope_names() -> tuple[str, ...]:
     last = _last_scope_names
     if last[0] is stack:
         return last[1]
-    names = tuple(s.name for s in stack.stack if isinstance(s, _siu.Scope))
+    names = tuple(
+        s.name for s in stack.stack if isinstance(s, _siu.Scope) and not _is_einsum_scope(s.name)
+    )
     _last_scope_names = (stack, names)
     return names
 

@@ -131,3 +131,27 @@ def test_a_line_rule_that_matches_nothing_warns_with_the_closest_lines():
 def test_a_malformed_line_rule_is_refused():
     with pytest.raises(ValueError, match=r"names a source line as '@<file>:<line>'"):
         jamp.Policy(rules=(("@model.py", None),))
+
+
+def test_an_einsum_is_selected_by_its_line_not_by_jnps_subscripts_scope():
+    """``jnp.einsum`` opens a scope named by its subscripts (``'bd,dk->bk'``): a glob matching it
+    beat an ``@file:line`` rule for an ``nnx.Einsum`` (scopes win over lines), so the line rule
+    was silently ignored there while it held for an ``nnx.Linear`` on the next line."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Einsum("bd,dk->bk", (16, 16), (16,), rngs=rngs)
+            self.c = nnx.Linear(16, 16, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.a(x)  # EINSUM
+            return self.c(h)  # LINEAR
+
+    net, x = Net(nnx.Rngs(0)), jnp.ones((4, 16))
+    for marker in ("EINSUM", "LINEAR"):
+        policy = jamp.Policy(rules=(rule(marker, None), ("*bk*", jnp.bfloat16)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", jamp.UnmatchedRuleWarning)
+            report = jamp.explain(lambda m, x: m(x), net, x, policy=policy)
+        assert report.ops["dot_general"] == {"float32": 1, "bfloat16": 1}

@@ -41,7 +41,6 @@ import fnmatch
 import functools
 import math
 import os
-import re
 import sys
 import types
 import warnings
@@ -376,19 +375,8 @@ def _quantizable(c: _Candidate) -> bool:
     return c.var.aval.dtype.itemsize >= 2
 
 
-# jnp.einsum names the scope of its products by its subscripts (``jax.named_call(name=spec)``):
-# JAX's scope, not the user's. Two operands' subscripts hold a comma (letters, '...', spaces).
-_EINSUM_SUBSCRIPTS = re.compile(r"[A-Za-z. ]*(,[A-Za-z. ]*)+(->[A-Za-z. ]*)?")
-
-
-def user_scopes(path: Sequence[str]) -> tuple[str, ...]:
-    """``path`` without the scopes jnp opens itself (``jnp.einsum``'s subscripts): an
-    ``nnx.Einsum`` kernel is then named, and selected by rules, as an ``nnx.Linear`` one is."""
-    return tuple(name for name in path if not _EINSUM_SUBSCRIPTS.fullmatch(name))
-
-
 def _describe(c: _Candidate) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...], str]:
-    path = user_scopes(compat.scope_names(c.first))
+    path = compat.scope_names(c.first)
     frames = compat.frame_lines(c.first.source_info)
     return path, frames, "/".join(path) if path else _own_line(frames)
 
