@@ -535,3 +535,38 @@ def test_cast_inputs_function_returns_non_array_outputs_as_they_were_in_a_region
             product, count, label, kind = sensitive(A @ A, A)
         assert product.dtype == F32
         assert (type(count), count, label, kind) == (int, 3, "ok", jnp.float16)
+
+
+def test_casts_inside_bodies_jax_traces_first_and_input_typed_norms_as_documented():
+    """dtypes.md, Regions: a float32 cast of a value computed inside a checkpointed body (traced
+    by JAX before the region sees it, with float32 operands) converts nothing there; entering the
+    region inside the body, with none around the call, keeps it. A normalization casting back to
+    its input's dtype returns the 16-bit dtype in a region, float32 under the transform."""
+    x, w = jnp.ones((2, 4)), jnp.full((4, 4), 0.25)
+
+    def body(x):
+        return (x @ w).astype(F32) + 1e-3
+
+    def body_in_region(x):
+        with jamp.autocast():
+            return body(x)
+
+    def around(x):
+        with jamp.autocast():
+            return jax.checkpoint(body)(x)
+
+    assert around(x).dtype == BF16
+    inside = jax.checkpoint(body_in_region)(x)
+    assert inside.dtype == F32
+    np.testing.assert_allclose(inside, 1.001, rtol=1e-7)
+
+    def rms_norm(h):
+        h32 = h.astype(F32)
+        return (h32 * jax.lax.rsqrt(jnp.mean(h32 * h32, -1, keepdims=True) + 1e-6)).astype(h.dtype)
+
+    def layer(x):
+        return rms_norm(x @ w)
+
+    with jamp.autocast():
+        assert layer(x).dtype == BF16
+    assert jamp.autocast_transform(layer)(x).dtype == F32
