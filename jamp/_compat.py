@@ -1719,11 +1719,9 @@ def current_an_asked_cast() -> bool:
 
 
 def _asked_cast(source_info: Any) -> bool:
-    traceback = source_info.traceback
-    if traceback is None:
-        return False  # (no frames to tell by: a promotion, as before they were told)
+    # (no frames to tell by: a promotion, as before they were told)
     asked = False
-    for code in traceback.raw_frames()[0]:
+    for code in _frame_codes(source_info):
         name, file = code.co_name, code.co_filename
         for module, prefix in _PROMOTING_CODE:
             if name.startswith(prefix) and file.endswith(module):
@@ -1735,12 +1733,14 @@ def _asked_cast(source_info: Any) -> bool:
 
 def _traced_in(source_info: Any, module: str) -> bool:
     """Whether ``source_info``'s traceback passes through ``module`` (a path's tail)."""
+    return any(code.co_filename.endswith(module) for code in _frame_codes(source_info))
+
+
+def _frame_codes(source_info: Any) -> Sequence[Any]:
+    """The code objects of ``source_info``'s traceback, innermost first (none without one).
+    The code objects alone: ``frames`` computes every frame's line number too (~4x the time)."""
     traceback = source_info.traceback
-    if traceback is None:
-        return False
-    # The code objects alone: ``frames`` computes every frame's line number too (~4x the time).
-    codes = traceback.raw_frames()[0]
-    return any(code.co_filename.endswith(module) for code in codes)
+    return () if traceback is None else traceback.raw_frames()[0]
 
 
 # A value of every symbolic dimension (``jax.export.symbolic_shape``, a polymorphic export's

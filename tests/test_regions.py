@@ -1,4 +1,5 @@
 """Regions, rules over Flax module paths, the decorator and trace-time queries."""
+import contextlib
 import threading
 import warnings
 
@@ -524,7 +525,6 @@ def test_a_whole_policy_in_a_region_explain_traces_names_what_differs_and_policy
 def test_cast_inputs_function_returns_non_array_outputs_as_they_were_in_a_region():
     """It ran inside a jax.jit: a string output raised JAX's "not a valid JAX type" naming
     jamp's function, and a Python int came back as an Array."""
-    import contextlib
 
     @jamp.autocast(enabled=False, cast_inputs=F32)
     def sensitive(a, b):
