@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -203,8 +205,55 @@ def normalize_argnums(grad: Any) -> tuple[int, ...] | None:
     )
 
 
+# Checked programs per function, policy, grad, argument structure and avals, static leaves and
+# JAX's trace context. A program holds the arrays its function closes over as constants, so the
+# function is held weakly (_function_key) and its programs go when the caller drops it.
 _PROGRAMS: dict[Any, Program] = {}
 _MAX_PROGRAMS = 16
+
+
+class _SameObject(weakref.ref):
+    """A weak reference equal to another only while both reach the same object, as Python
+    compares bound methods' ``__self__`` (an object equal by value is another method's owner)."""
+
+    __slots__ = ("_id",)
+    _id: int
+
+    def __new__(cls, obj: Any, callback: Callable | None = None) -> _SameObject:
+        self = super().__new__(cls, obj, callback)
+        self._id = id(obj)
+        return self
+
+    def __hash__(self) -> int:
+        return hash(self._id)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _SameObject):
+            return NotImplemented
+        target = self()
+        return self is other or (target is not None and target is other())
+
+
+def _forget_programs(dead: weakref.ref) -> None:
+    """A function with cached programs (or a bound method's object or function) died."""
+    for key in list(_PROGRAMS):  # (a copy: a collection may run another such callback meanwhile)
+        if any(part is dead for part in key[0]):
+            _PROGRAMS.pop(key, None)
+
+
+def _function_key(fn: Callable) -> tuple | None:
+    """``fn``'s part of a program's cache key, held weakly and equal as Python compares ``fn``; a
+    bound method, a new object at every attribute access, by its object and its function. None
+    where it cannot be weakly referenced: such a function's programs are not cached."""
+    try:
+        if isinstance(fn, types.MethodType):
+            return (
+                _SameObject(fn.__self__, _forget_programs),
+                weakref.ref(fn.__func__, _forget_programs),
+            )
+        return (weakref.ref(fn, _forget_programs),)
+    except TypeError:
+        return None
 
 
 def trace_program(
@@ -233,11 +282,15 @@ def trace_program(
             f"{caller}: grad={grad!r} names argument {max(argnums)} but "
             f"{getattr(fn, '__name__', 'fn')} was given {len(args)} positional ones"
         )
+    function = _function_key(fn)
     try:
         # (JAX's trace context too: x64, matmul precision, a region's state change the program)
-        key = (fn, policy, argnums, in_tree, avals, static_key(static), compat.trace_context())
+        context = compat.trace_context()
+        key = (function, policy, argnums, in_tree, avals, static_key(static), context)
         hash(key)
     except TypeError:
+        key = None
+    if function is None:
         key = None
     program = _PROGRAMS.get(key) if key is not None else None
     if program is not None:
@@ -281,7 +334,7 @@ def trace_program(
     program = Program(policy, closed, argnums, n_sites, depth)
     if key is not None:
         if len(_PROGRAMS) >= _MAX_PROGRAMS:
-            _PROGRAMS.pop(next(iter(_PROGRAMS)))
+            _PROGRAMS.pop(list(_PROGRAMS)[0], None)
         _PROGRAMS[key] = program
     return program, leaves
 
@@ -316,7 +369,26 @@ def _argument_name(path: tuple) -> str:
 # --- higher-order equations: how to count and walk their bodies ---------------------------------
 
 
-@functools.lru_cache(maxsize=4096)
+def _per_jaxpr(compute: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``compute(jaxpr)``, remembered while the jaxpr lives: a jaxpr holds its function's
+    constants (from jax 0.12 on), which a cache keyed on it strongly would keep alive."""
+    results: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+    @functools.wraps(compute)
+    def cached(jaxpr: Any) -> Any:
+        try:
+            return results[jaxpr]
+        except KeyError:
+            pass
+        except TypeError:  # (a jaxpr that cannot be weakly referenced)
+            return compute(jaxpr)
+        result = results[jaxpr] = compute(jaxpr)
+        return result
+
+    return cached
+
+
+@_per_jaxpr
 def _count_cached(jaxpr: Any) -> tuple[int, int]:
     sites, depth = 0, 0
     for eqn in jaxpr.eqns:
@@ -685,7 +757,7 @@ def _writes_nonfinite(eqn: Any) -> bool:
     return False
 
 
-@functools.lru_cache(maxsize=4096)
+@_per_jaxpr
 def _body_writes_nonfinite(jaxpr: Any) -> bool:
     return any(
         any(isinstance(v, compat.Literal) and _writes_literal(eqn, v) for v in eqn.invars)
