@@ -269,6 +269,7 @@ class NonFinite:
         return "\n".join(lines)
 
 
+@compat.api_boundary  # (fn's errors show fn's frames, as under jax.jit)
 def find_nonfinite(
     fn: Callable,
     *args: Any,
@@ -301,6 +302,7 @@ def find_nonfinite(
     from .transform import resolve_policy
 
     policy = resolve_policy(policy, where="find_nonfinite")
+    max_remedies = _check_max_remedies(max_remedies)  # (before tracing, which may be slow)
     program, leaves = trace_program(fn, policy, grad, args, kwargs, "find_nonfinite")
     first, where = _first(program, leaves)
     if first < 0:
@@ -373,6 +375,21 @@ def find_nonfinite(
         produced_by=producer,
         producer_remedy=producer_remedy,
     )
+
+
+def _check_max_remedies(value: Any) -> int:
+    """How many candidate remedies to verify: an int >= 0 (a string would fail in a slice, a
+    negative count would drop candidates from the end of the list)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            "find_nonfinite(max_remedies=...) must be an int >= 0 (how many candidate remedies "
+            f"to verify; 0 verifies none), got {type(value).__name__} {value!r}"
+        )
+    if value < 0:
+        raise ValueError(
+            f"find_nonfinite(max_remedies=...) must be >= 0 (0 verifies none), got {value}"
+        )
+    return int(value)
 
 
 def _operand_ranges(site: Site, invals: Sequence[Any]) -> tuple[ValueRange, ...]:

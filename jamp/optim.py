@@ -50,6 +50,7 @@ Example::
 
 from __future__ import annotations
 
+import contextvars
 import fnmatch
 import hashlib
 import warnings
@@ -226,14 +227,56 @@ def _update_dtype(grad: Any, param: Any) -> Any:
     return grad.dtype if _floating(grad) else param.dtype
 
 
-def _no_narrow_error(where: str, params: Any) -> ValueError:
+# The parameter wrapper whose tx is being initialised: it hands tx float32 parameters (its
+# master copies, or the 16-bit ones widened), so a parameter wrapper inside it finds none of
+# the 16-bit ones the user passed.
+_WIDENING_WRAPPER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jamp_optim_widening_wrapper", default=None
+)
+
+
+def _init_inner(inner: Any, params: Any, where: str) -> Any:
+    """``inner.init(params)``, with ``where`` known to parameter wrappers inside it."""
+    token = _WIDENING_WRAPPER.set(where)
+    try:
+        return inner.init(params)
+    finally:
+        _WIDENING_WRAPPER.reset(token)
+
+
+def _no_narrow_error(wrapper: str, params: Any) -> ValueError:
+    outer = _WIDENING_WRAPPER.get()
+    if outer is not None:
+        return _nested_error(wrapper, outer)
     found = sorted({str(x.dtype) for x in jax.tree.leaves(params) if _floating(x)})
     return ValueError(
-        f"{where}: no parameter is in a 16-bit (or narrower) floating dtype (found "
-        f"{', '.join(found) or 'no floating parameters'}), so there is nothing to do: "
-        "float32 parameters need neither master weights nor stochastic rounding. Cast the "
-        "parameters first, e.g. jax.tree.map(lambda p: p.astype(jnp.bfloat16), params), or use "
-        "the optimizer without this wrapper"
+        f"{wrapper}(tx).init(params): no parameter is in a 16-bit (or narrower) floating "
+        f"dtype (found {', '.join(found) or 'no floating parameters'}), so there is nothing "
+        "to do: float32 parameters need neither master weights nor stochastic rounding. Cast "
+        "the parameters first, e.g. jax.tree.map(lambda p: p.astype(jnp.bfloat16), params), or "
+        "use the optimizer without this wrapper"
+    )
+
+
+def _nested_error(inner: str, outer: str) -> ValueError:
+    """Two parameter wrappers, one inside the other: the inner one sees the outer one's float32
+    parameters, so it would do nothing (a master copy of a float32 value, a rounding to
+    float32) while looking as if it did."""
+    hint = ""
+    if {inner, outer} == {"jamp.optim.master_weights", "jamp.optim.stochastic_rounding"}:
+        hint = (
+            "; for master copies rounded stochastically into the 16-bit parameters write "
+            "jamp.optim.master_weights(tx, rounding='stochastic')"
+        )
+    use = (
+        f"Use it once: {inner}(tx)"
+        if inner == outer
+        else f"Use one of them, not both: {outer}(tx) or {inner}(tx)"
+    )
+    return ValueError(
+        f"{inner}(tx).init(params): {inner} is nested inside {outer}, which hands its tx "
+        f"float32 parameters, so {inner} finds no 16-bit parameter to work on. {use}, with "
+        f"jamp.optim.state_dtype inside for narrow optimizer state{hint}"
     )
 
 
@@ -419,18 +462,25 @@ def _flat_like(tree: Any, treedef: Any, what: str, where: str) -> list[Any]:
 def _check_narrow_unchanged(
     params: Any, kept: list[Any], narrow: list[bool], what: str, where: str
 ) -> None:
-    """Each parameter is 16-bit where init kept ``what`` for it (a ``MaskedNode`` elsewhere):
-    a parameter cast since (a checkpoint restored in float32) would leave it stale, silently."""
-    for i, (held, is_narrow_now) in enumerate(zip(kept, narrow)):
-        if isinstance(held, optax.MaskedNode) != is_narrow_now:
-            continue
-        path, leaf = jax.tree_util.tree_flatten_with_path(params)[0][i]
-        was = "not 16-bit, so the state holds none" if is_narrow_now else "16-bit"
-        raise ValueError(
-            f"{where}.update: params{jax.tree_util.keystr(path)} is {leaf.dtype} but was {was} "
-            f"when init made the state ({what}); make the state again with init(params) after "
-            "changing a parameter's dtype, or cast the parameters back"
-        )
+    """Each parameter is 16-bit where init kept ``what`` for it (a ``MaskedNode`` elsewhere),
+    and in the shape init saw: a parameter cast since (a checkpoint restored in float32) would
+    leave it stale, silently, and one reshaped since fails in jnp's terms, without its path."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    for (path, leaf), held, is_narrow_now in zip(flat, kept, narrow):
+        if isinstance(held, optax.MaskedNode) == is_narrow_now:
+            was = "not 16-bit, so the state holds none" if is_narrow_now else "16-bit"
+            raise ValueError(
+                f"{where}.update: params{jax.tree_util.keystr(path)} is {leaf.dtype} but was "
+                f"{was} when init made the state ({what}); make the state again with "
+                "init(params) after changing a parameter's dtype, or cast the parameters back"
+            )
+        if is_narrow_now and np.shape(held) != np.shape(leaf):
+            raise ValueError(
+                f"{where}.update: params{jax.tree_util.keystr(path)} has shape "
+                f"{tuple(np.shape(leaf))} but had {tuple(np.shape(held))} when init made the "
+                f"state ({what}); make the state again with init(params) after changing a "
+                "parameter's shape"
+            )
 
 
 def _widened_grads(
@@ -512,13 +562,13 @@ def master_weights(
     def init(params: Any) -> MasterWeightsState:
         leaves, treedef, narrow = _split(params, f"{where}(tx).init(params)")
         if not any(narrow):
-            raise _no_narrow_error(f"{where}(tx).init(params)", params)
+            raise _no_narrow_error(where, params)
         master = [x.astype(F32) if n else optax.MaskedNode() for x, n in zip(leaves, narrow)]
         view = [m if n else x for m, x, n in zip(master, leaves, narrow)]
         return MasterWeightsState(
             step=jnp.zeros([], jnp.int32),
             master=treedef.unflatten(master),
-            inner_state=inner.init(treedef.unflatten(view)),
+            inner_state=_init_inner(inner, treedef.unflatten(view), where),
         )
 
     def update(
@@ -589,9 +639,10 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
     def init(params: Any) -> StochasticRoundingState:
         leaves, treedef, narrow = _split(params, f"{where}(tx).init(params)")
         if not any(narrow):
-            raise _no_narrow_error(f"{where}(tx).init(params)", params)
+            raise _no_narrow_error(where, params)
         return StochasticRoundingState(
-            step=jnp.zeros([], jnp.int32), inner_state=inner.init(widened(leaves, treedef, narrow))
+            step=jnp.zeros([], jnp.int32),
+            inner_state=_init_inner(inner, widened(leaves, treedef, narrow), where),
         )
 
     def update(
@@ -650,14 +701,14 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
     def init(params: Any) -> CompensatedState:
         leaves, treedef, narrow = _split(params, f"{where}(tx).init(params)")
         if not any(narrow):
-            raise _no_narrow_error(f"{where}(tx).init(params)", params)
+            raise _no_narrow_error(where, params)
         compensation = [
             jnp.zeros_like(x) if n else optax.MaskedNode() for x, n in zip(leaves, narrow)
         ]
         view = [x.astype(F32) if n else x for x, n in zip(leaves, narrow)]
         return CompensatedState(
             compensation=treedef.unflatten(compensation),
-            inner_state=inner.init(treedef.unflatten(view)),
+            inner_state=_init_inner(inner, treedef.unflatten(view), where),
         )
 
     def update(

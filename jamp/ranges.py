@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from . import _compat as compat
 from .policy import Policy
 from .probe import (
     FINITE_PRESERVING,
@@ -187,6 +188,7 @@ class Ranges:
         return "\n".join(lines)
 
 
+@compat.api_boundary  # (fn's errors show fn's frames, as under jax.jit)
 def value_ranges(
     fn: Callable,
     *args: Any,

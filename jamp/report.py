@@ -417,6 +417,7 @@ def _lower_as_called(
     return jax.jit(as_called).lower(*call_args, **call_kwargs), order
 
 
+@compat.api_boundary  # (fn's errors show fn's frames, as under jax.jit)
 def explain(
     fn: Callable,
     *args: Any,

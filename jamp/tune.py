@@ -892,6 +892,7 @@ def _check_float32_fields(base: Policy) -> None:
             )
 
 
+@compat.api_boundary  # (fn's errors show fn's frames, as under jax.jit)
 def tune(
     fn: Callable,
     *example_args: Any,

@@ -446,6 +446,7 @@ def _owned(closed: Any, caller_leaves: list[Any]) -> Any:
     )
 
 
+@compat.api_boundary  # (the target's errors show its frames, as under jax.jit)
 def freeze(
     target: Any,
     variables: Any = None,
@@ -490,6 +491,11 @@ def freeze(
         nnx_model.eval()                                                       # NNX
         nnx_frozen = tracing.freeze(nnx_model, None, x)
     """
+    if not isinstance(fold_batchnorm, (bool, np.bool_)):  # "no" would fold: it is truthy
+        raise TypeError(
+            f"freeze: fold_batchnorm must be True or False, got "
+            f"{type(fold_batchnorm).__name__} {fold_batchnorm!r}"
+        )
     if policy is not None:  # a Policy, or a dtype meaning Policy(dtype), as autocast_transform
         from jamp.transform import resolve_policy
 
@@ -512,7 +518,7 @@ def freeze(
         apply_kwargs,
         has_rngs,
         policy,
-        fold_batchnorm,
+        bool(fold_batchnorm),
         None if weights is None else weight_rules(weights, "freeze"),
     )
     closed, out_tree = freezer.freeze(leaves, signature)

@@ -15,7 +15,7 @@ from typing import Any
 from jamp import _compat as compat
 from jamp import policy
 
-from .errors import TracerWarning
+from .errors import TracerWarning, caller_stacklevel
 
 # Primitives that turn a key into random bits: which operands are keys.
 DRAWS: dict[str, tuple[int, ...]] = {
@@ -112,5 +112,5 @@ def warn_constant_keys(closed: Any, name: str) -> None:
             "the traced function draws the same random numbers. Pass the key as an input "
             "instead: trace(fn, (key, x)).",
             TracerWarning,
-            stacklevel=4,
+            stacklevel=caller_stacklevel(),
         )

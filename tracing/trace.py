@@ -26,7 +26,7 @@ from jamp import _compat as compat
 from . import graph as graphs
 from . import leaks, randomness
 from . import tolerance as tolerances
-from .errors import TracerWarning, TracingCheckError
+from .errors import TracerWarning, TracingCheckError, caller_stacklevel
 from .inputs import (
     as_inputs,
     check_binds,
@@ -217,6 +217,7 @@ def _with_own_constants(closed: Any) -> Any:
     return compat.close_jaxpr(jaxpr, [_own_value(c) for c in consts])
 
 
+@compat.api_boundary  # (fn's errors show fn's frames, as under jax.jit)
 def trace(
     fn: Any,
     example_inputs: Any,
@@ -287,6 +288,7 @@ def _check_state_unchanged(fn: Callable, name: str, primary: Trace) -> None:
         ) from None
 
 
+@compat.api_boundary
 def check_trace(
     fn: Any,
     example_inputs: Any,
@@ -432,7 +434,7 @@ def _compare_outputs(
             f"{name}: the traced function returns {len(got_leaves)} outputs, the "
             f"Python function {len(expected_leaves)}",
             TracerWarning,
-            stacklevel=5,
+            stacklevel=caller_stacklevel(),
         )
         return
     tols = [tolerances.tolerance(d, check_tolerance) for d in tolerances.path_dtypes(traced.closed)]
@@ -454,5 +456,5 @@ def _compare_outputs(
                 f"Output nr {number}. of the traced function does not match the corresponding "
                 f"output of the Python function. Detailed error:\n{error}",
                 TracerWarning,
-                stacklevel=5,
+                stacklevel=caller_stacklevel(),
             )

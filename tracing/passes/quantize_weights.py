@@ -41,10 +41,9 @@ import fnmatch
 import functools
 import math
 import os
-import sys
-import types
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import jax
@@ -52,14 +51,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _compat as compat
-from jamp.policy import (
+from jamp.policy import (  # (_glob_for, _REGEX_SIGNS: Policy.rules' own regex check, shared)
+    _REGEX_SIGNS,
     LINE_RULE,
     UnmatchedRuleWarning,
+    _glob_for,
     is_line_rule,
     line_rule_hits,
     own_frame,
 )
 
+from ..errors import caller_stacklevel
 from .fold_constants import bind
 
 GROUP = 128  # int4: entries along the contraction sharing a scale (torchao's and qwix's default)
@@ -181,6 +183,9 @@ def weight_rules(weights: Any, where: str = "freeze") -> Rules:
     rules = getattr(weights, "weights_rules", None)
     if rules is not None:
         weights = rules
+    if isinstance(weights, Iterator):  # a generator of pairs: its order is the rules' order
+        weights = tuple(weights)
+    _check_rules_form(weights, where)
     if isinstance(weights, (str, type, np.dtype)) or not isinstance(weights, Sequence):
         return (("*", weight_dtype(weights, f"{where}(weights=...)")),)
     out = []
@@ -190,13 +195,63 @@ def weight_rules(weights: Any, where: str = "freeze") -> Rules:
                 f"{where}: weights[{i}] must be a (glob, dtype or None) pair such as "
                 f"('*head*', None) or ('*', jnp.int8), got {rule!r}"
             )
-        if is_line_rule(rule[0]) and ":" not in rule[0]:
+        glob = rule[0]
+        # As Policy.rules refuses one: matched as a glob, it would quantize nothing.
+        if any(sign in glob for sign in _REGEX_SIGNS):
             raise ValueError(
-                f"{where}: weights[{i}][0] = {rule[0]!r}: a rule starting with '{LINE_RULE}' "
+                f"{where}: weights[{i}][0] = {glob!r} looks like a regular expression; rules "
+                "are shell-style globs (fnmatch: '*' any text, '?' one character, '[ab]' a "
+                f"set) matched against the whole scope path, e.g. {_glob_for(glob)!r}"
+            )
+        if is_line_rule(glob) and ":" not in glob:
+            raise ValueError(
+                f"{where}: weights[{i}][0] = {glob!r}: a rule starting with '{LINE_RULE}' "
                 "names a source line as '@<file>:<line>', e.g. '@model.py:12'"
             )
-        out.append((rule[0], weight_dtype(rule[1], f"{where}: weights[{i}][1]")))
+        out.append((glob, weight_dtype(rule[1], f"{where}: weights[{i}][1]")))
     return tuple(out)
+
+
+_RULES_FORM = (
+    "weights= takes a dtype, a sequence of (glob, dtype or None) pairs (at one scope the later "
+    "rule wins) or a jamp.tune_weights result"
+)
+
+
+def _check_rules_form(weights: Any, where: str) -> None:
+    """A TypeError with the form to write for rules given in a form that reads naturally but is
+    not one (a dict, a set, a single pair), instead of a dtype error or a wrong rule number."""
+    if isinstance(weights, Mapping):
+        pairs = [_pair_text(glob, dtype) for glob, dtype in weights.items()]
+        raise TypeError(
+            f"{where}: {_RULES_FORM}, got a {type(weights).__name__}; write "
+            f"weights=({', '.join(pairs)}{',' if len(pairs) == 1 else ''})"
+        )
+    if isinstance(weights, AbstractSet):  # no order, so no rule could be the later one
+        pairs = [_pair_text(*rule) if _is_pair(rule) else repr(rule) for rule in weights]
+        raise TypeError(
+            f"{where}: {_RULES_FORM}, got a {type(weights).__name__}, which has no order; "
+            f"write a tuple with the rules in the order you mean, e.g. "
+            f"weights=({', '.join(pairs)}{',' if len(pairs) == 1 else ''})"
+        )
+    if _is_pair(weights) and not isinstance(weights[1], (tuple, list)):
+        pair = _pair_text(*weights)
+        raise TypeError(
+            f"{where}: {_RULES_FORM}, got the single pair {pair}: write weights=({pair},)"
+        )
+
+
+def _is_pair(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], str)
+
+
+def _pair_text(glob: Any, dtype: Any) -> str:
+    """``('*head*', jnp.int8)``: a rule as the user would write it (their value if no format)."""
+    try:
+        stored = weight_dtype(dtype, "weights")
+    except ValueError:
+        return repr((glob, dtype))
+    return f"({glob!r}, {'None' if stored is None else f'jnp.{stored.name}'})"
 
 
 def decide(rules: Rules, path: Sequence[str], frames: Sequence[tuple[str, int]]) -> tuple:
@@ -511,23 +566,8 @@ def _warn_unmatched(rules: Rules, used: set[int], scopes: list[str], where: str)
             f"scopes are {shown}{' ...' if len(scopes) > 12 else ''}. Rules are globs over the "
             "whole '/'-joined scope path (or '@file.py:12' for code outside scopes)",
             UnmatchedRuleWarning,
-            stacklevel=_caller_level(),
+            stacklevel=caller_stacklevel(),
         )
-
-
-_LIBRARIES = tuple(
-    os.path.dirname(os.path.abspath(m.__file__ or "")) + os.sep
-    for m in (jax, sys.modules["jamp"], sys.modules["tracing"])
-)
-
-
-def _caller_level() -> int:
-    """The stacklevel of the first frame outside tracing, jamp and JAX (the user's call)."""
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 1
-    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def kernel_report(name: str, found: Sequence[Kernel]) -> str:
