@@ -19,7 +19,7 @@ import re
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -1442,8 +1442,11 @@ def wrap_traced_fun(fun: Any, around: Callable[[], Any]) -> Any:
 
 def is_loop_carry_type_error(error: BaseException) -> bool:
     """Whether ``error`` is JAX's refusal of a loop whose body returns a carry of another type
-    than it received (``lax.scan``/``while_loop``/``fori_loop``; the wording is JAX's)."""
+    than it received (``lax.scan``/``while_loop``/``fori_loop``; the wording is JAX's), or
+    Equinox's (``eqx.internal.while_loop``, which diffrax and optimistix loop with)."""
     text = str(error)
+    if isinstance(error, ValueError):
+        return "`body_fun` must have the same input and output structure" in text
     return isinstance(error, TypeError) and (
         "carry input and carry output must have" in text or "must have identical types" in text
     )
@@ -1656,24 +1659,14 @@ def _filled(store: Any) -> bool:
 def traced_in_jnp_reduction(eqn: Any) -> bool:
     """Whether ``eqn`` was traced inside ``jnp``'s reductions module (``sum``, ``mean``,
     ``var``...), which converts a 16-bit input up, reduces, and converts the result back."""
-    return _traced_in(eqn.source_info, _JNP_REDUCTIONS)
+    return bool(_frame_flags(eqn.source_info) & _IN_REDUCTIONS)
 
 
 def traced_in_jnp_contraction(eqn: Any) -> bool:
     """Whether ``eqn`` was traced inside ``jnp``'s contractions module (``dot``, ``matmul``,
     ``tensordot``...), which ends by converting the product to the dtype its operands give it
     (nothing to convert in the program as traced, whose product already has that dtype)."""
-    return _traced_in(eqn.source_info, _JNP_CONTRACTIONS)
-
-
-def current_in_jnp_reduction() -> bool:
-    """``traced_in_jnp_reduction`` of what an operation bound now is traced at."""
-    return _traced_in(_siu.current(), _JNP_REDUCTIONS)
-
-
-def current_in_jnp_contraction() -> bool:
-    """``traced_in_jnp_contraction`` of what an operation bound now is traced at."""
-    return _traced_in(_siu.current(), _JNP_CONTRACTIONS)
+    return bool(_frame_flags(eqn.source_info) & _IN_CONTRACTIONS)
 
 
 # Where a convert is a cast the code asked for (torch's ``.float()``), told from a library's
@@ -1718,22 +1711,75 @@ def current_an_asked_cast() -> bool:
     return _asked_cast(_siu.current())
 
 
+class ConvertOrigin(NamedTuple):
+    """Where a convert bound now is traced: inside ``jnp``'s reductions, inside its
+    contractions, and whether it is a cast the code asked for (one walk of the traceback)."""
+
+    in_jnp_reduction: bool
+    in_jnp_contraction: bool
+    asked_cast: bool
+
+
+def current_convert_origin() -> ConvertOrigin:
+    """``traced_in_jnp_reduction``, ``traced_in_jnp_contraction`` and
+    ``traced_as_an_asked_cast`` of what an operation bound now is traced at."""
+    flags = _frame_flags(_siu.current())
+    return ConvertOrigin(
+        bool(flags & _IN_REDUCTIONS),
+        bool(flags & _IN_CONTRACTIONS),
+        flags & (_ASKING | _PROMOTING) == _ASKING,
+    )
+
+
 def _asked_cast(source_info: Any) -> bool:
-    # (no frames to tell by: a promotion, as before they were told)
-    asked = False
+    # A cast's entry point and no promoting code anywhere in the traceback (no frames to tell
+    # by: a promotion, as before they were told).
+    return _frame_flags(source_info) & (_ASKING | _PROMOTING) == _ASKING
+
+
+# What a frame of each source file can say of an operation traced under it (_frame_flags).
+_IN_REDUCTIONS, _IN_CONTRACTIONS, _PROMOTING, _ASKING = 1, 2, 4, 8
+
+
+@functools.lru_cache(maxsize=4096)  # (by file name: the same few files every time)
+def _file_flags(file: str) -> tuple[int, tuple[tuple[str, int], ...], frozenset]:
+    """For frames of ``file``: the flags every function there gives, the (function name prefix,
+    flag) pairs some give, and the function names that are a cast's entry point."""
+    flags = _IN_REDUCTIONS if file.endswith(_JNP_REDUCTIONS) else 0
+    flags |= _IN_CONTRACTIONS if file.endswith(_JNP_CONTRACTIONS) else 0
+    prefixes = tuple((p, _PROMOTING) for m, p in _PROMOTING_CODE if p and file.endswith(m))
+    if any(not p and file.endswith(m) for m, p in _PROMOTING_CODE):
+        flags |= _PROMOTING
+    asking = frozenset().union(*(names for m, names in _ASKED_CASTS if file.endswith(m)))
+    return flags, prefixes, asking
+
+
+# The last traceback walked and what it said: one operation's bind asks several questions of
+# the same traceback (a convert: a reduction's? a contraction's? a cast asked for?). One tuple,
+# read and replaced whole: another thread's entry is another traceback's.
+_last_walk: tuple[Any, int] = (None, 0)
+
+
+def _frame_flags(source_info: Any) -> int:
+    """What the frames of ``source_info``'s traceback say (``_IN_REDUCTIONS``...), or-ed."""
+    global _last_walk
+    traceback = source_info.traceback
+    walked, flags = _last_walk
+    if traceback is not None and traceback is walked:
+        return flags
+    flags = 0
     for code in _frame_codes(source_info):
-        name, file = code.co_name, code.co_filename
-        for module, prefix in _PROMOTING_CODE:
-            if name.startswith(prefix) and file.endswith(module):
-                return False
-        if not asked:
-            asked = any(name in names and file.endswith(module) for module, names in _ASKED_CASTS)
-    return asked
-
-
-def _traced_in(source_info: Any, module: str) -> bool:
-    """Whether ``source_info``'s traceback passes through ``module`` (a path's tail)."""
-    return any(code.co_filename.endswith(module) for code in _frame_codes(source_info))
+        file_flags, prefixes, asking = _file_flags(code.co_filename)
+        flags |= file_flags
+        if prefixes or asking:
+            name = code.co_name
+            for prefix, flag in prefixes:
+                if name.startswith(prefix):
+                    flags |= flag
+            if name in asking:
+                flags |= _ASKING
+    _last_walk = (traceback, flags)
+    return flags
 
 
 def _frame_codes(source_info: Any) -> Sequence[Any]:

@@ -1503,11 +1503,12 @@ def _convert_reads_more(params: dict, avals: list) -> tuple | None:
     inside a promotion (``_track_lowered``); nothing (None) for any other convert."""
     if not convert_may_end_a_contraction(params, avals):
         return None
-    reduction = convert_may_round_a_reduction(params, avals) and compat.current_in_jnp_reduction()
+    origin = compat.current_convert_origin()
+    reduction = convert_may_round_a_reduction(params, avals) and origin.in_jnp_reduction
     # a 16-bit value widened: jnp's promotion (read as the 16-bit value) or a cast asked for
     widening = _is_sixteen_bit(avals[0]) and _widening_of_sixteen_bits(params) is not None
-    promotion = widening and not compat.current_an_asked_cast()
-    return (reduction, compat.current_in_jnp_contraction(), promotion)
+    promotion = widening and not origin.asked_cast
+    return (reduction, origin.in_jnp_contraction, promotion)
 
 
 # What a rule reads of an operation besides its primitive, parameters and operands, by primitive:
@@ -1857,10 +1858,11 @@ def pushed(policy: Policy) -> Iterator[None]:
     except (TypeError, ValueError) as err:  # (jax.dtypes.TypePromotionError is a ValueError)
         # The dtype as a word, of this region or one nested in it (a float16 region says nothing
         # of a bfloat16 value the user made).
+        # (by name or short name: Equinox's loop error shows types as ``bf16[3,4]``)
         named = [
             d.name
             for d in sorted(dtypes, key=lambda d: d.name)
-            if re.search(rf"\b{d.name}\b", str(err))
+            if re.search(rf"\b({d.name}|{_short_name(d)})\b", str(err))
         ]
         for refused, note in _REFUSAL_NOTES:
             if refused(err) and named and hasattr(err, "add_note"):
@@ -1870,6 +1872,11 @@ def pushed(policy: Policy) -> Iterator[None]:
         _tls.depth -= 1
         _tls.region_dtypes = outer_dtypes
         trace.invalidate()
+
+
+def _short_name(dtype: np.dtype) -> str:
+    """``dtype``'s name as JAX writes it in a type (``bf16`` in ``bf16[3,4]``)."""
+    return dtype.name.replace("float", "f")
 
 
 def entered_nested(dtype: np.dtype) -> None:

@@ -1,0 +1,37 @@
+"""Equinox programs in a region and under the transform, where Equinox is installed (the zoo
+job): what its own loops and modules do with the values a region makes."""
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jamp
+
+LINEAR = eqx.nn.Linear(4, 4, key=jax.random.key(0))
+X = jnp.ones((3, 4))
+
+
+def loop_of(kind):
+    def run(x):
+        h = jax.vmap(LINEAR)(x)  # bfloat16 in a region
+
+        def body(carry):
+            i, h = carry
+            return i + 1, jnp.tanh(jax.vmap(LINEAR)(h))
+
+        return eqx.internal.while_loop(lambda c: c[0] < 3, body, (0, h), max_steps=3,
+                                       kind=kind)[1]
+    return run
+
+
+@pytest.mark.parametrize("kind", ["checkpointed", "bounded", "lax"])
+def test_equinox_while_loop_refusing_a_16_bit_carry_gets_the_region_note(kind):
+    """diffrax's and optimistix's loop: Equinox refuses the carry with a ValueError of its own
+    wording (types as ``bf16[3,4]``), which got no word on the region that made it."""
+    run = loop_of(kind)
+    with pytest.raises(ValueError, match="same input and output structure") as refused:
+        with jamp.autocast():
+            run(X)
+    assert any("initial carry is bfloat16 because the region computed it" in note
+               for note in getattr(refused.value, "__notes__", []))
+    assert jamp.autocast_transform(run)(X).dtype == jnp.float32  # (the documented remedy)
