@@ -1315,11 +1315,20 @@ def check_differentiation_routing() -> None:
 _routing_lock = threading.Lock()
 _routing_users = 0
 _originals: dict[tuple[Any, str], Any] = {}  # (owner, name) -> JAX's own attribute
-_routing = threading.local()  # .plain: differentiating what was decided; .backward: passes
+class _RoutingDepths(threading.local):
+    """This thread's depths: ``plain``, differentiating what was decided; ``backward``, backward
+    passes. Zero as class attributes: a thread-local's missing attribute is an AttributeError
+    raised and caught, for every operation a region binds (decided_above)."""
+
+    plain = 0
+    backward = 0
+
+
+_routing = _RoutingDepths()
 
 
 def _depth(name: str) -> int:
-    return getattr(_routing, name, 0)
+    return getattr(_routing, name)
 
 
 @contextlib.contextmanager
@@ -1367,10 +1376,7 @@ def decided_above(plain_at_entry: int, backward_at_entry: int) -> bool:
     JAX differentiates what a region above decided, or by a backward pass (of operations decided
     when their forward ran), begun after the region (entered at these depths) was."""
     routing = _routing  # (asked for every operation: _depth inlined)
-    return (
-        getattr(routing, "plain", 0) > plain_at_entry
-        or getattr(routing, "backward", 0) > backward_at_entry
-    )
+    return routing.plain > plain_at_entry or routing.backward > backward_at_entry
 
 
 def routing_depths() -> tuple[int, int]:

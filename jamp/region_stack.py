@@ -9,6 +9,7 @@ ends (``transform``, ``regions``) can all use it without import circles.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import threading
 from collections.abc import Iterator
@@ -62,6 +63,7 @@ def cast_inputs_name(dtype: np.dtype) -> str:
     return f"jamp_cast_inputs_{dtype.name}"
 
 
+@functools.lru_cache(maxsize=1024)  # (asked of every jit a region inlines: a few names)
 def cast_inputs_dtype(jit_name: str) -> np.dtype | None:
     """The dtype a ``@jamp.autocast(cast_inputs=...)`` call casts to, from its jit's name."""
     match = _CAST_INPUTS.match(jit_name or "")
