@@ -1315,6 +1315,8 @@ def check_differentiation_routing() -> None:
 _routing_lock = threading.Lock()
 _routing_users = 0
 _originals: dict[tuple[Any, str], Any] = {}  # (owner, name) -> JAX's own attribute
+
+
 class _RoutingDepths(threading.local):
     """This thread's depths: ``plain``, differentiating what was decided; ``backward``, backward
     passes. Zero as class attributes: a thread-local's missing attribute is an AttributeError

@@ -13,7 +13,8 @@ import dataclasses
 import functools
 import inspect
 import operator
-from collections.abc import Callable, Iterable, Sequence
+import types
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -177,11 +178,18 @@ class CallSignature:
         try:
             hash(marked)
         except TypeError as err:
+            way_out = (
+                # (an array is unhashable, as jax.jit finds too; a list has a hashable form)
+                "An array is traced, not static: leave it out of static_argnums/"
+                "static_argnames, or pass the Python value the function needs "
+                f"(int({name}), tuple({name}.tolist()))"
+                if isinstance(value, (jax.Array, np.ndarray))
+                else "Pass a tuple instead of a list, or bind it with functools.partial"
+            )
             raise TypeError(
                 f"{self.where}: static argument '{name}' ({how}) must be hashable, because its "
                 f"value is part of the cache key as with jax.jit's static arguments; got "
-                f"{type(value).__name__} {short_repr(value)}. Pass a tuple instead of a list, "
-                "or bind it with functools.partial"
+                f"{type(value).__name__} {short_repr(value)}. {way_out}"
             ) from err
         return marked
 
@@ -260,9 +268,18 @@ def _infer(
     if not has_varargs:
         bad = [i for i in argnums if not -len(positional) <= i < len(positional)]
         if bad:
+            keyword_only = [p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY]
+            by_keyword = (
+                f"; {', '.join(keyword_only)} "
+                f"{'is' if len(keyword_only) == 1 else 'are'} keyword-only: name "
+                f"{'it' if len(keyword_only) == 1 else 'them'} in static_argnames"
+                if keyword_only
+                else ""
+            )
             raise ValueError(
                 f"{where}: static_argnums={argnums} but the function takes "
-                f"{len(positional)} positional argument(s) ({listing})"
+                f"{len(positional)} positional argument(s) "
+                f"({', '.join(p.name for p in positional) or 'none'}{by_keyword})"
             )
         argnums = tuple(i % len(positional) for i in argnums)
     for name in argnames:
@@ -380,6 +397,90 @@ def array_attributes(leaf: Any) -> list[str]:
         or compat.is_tracer(value)
         or (isinstance(value, np.ndarray) and value.dtype.kind in "biufc")
     ]
+
+
+# Iterators over a list or tuple (what a generator expression loops over: ``(v for v in [y])``
+# keeps ``iter([y])``); their pickling form, ``(iter, (sequence,), ...)``, gives the sequence.
+_SEQUENCE_ITERATORS: tuple[type, ...] = (type(iter([])), type(iter(())))
+_CAPTURE_DEPTH = 4  # functions/generators deep: enough for a closure returning a closure
+_FRAME_OF = {
+    types.GeneratorType: "gi_frame",
+    types.CoroutineType: "cr_frame",
+    types.AsyncGeneratorType: "ag_frame",
+}
+_ITERABLE_NAME = "<iterable>"  # a generator expression's local '.0', the iterable it loops over
+
+
+def _captured_values(value: Any) -> list[tuple[str, Any]]:
+    """What a function, ``functools.partial``, generator or coroutine holds on to, by name: a
+    function's closure cells and default arguments, a partial's function and arguments, a
+    not-finished generator's (coroutine's) local variables, an iterator's list or tuple."""
+    if isinstance(value, types.FunctionType):
+        code = value.__code__
+        held = []
+        for name, cell in zip(code.co_freevars, value.__closure__ or ()):
+            try:
+                held.append((name, cell.cell_contents))
+            except ValueError:  # (a variable not assigned yet)
+                continue
+        positional = code.co_varnames[: code.co_argcount]
+        defaults = value.__defaults__ or ()
+        held += zip(positional[len(positional) - len(defaults) :], defaults)
+        return held + list((value.__kwdefaults__ or {}).items())
+    if isinstance(value, functools.partial):
+        arguments = [(f"args[{i}]", a) for i, a in enumerate(value.args)]
+        return [("func", value.func), *arguments, *value.keywords.items()]
+    frame = getattr(value, _FRAME_OF[type(value)]) if type(value) in _FRAME_OF else None
+    if frame is not None:
+        return [
+            (_ITERABLE_NAME if name == ".0" else name, held)
+            for name, held in dict(frame.f_locals).items()
+        ]
+    if type(value) in _SEQUENCE_ITERATORS:
+        return [("", value.__reduce__()[1][0])]
+    return []
+
+
+def is_generator_like(value: Any) -> bool:
+    """A generator, coroutine or async generator: a pytree leaf (JAX warns, flattening one)."""
+    return type(value) in _FRAME_OF
+
+
+def _holds_captures(value: Any) -> bool:
+    return (
+        isinstance(value, (types.FunctionType, functools.partial))
+        or type(value) in _FRAME_OF
+        or type(value) in _SEQUENCE_ITERATORS
+    )
+
+
+def traced_captures(leaf: Any, is_traced: Callable[[Any], bool]) -> list[str]:
+    """The values ``is_traced`` picks that a function or generator ``leaf`` captured, by name
+    (``h``, ``cache['k']``, ``inner.y`` for the ``y`` a captured function ``inner`` captured):
+    its closure cells, default arguments or frame locals, followed through pytrees and into the
+    functions, partials, generators and list iterators they hold, a few levels deep."""
+    found: list[str] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, where: str, depth: int) -> None:
+        if is_traced(value):
+            aval = compat.aval_of(value)
+            found.append(f"{where}: {aval.dtype.name}{list(aval.shape)}")
+        elif _holds_captures(value):
+            if depth < _CAPTURE_DEPTH and id(value) not in seen:
+                seen.add(id(value))
+                for name, held in _captured_values(value):
+                    visit(held, f"{where}.{name}" if where and name else where or name, depth + 1)
+        elif not isinstance(value, Iterator):  # (JAX warns flattening an iterator: a leaf)
+            leaves = jax.tree_util.tree_flatten_with_path(
+                value, is_leaf=lambda x: x is not value and isinstance(x, Iterator)
+            )[0]
+            if not (len(leaves) == 1 and leaves[0][1] is value):  # (else not a container)
+                for keys, held in leaves:
+                    visit(held, where + jax.tree_util.keystr(keys), depth)
+
+    visit(leaf, "", 0)
+    return found
 
 
 def _raise_holds_arrays(

@@ -51,8 +51,8 @@ def _pure(fn: Callable, treedef: Any, node_at: tuple[int, ...]) -> Callable:
 
     The second output is a list with one entry per state leaf: the new value where the function
     assigned one, None where the leaf is still the value it was given (so it is not written back).
-    If the function changed the state's structure (created or removed variables), it is the whole
-    new state instead.
+    If the function changed the state's structure (created or removed variables), it is a tuple:
+    the whole new state, and that list for the leaves it was given (None also where removed).
     """
     from flax import nnx
 
@@ -60,6 +60,7 @@ def _pure(fn: Callable, treedef: Any, node_at: tuple[int, ...]) -> Callable:
         # Read the leaves first: merged modules may share the state's Variables, and the
         # function's assignments then show in ``state`` too.
         given, given_def = jax.tree.flatten(state)
+        given_paths = _leaf_paths(state)
         nodes = nnx.merge(graphdef, state)
         leaves = list(others)
         for i, node in zip(node_at, nodes):
@@ -69,10 +70,20 @@ def _pure(fn: Callable, treedef: Any, node_at: tuple[int, ...]) -> Callable:
         new_state = nnx.split(nodes)[1]
         final, final_def = jax.tree.flatten(new_state)
         if final_def != given_def:  # type: ignore[operator]  # jaxlib has no PyTreeDef stub
-            return out, new_state
+            now = dict(zip(_leaf_paths(new_state), final))
+            assigned = [
+                None if now.get(path, old) is old else now[path]
+                for path, old in zip(given_paths, given)
+            ]
+            return out, (new_state, assigned)
         return out, [None if new is old else new for new, old in zip(final, given)]
 
     return run
+
+
+def _leaf_paths(state: Any) -> list[tuple]:
+    """The key paths of ``state``'s leaves, in ``jax.tree.flatten``'s order."""
+    return [path for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 def _as_caller_had(new: Any, old: Any) -> Any:
@@ -114,5 +125,19 @@ def call_with_graph_nodes(
         ]
         nnx.update(nodes, jax.tree.unflatten(given_def, final))
     else:
-        nnx.update(nodes, changed)
+        # Variables created or removed: the new state, where each variable the caller had is
+        # written back as above (not assigned: the caller's own value, not the program's view
+        # of it; assigned: in the caller's dtype), and a created one as the function made it.
+        new_state, assigned = changed
+        caller_had = {
+            path: (old, new) for path, old, new in zip(_leaf_paths(state), given, assigned)
+        }
+
+        def as_caller_had(path: tuple, leaf: Any) -> Any:
+            if path not in caller_had:
+                return leaf
+            old, new = caller_had[path]
+            return old if new is None else _as_caller_had(new, old)
+
+        nnx.update(nodes, jax.tree_util.tree_map_with_path(as_caller_had, new_state))
     return out

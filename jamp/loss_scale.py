@@ -68,7 +68,22 @@ def _concrete(cls: str, field: str, value: Any) -> np.ndarray | None:
 
 
 def _check_scale(cls: str, field: str, value: Any) -> float | None:
-    """A loss scale: finite, > 0 and representable in float32 (the scale's dtype)."""
+    """A loss scale: finite, > 0 and representable in float32 (the scale's dtype), from its
+    smallest normal value up (unscaling divides by the scale: 1 / 1e-40 is inf in float32)."""
+    if type(value) is int and value.bit_length() > 62:
+        # numpy would hold a Python int past int64 as an object ("not a number"): a float here
+        sign = "-" if value < 0 else ""
+        shown = (
+            f"{value:.4g}" if value.bit_length() < 1000 else f"{sign}~2**{value.bit_length() - 1}"
+        )
+        if value < 0:
+            raise ValueError(f"{cls}.{field} must be > 0, got {shown}")
+        if value > F32_MAX:
+            raise ValueError(
+                f"{cls}.{field}={shown} overflows float32 (max {F32_MAX:.4g}), the "
+                "dtype loss scales are kept in"
+            )
+        value = float(value)
     array = _concrete(cls, field, value)
     if array is None:
         return None
@@ -86,6 +101,13 @@ def _check_scale(cls: str, field: str, value: Any) -> float | None:
         raise ValueError(
             f"{cls}.{field}={number} overflows float32 (max {F32_MAX:.4g}), the "
             "dtype loss scales are kept in"
+        )
+    if number < F32_TINY:
+        raise ValueError(
+            f"{cls}.{field}={number:g} is under float32's smallest normal value "
+            f"({F32_TINY:.4g}), the dtype loss scales are kept in: float32 rounds it"
+            f"{' to 0' if np.float32(number) == 0 else ''}, and unscaling divides by it, so every "
+            f"gradient would be inf or NaN. Use a scale >= {F32_TINY:.4g} (usually >= 1)"
         )
     return number
 
@@ -216,7 +238,8 @@ class NoOpLossScale(_LossScale):
 class StaticLossScale(_LossScale):
     """A fixed loss scale: ``jamp.StaticLossScale(2.0 ** 12)``.
 
-    ``loss_scale`` must be finite, > 0 and fit float32 (``ValueError`` naming the field);
+    ``loss_scale`` must be finite, > 0 and fit float32, from its smallest normal value
+    (``1.1755e-38``) to its largest (``ValueError`` naming the field);
     ``scale`` of a leaf whose dtype cannot hold it (a float16 loss at ``2.0 ** 16``, or at a
     scale so small that float16 rounds it to 0) raises ``ValueError`` too, since it never
     backs off."""
@@ -271,7 +294,8 @@ class DynamicLossScale(_LossScale):
     never below ``min_loss_scale``, and the counter restarts.
 
     Every field is checked at construction, with a ``ValueError``/``TypeError`` naming it:
-    ``loss_scale`` finite, > 0 and within float32 (``jnp.float16(2**16)`` is already inf);
+    ``loss_scale`` finite, > 0 and within float32's normal range (``jnp.float16(2**16)`` is
+    already inf; under ``1.1755e-38`` unscaling overflows);
     ``counter`` an int in ``[0, period)``; ``period`` an int >= 1; ``factor`` finite and > 1;
     ``min_loss_scale`` finite, > 0 and <= ``loss_scale`` (``None``: no minimum beyond the
     smallest normal float32, as flax's ``minimum_scale=None``; the scale never reaches 0);

@@ -595,12 +595,19 @@ def _candidates(
             if r.kind != "rule"
         )
     if policy.compute_dtype != F32:
-        # Last resort, when nothing narrower works: no mixed precision at all.
+        # Last resort, when nothing narrower works: no mixed precision at all (and no 16-bit
+        # accumulation or reduction, which a float32 policy refuses).
+        in_float32 = policy.with_compute_dtype(jnp.float32)
+        dropped = [
+            f", {field}=None"
+            for field in ("accumulate_dtype", "reduce_dtype")
+            if getattr(policy, field) is not None and getattr(in_float32, field) is None
+        ]
         out.append(
             Remedy(
                 "compute dtype",
-                "policy.replace(compute_dtype=jnp.float32)",
-                policy.replace(compute_dtype=jnp.float32),
+                f"policy.replace(compute_dtype=jnp.float32{''.join(dropped)})",
+                in_float32,
                 equations_changed=sum(s.sixteen_bit for s in sites.values()),
                 why="turns mixed precision off: every operation runs in float32 (the last "
                 "resort, tried when no narrower change is)",

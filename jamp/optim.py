@@ -302,8 +302,10 @@ def state_dtype(
     ``dtype`` (bfloat16, float16 or a float8 type), except leaves whose pytree path matches a
     glob in ``keep``, which stay as ``tx`` made them. Paths are '/'-joined names such as
     ``0/nu/dense/kernel`` for ``optax.adamw``'s second moment (``keep=("*nu*",)`` keeps it;
-    a glob that matches nothing warns with :class:`UnmatchedKeepWarning`). Integer leaves (step
-    counts), float64 leaves and scalars (rank 0) are left alone: a floating scalar is a
+    a glob that matches nothing warns with :class:`UnmatchedKeepWarning`). An
+    ``nnx.Optimizer``'s state holds ``nnx`` variables, so its paths end in ``/value``
+    (``0/nu/head/kernel/value``): end a glob with ``*`` (``"*nu/head/kernel*"``). Integer
+    leaves (step counts), float64 leaves and scalars (rank 0) are left alone: a floating scalar is a
     hyperparameter (``optax.inject_hyperparams``'s; in bfloat16 Adam's ``b2 = 0.999`` is 1 and
     its bias correction divides by zero) or bookkeeping (``optax.contrib.reduce_on_plateau``'s
     best loss, which must see a 0.1% improvement), and narrowing it saves nothing (so a scalar
@@ -509,11 +511,14 @@ def _followed(master: jax.Array, param: jax.Array) -> jax.Array:
 
 def _spacing(magnitude: jax.Array, dtype: Any) -> jax.Array:
     """The gap between neighbouring ``dtype`` values at ``magnitude`` (float32, >= 0), from the
-    format's exponent range and mantissa bits (``jnp.nextafter`` has no float8_e4m3fn)."""
+    format's exponent range and mantissa bits (``jnp.nextafter`` has no float8_e4m3fn), but at
+    least float32's smallest normal: bfloat16's gap under 2**-119 (2**-133 at 0) is a float32
+    subnormal, which XLA on the CPU flushes to 0, and ``compensated`` divides by it."""
     info = jnp.finfo(dtype)
     _, exponent = jnp.frexp(magnitude)  # magnitude = m * 2**exponent, m in [0.5, 1)
     binade = jnp.where(magnitude == 0, info.minexp, jnp.maximum(exponent - 1, info.minexp))
-    return jnp.ldexp(jnp.ones_like(magnitude), binade - info.nmant)
+    smallest_normal = int(jnp.finfo(F32).minexp)
+    return jnp.ldexp(jnp.ones_like(magnitude), jnp.maximum(binade - info.nmant, smallest_normal))
 
 
 def _carried(compensation: jax.Array, param: jax.Array) -> jax.Array:
@@ -682,12 +687,13 @@ def compensated(tx: Any) -> optax.GradientTransformationExtraArgs:
     parameter's spacing (the gap to its neighbouring value, a power of 2, so the scaling is
     exact): half a step of a float16 parameter under 0.125 is below float16's smallest normal,
     so an error stored as it is lost most of its bits (updates of 0.04 steps each moved a
-    parameter of 1e-3 61% too far). ``update`` hands ``tx`` float32 gradients and the
-    compensated parameters (parameter + compensation, in float32), adds the compensation to
-    ``tx``'s update, rounds to nearest, and keeps the new rounding error. Deterministic: no
-    random bits. float32/float64 parameters are passed through; parameters with no 16-bit leaf
-    raise ``ValueError``, and so does ``update`` for a parameter whose dtype changed since
-    ``init``.
+    parameter of 1e-3 61% too far). The unit is at least float32's smallest normal (a bfloat16
+    parameter's spacing under 2**-119, 2**-133 at 0, is a float32 subnormal, which XLA on the
+    CPU flushes to 0). ``update`` hands ``tx`` float32 gradients and the compensated parameters
+    (parameter + compensation, in float32), adds the compensation to ``tx``'s update, rounds to
+    nearest, and keeps the new rounding error. Deterministic: no random bits. float32/float64
+    parameters are passed through; parameters with no 16-bit leaf raise ``ValueError``, and so
+    does ``update`` for a parameter whose dtype changed since ``init``.
 
     Example::
 

@@ -25,7 +25,8 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, ItemsView, Iterable, Iterator, KeysView, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import FrameType
 from typing import Any
 
@@ -148,7 +149,8 @@ FLOAT8_COMPUTE = np.dtype(jnp.float8_e4m3fn)
 # (6.9e10 FLOPs) and at 1.09-1.45x from 4096x4096x4096 (1.4e11) up: the amax and cast passes
 # cost more than a small GEMM saves. 2 * 4096**3 is the smallest measured size that won.
 MIN_FLOAT8_FLOPS = 2 * 4096**3
-_FLOATING_COMPUTE = (BF16, np.dtype(jnp.float16), np.dtype(jnp.float32), FLOAT8_COMPUTE)
+# The dtypes a policy (and a ``jamp.autocast`` region) computes in.
+COMPUTE_DTYPES = (BF16, np.dtype(jnp.float16), np.dtype(jnp.float32), FLOAT8_COMPUTE)
 
 
 def is_float8(dtype: Any) -> bool:
@@ -228,6 +230,33 @@ def _reduce_dtype(value: Any, compute: np.dtype) -> np.dtype | None:
             f"Policy.reduce_dtype={dtype.name} is not at least as wide as the {narrowest.name} the "
             f"backward matmuls of a {compute.name} policy compute in: gradients would be rounded "
             f"before they are summed. Use jnp.float32 (or None to sum in {narrowest.name})"
+        )
+    return dtype
+
+
+def _accumulate_dtype(value: Any, compute: np.dtype) -> np.dtype | None:
+    """``Policy.accumulate_dtype``: None, or a dtype holding every value of the compute dtype in
+    range and precision (a matmul output is never rounded below what it computes in, nor moved
+    to the other 16-bit format: float16 and bfloat16 each lack what the other has)."""
+    dtype = _dtype_or_none(value, "accumulate_dtype")
+    if dtype is None or dtype == compute:
+        return dtype
+    wide, narrow = jnp.finfo(dtype), jnp.finfo(compute)
+    lacks = []
+    if wide.nmant < narrow.nmant:
+        lacks.append(f"precision ({wide.nmant + 1} significant bits against {narrow.nmant + 1})")
+    if wide.maxexp < narrow.maxexp:  # (exponent range: bfloat16's max is float32's rounded)
+        lacks.append(f"range (largest value {float(wide.max):.4g} against {float(narrow.max):.4g})")
+    if lacks:
+        instead = (
+            "None (a float32 policy's matmuls return float32)"
+            if compute == np.float32
+            else f"jnp.float32, or None for {value_dtype(compute).name} outputs"
+        )
+        raise ValueError(
+            f"Policy.accumulate_dtype={dtype.name} must hold every value of the compute dtype "
+            f"{compute.name}, but has less {' and less '.join(lacks)}: matmul and convolution "
+            f"results would lose what {compute.name} holds. Use accumulate_dtype={instead}"
         )
     return dtype
 
@@ -342,6 +371,10 @@ def _pair_text(glob: Any, dtype: Any) -> str:
         return repr((glob, dtype))
 
 
+def _is_pair(rule: Any) -> bool:
+    return isinstance(rule, (tuple, list)) and len(rule) == 2
+
+
 def _rules(value: Any) -> tuple[tuple[str, np.dtype | None], ...]:
     form = "Policy.rules must be a sequence of (glob, dtype or None) pairs"
     if isinstance(value, Mapping):  # a dict of glob -> dtype reads naturally, but is not the form
@@ -349,6 +382,15 @@ def _rules(value: Any) -> tuple[tuple[str, np.dtype | None], ...]:
         raise TypeError(
             f"{form} (the later rule wins at the same scope), got a {type(value).__name__}; "
             f"write rules=({pairs}{',' if len(value) == 1 else ''})"
+        )
+    if isinstance(value, AbstractSet) and not isinstance(value, (KeysView, ItemsView)):
+        # (a dict's views keep its order; a set's order changes with PYTHONHASHSEED)
+        shown = sorted(_pair_text(*r) if _is_pair(r) else repr(r) for r in value)
+        raise TypeError(
+            f"{form} in the order they apply (the later rule wins at the same scope), got a "
+            f"{type(value).__name__}, which has no order: which rule won would change from run "
+            f"to run. Write rules=({', '.join(shown)}{',' if len(shown) == 1 else ''}) in the "
+            "order you mean"
         )
     if isinstance(value, str):
         raise TypeError(
@@ -370,7 +412,7 @@ def _rules(value: Any) -> tuple[tuple[str, np.dtype | None], ...]:
         raise TypeError(f"{form}, got the single pair {pair}: write rules=({pair},)")
     rules = []
     for i, rule in enumerate(value):
-        if not (isinstance(rule, (tuple, list)) and len(rule) == 2):
+        if not _is_pair(rule):
             raise TypeError(
                 f"Policy.rules[{i}] must be a (glob pattern, dtype or None) pair, got {rule!r}"
             )
@@ -504,6 +546,9 @@ class Policy:
         bfloat16 policy would use it (see ``jamp.fp8``).
       accumulate_dtype: if set (e.g. ``jnp.float32``), lower-table ops return this dtype instead of
         the compute dtype. Costs memory and makes backward matmuls mix dtypes; use for logits only.
+        It must hold every value of the compute dtype, in range and precision: float32 or the
+        compute dtype itself (bfloat16 and float16 refuse each other; under float8, bfloat16
+        and float16 hold every float8 value); a narrower one raises ``ValueError``.
       output_dtype: if set, floating (non-float64) outputs of the function are cast to it
         (float64 only with ``jax_enable_x64``, as any JAX array: float32 without, warned).
       cast_inputs: cast floating (non-float64) inputs to the compute dtype on entry.
@@ -576,7 +621,7 @@ class Policy:
         reduce_dtype: Any = None,
     ):
         compute = _dtype_or_none(compute_dtype, "compute_dtype")
-        if compute is None or compute not in _FLOATING_COMPUTE:
+        if compute is None or compute not in COMPUTE_DTYPES:
             raise ValueError(
                 "Policy.compute_dtype must be bfloat16, float16, float32 or "
                 f"float8_e4m3fn, got {compute_dtype!r}"
@@ -585,7 +630,7 @@ class Policy:
             raise TypeError(f"Policy.cast_inputs must be a bool, got {cast_inputs!r}")
         set_ = lambda name, value: object.__setattr__(self, name, value)  # frozen dataclass
         set_("compute_dtype", compute)
-        set_("accumulate_dtype", _dtype_or_none(accumulate_dtype, "accumulate_dtype"))
+        set_("accumulate_dtype", _accumulate_dtype(accumulate_dtype, compute))
         set_("output_dtype", _dtype_or_none(output_dtype, "output_dtype"))
         set_("cast_inputs", cast_inputs)
         set_("lower", _names(lower, "lower"))
@@ -671,6 +716,22 @@ class Policy:
         current.update(changes)
         compute = current.pop("compute_dtype")
         return Policy(compute, **current)
+
+    def with_compute_dtype(self, dtype: Any) -> Policy:
+        """A copy computing in ``dtype``, without an ``accumulate_dtype`` or ``reduce_dtype`` that
+        cannot hold ``dtype``'s values (which ``replace`` refuses): what a nested ``dtype=``
+        region or a float32 remedy means by "this policy, in ``dtype``"."""
+        compute = _dtype_or_none(dtype, "compute_dtype")
+        kept = {}
+        for field, check in (
+            ("accumulate_dtype", _accumulate_dtype),
+            ("reduce_dtype", _reduce_dtype),
+        ):
+            try:
+                kept[field] = None if compute is None else check(getattr(self, field), compute)
+            except ValueError:
+                kept[field] = None
+        return self.replace(compute_dtype=dtype, **kept)
 
     @property
     def value_dtype(self) -> np.dtype:
@@ -880,6 +941,18 @@ def user_stacklevel() -> int:
     ):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def user_site() -> str:
+    """`` at model.py:12``: the user's line ``user_stacklevel`` finds, as a label's tail."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and (
+        _is_internal(frame.f_code.co_filename) or frame.f_code.co_filename.startswith("<")
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    return f" at {os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 @dataclasses.dataclass(frozen=True)

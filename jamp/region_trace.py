@@ -91,7 +91,7 @@ from .interpreter import (
     track_derived,
     widest,
 )
-from .policy import Policy, RegionState, ScopeLog, warn_unmatched
+from .policy import Policy, RegionState, ScopeLog, user_site, warn_unmatched
 from .region_stack import cast_inputs_dtype, region_depth
 from .transform import SubJaxprCache
 
@@ -1252,7 +1252,7 @@ class RegionTrace(compat.Trace):
         if state.enabled and not compat.decided_above(*self.entry_depths):
             policy = self.policy
             if state.dtype != policy.compute_dtype:  # a nested `dtype=` region at the call
-                policy = policy.replace(compute_dtype=state.dtype)
+                policy = policy.with_compute_dtype(state.dtype)
             fun = compat.wrap_traced_fun(fun, lambda: pushed(policy))
         args = self._all_squares_summed(args)
         with compat.set_current_trace(self.parent):
@@ -1854,7 +1854,9 @@ def pushed(policy: Policy) -> Iterator[None]:
             yield
         if policy.rules:  # as autocast_transform warns once it has seen the whole program
             log = trace.rewriter.scope_log
-            warn_unmatched(log.unmatched(policy.rules), "a jamp.autocast region", log.paths)
+            # (once per region's line, as once per transformed function)
+            where = f"a jamp.autocast region{user_site()}"
+            warn_unmatched(log.unmatched(policy.rules), where, log.paths)
     except (TypeError, ValueError) as err:  # (jax.dtypes.TypePromotionError is a ValueError)
         # The dtype as a word, of this region or one nested in it (a float16 region says nothing
         # of a bfloat16 value the user made).

@@ -26,8 +26,8 @@ from jax.typing import DTypeLike
 
 from . import _compat as compat
 from . import region_trace
-from .call_args import as_static, short_repr
-from .policy import Policy
+from .call_args import as_static, function_name, short_repr
+from .policy import COMPUTE_DTYPES, Policy
 from .region_stack import (
     cast_inputs_name,
     entered,
@@ -37,7 +37,7 @@ from .region_stack import (
     is_autocast_enabled,
     marker,
 )
-from .transform import autocast_transform, is_castable, resolve_policy
+from .transform import autocast_transform, check_transformable, is_castable, resolve_policy
 
 
 class AutocastWarning(UserWarning):
@@ -47,12 +47,24 @@ class AutocastWarning(UserWarning):
 _ARRAYS = (jax.Array, np.ndarray, np.generic)  # what a cast_inputs call passes as traced
 
 
+@dataclasses.dataclass
+class _OpenRegion:
+    """A region entered with ``__enter__``: which ``autocast`` entered it, its contexts, and
+    whether its ``__exit__`` came while regions entered after it were open (it closes after
+    them)."""
+
+    owner: autocast
+    exits: contextlib.ExitStack
+    exit_requested: bool = False
+
+
 # The regions this thread entered with ``__enter__`` and has not exited, innermost last: their
-# contexts (JAX's current trace, the name stack) can only be left in the reverse order.
+# contexts (JAX's current trace, the name stack) can only be left in the reverse order. Per
+# thread, not per ``autocast`` object: one object may be open in several threads at once.
 _open = threading.local()
 
 
-def _open_regions() -> list[contextlib.ExitStack]:
+def _open_regions() -> list[_OpenRegion]:
     if not hasattr(_open, "stacks"):
         _open.stacks = []
     return _open.stacks
@@ -75,7 +87,8 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
     Nested regions (``enabled=False`` inside, another ``dtype=`` inside) win inside, and leaving
     a block (also by an exception) restores the state before it. Entered and exited by hand,
     regions leave in the reverse order they entered, in the thread that entered them; exiting
-    one twice or out of order raises ``RuntimeError`` and changes nothing. Inside a function
+    one twice raises ``RuntimeError``, and so does exiting one out of order, which then stays
+    open until the regions entered after it have exited. Inside a function
     transformed by :func:`jamp.autocast_transform` a region changes that transform's state
     instead.
 
@@ -104,8 +117,6 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
         self.dtype = self.policy.compute_dtype if self.policy else _region_dtype(dtype, "dtype")
         self.enabled = bool(enabled)
         self.cast_inputs = _region_dtype(cast_inputs, "cast_inputs")
-        self._entered: list[contextlib.ExitStack] = []
-        self._transformed: dict[Policy, Callable] = {}  # (a decorated function, by policy)
         self._inherits_dtype = dtype is None  # (neither a dtype nor a policy given)
 
     def __enter__(self) -> autocast:
@@ -114,31 +125,45 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
                 "jamp.autocast(cast_inputs=...) applies to decorated functions only; "
                 "cast explicitly with x.astype(...) inside a `with` block"
             )
-        exits = self._open_region()
-        self._entered.append(exits)
-        _open_regions().append(exits)
+        _open_regions().append(_OpenRegion(self, self._open_region()))
         return self
 
     def __exit__(self, *exc: Any) -> None:
         stacks = _open_regions()
-        if not self._entered or self._entered[-1] not in stacks:
+        mine = [i for i, region in enumerate(stacks) if region.owner is self]
+        mine = [i for i in mine if not stacks[i].exit_requested]
+        if not mine:
             raise RuntimeError(
                 "jamp.autocast: __exit__ of a region that is not open here (exited twice, never "
                 "entered, or entered in another thread)"
             )
-        if stacks[-1] is not self._entered[-1]:
-            # (leaving it would restore the state before it under the regions entered since)
+        if mine[-1] != len(stacks) - 1:
+            # Leaving it now would restore the state before it under the regions entered since.
+            # Kept open, it closes when they have (an asyncio task or a generator holding a
+            # region exits out of order and nothing would ever exit it again).
+            stacks[mine[-1]].exit_requested = True
             raise RuntimeError(
-                "jamp.autocast: a region exited while a region entered after it is still open; "
-                "exit regions in the reverse order of entering them, as `with` blocks do"
+                "jamp.autocast: a region exited while a region entered after it is still open "
+                "(in this thread: another asyncio task's, or a suspended generator's?); it stays "
+                "open until those exit, then closes. Exit regions in the reverse order of "
+                "entering them, as `with` blocks do"
             )
-        stacks.pop()
-        # The exception goes through the region's contexts (the region trace notes loop errors).
-        self._entered.pop().__exit__(*exc)
+        try:
+            # The exception goes through the region's contexts (the region trace notes loop
+            # errors).
+            stacks.pop().exits.__exit__(*exc)
+        finally:
+            while stacks and stacks[-1].exit_requested:
+                stacks.pop().exits.__exit__(None, None, None)
 
     def __call__(self, fn: Callable) -> Callable:
         if not callable(fn):
             raise TypeError(f"jamp.autocast(...) decorates a callable, got {type(fn).__name__}")
+        # (in a region too: a generator's or coroutine's body would run after the region closed)
+        check_transformable(fn, where="jamp.autocast(...)")
+        # This function's transforms by policy (one autocast object may decorate several
+        # functions: kept on the object, they were found by policy alone and ran the first).
+        transforms: dict[Policy, Callable] = {}
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -152,9 +177,9 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
             policy = self._region_policy()
             if self._inherits_dtype and in_region_state():
                 policy = _default_policy(get_autocast_dtype())  # (a disabled region's dtype=)
-            transformed = self._transformed.get(policy)
+            transformed = transforms.get(policy)
             if transformed is None:
-                transformed = self._transformed[policy] = autocast_transform(fn, policy)
+                transformed = transforms[policy] = autocast_transform(fn, policy)
             # A Python int given as a whole argument is static, as the function's own Python
             # would see it under torch's decorator (a shape, an axis, a loop count); a float
             # stays traced as autocast_transform traces it (a changing learning rate).
@@ -280,6 +305,17 @@ def _check_region_policy(policy: Policy) -> None:
 def _region_dtype(value: Any, name: str) -> np.dtype | None:
     if value is None:
         return None
+    if isinstance(value, type) and issubclass(value, Policy):
+        raise TypeError(
+            f"jamp.autocast({name}=jamp.Policy): the Policy class, not a policy; pass an instance, "
+            "e.g. jamp.autocast(jamp.Policy(jnp.float16)), or a dtype"
+        )
+    if callable(value) and not isinstance(value, type) and name == "dtype":
+        # (np.dtype reads any class, a dtype's scalar type included; a function it does not)
+        raise TypeError(
+            f"jamp.autocast(dtype=...) got the function {function_name(value)}: as a decorator "
+            "it takes parentheses, @jamp.autocast() (or @jamp.autocast(dtype=jnp.float16))"
+        )
     try:
         dtype = np.dtype(value)
     except TypeError:
@@ -290,6 +326,20 @@ def _region_dtype(value: Any, name: str) -> np.dtype | None:
         ) from None
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"jamp.autocast({name}=...) must be a floating dtype, got {dtype.name}")
+    if name == "dtype" and dtype not in COMPUTE_DTYPES:
+        # (refused here, not when entered: a disabled region's dtype is the one the regions
+        # nested in it compute in)
+        raise ValueError(
+            f"jamp.autocast(dtype=jnp.{dtype.name}): a region computes in bfloat16, float16, "
+            "float32 or float8_e4m3fn"
+            + (
+                "; float64 values are never cast, and run in float64 in any region"
+                if dtype == np.float64
+                else "; float8_e5m2 is the cotangents' format of a float8_e4m3fn region"
+                if dtype == np.dtype(jnp.float8_e5m2)
+                else ""
+            )
+        )
     return dtype
 
 

@@ -32,9 +32,11 @@ from .call_args import (
     array_attributes,
     check_traceable,
     function_name,
+    is_generator_like,
     short_repr,
     split_leaves,
     static_key,
+    traced_captures,
 )
 from .interpreter import F64, INPUT, Rewriter, is_float
 from .policy import Policy, RegionState
@@ -242,7 +244,7 @@ def autocast_transform(
         f16 = jamp.autocast_transform(loss_fn, jnp.float16)       # same as dtype=jnp.float16
         unrolled = jamp.autocast_transform(g, static_argnames="n_steps")   # g(x, n_steps=3)
     """
-    _check_transformable(fn)
+    check_transformable(fn)
     policy = resolve_policy(policy, dtype)
     signature = CallSignature.of(fn, static_argnums, static_argnames)
     on_arrays = _transform_arrays(signature.call_unmarked, policy, source=fn, signature=signature)
@@ -388,9 +390,23 @@ def _is_array_output(leaf: Any) -> bool:
     ) or compat.is_token(leaf)
 
 
+def _leaf_path(tree: Any, leaves: list[Any], i: int) -> str:
+    """``['logits']``: where leaf ``i`` of a flattened pytree sits (its leaves are kept whole,
+    as flattening found them: JAX warns when it flattens a generator again)."""
+    leaf_ids = {id(x) for x in leaves}
+    paths = jax.tree_util.tree_flatten_with_path(
+        jax.tree.unflatten(tree, leaves), is_leaf=lambda x: id(x) in leaf_ids
+    )[0]
+    return jax.tree_util.keystr(paths[i][0])
+
+
 def _refuse_traced_attributes(out_leaves: list[Any], out_tree: Any, source: Callable) -> None:
     """An output that passes through (not an array, not a pytree) must not carry a value of the
-    trace: it would come back holding a tracer. ``jax.jit`` refuses such an output too."""
+    trace: it would come back holding a tracer. ``jax.jit`` refuses such an output too. Read are
+    an object's attributes, and what a returned function (closure cells, default arguments) or
+    generator (local variables) captured; outer traces' values may pass through."""
+    trace = compat.current_trace()
+    of_this_trace = lambda x: compat.is_tracer(x) and compat.trace_of(x) is trace
     for i, leaf in enumerate(out_leaves):
         if _is_array_output(leaf):
             continue
@@ -399,18 +415,29 @@ def _refuse_traced_attributes(out_leaves: list[Any], out_tree: Any, source: Call
             for name in array_attributes(leaf)
             if compat.is_tracer(getattr(leaf, name))  # (concrete arrays came from outside)
         ]
-        if traced:
-            path = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(out_tree, out_leaves))
-            where = "output" + jax.tree_util.keystr(path[0][i][0])
-            attributes = ", ".join(f".{a}" for a in traced)
-            kind = type(leaf).__name__
+        captured = [] if traced else traced_captures(leaf, of_this_trace)
+        if not traced and not captured:
+            continue
+        where = "output" + _leaf_path(out_tree, out_leaves, i)
+        kind = type(leaf).__name__
+        if captured:
+            if isinstance(leaf, functools.partial):
+                kind, leaf = "functools.partial", leaf.func
             raise TypeError(
-                f"autocast_transform({function_name(source)}): its {where} is a {kind} holding "
-                f"values computed from the arguments ({attributes}) but it is not a pytree, so "
-                f"it would come back holding tracers. Register {kind} as a pytree "
-                "(jax.tree_util.register_dataclass, register_pytree_node_class, "
-                "flax.struct.dataclass) or return its arrays"
+                f"autocast_transform({function_name(source)}): its {where} is a {kind} "
+                f"({function_name(leaf)}) that captured values computed from the arguments "
+                f"({', '.join(captured)}), so it would come back holding tracers and fail where "
+                f"it is used (jax.jit refuses a {kind} output too). Return the arrays it needs "
+                f"(they come back as arrays) and make the {kind} from them outside"
             )
+        attributes = ", ".join(f".{a}" for a in traced)
+        raise TypeError(
+            f"autocast_transform({function_name(source)}): its {where} is a {kind} holding "
+            f"values computed from the arguments ({attributes}) but it is not a pytree, so "
+            f"it would come back holding tracers. Register {kind} as a pytree "
+            "(jax.tree_util.register_dataclass, register_pytree_node_class, "
+            "flax.struct.dataclass) or return its arrays"
+        )
 
 
 def trace_call(
@@ -465,7 +492,9 @@ def trace_call(
             for i, leaf in static:
                 leaves[i] = leaf
             call_args, call_kwargs = jax.tree.unflatten(in_tree, leaves)
-            out_leaves, outs_store["tree"] = jax.tree.flatten(fn(*call_args, **call_kwargs))
+            out_leaves, outs_store["tree"] = jax.tree.flatten(
+                fn(*call_args, **call_kwargs), is_leaf=is_generator_like
+            )
             _refuse_traced_attributes(out_leaves, outs_store["tree"], source)
             outs_store["arrays_at"] = tuple(
                 i for i, x in enumerate(out_leaves) if _is_array_output(x)
@@ -497,21 +526,30 @@ def trace_call(
     return key, traced_flat, tracer, refuse_untraceable
 
 
-def _check_transformable(fn: Any) -> None:
-    """A clear error, as ``jax.jit``'s, for what cannot be transformed: a generator function
-    (its "output" would be a generator, returned untouched) and a ``staticmethod`` or
-    ``classmethod`` object (in a class body, the transformed function would be a plain method)."""
+def check_transformable(fn: Any, where: str = "autocast_transform") -> None:
+    """A clear error, as ``jax.jit``'s, for what cannot be transformed: a generator or async
+    function (its body runs when the caller iterates or awaits what the call returned, after the
+    trace it would leak its values out of) and a ``staticmethod`` or ``classmethod`` object (in
+    a class body, the transformed function would be a plain method). ``where`` is the public
+    entry point the user called (``@jamp.autocast()``'s own check names the decorator)."""
     name = getattr(fn, "__qualname__", type(fn).__name__)
     if isinstance(fn, (staticmethod, classmethod)):
+        decorator = "jamp.autocast_transform(...)" if where == "autocast_transform" else where
         raise TypeError(
-            f"autocast_transform: {type(fn).__name__} arguments are not supported ({name}); "
-            f"apply @{type(fn).__name__} outside: @{type(fn).__name__} above "
-            "@jamp.autocast_transform(...)"
+            f"{where}: {type(fn).__name__} arguments are not supported ({name}); "
+            f"apply @{type(fn).__name__} outside: @{type(fn).__name__} above @{decorator}"
         )
     if not callable(fn):
-        raise TypeError(f"autocast_transform expects a callable, got {type(fn).__name__}")
+        raise TypeError(f"{where} expects a callable, got {type(fn).__name__}")
     if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
-        raise TypeError(f"autocast_transform expects a function, got a generator function: {name}")
+        raise TypeError(f"{where} expects a function, got a generator function: {name}")
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"{where} expects a function, got an async function: {name}. Its body would run "
+            "when the coroutine is awaited, after the trace, and the values it computed from "
+            "the arguments would escape it (jax.jit refuses it too): transform a plain "
+            "function and call it from the async one"
+        )
 
 
 def _debug_info(

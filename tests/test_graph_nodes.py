@@ -1,4 +1,6 @@
 """NNX modules as arguments: what the caller owns keeps its dtypes and values (issue 11, item 1)."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +83,39 @@ def test_split_states_differentiated_through_a_transformed_function(jit):
         assert got.dtype == ref.dtype == F32
         np.testing.assert_allclose(got, ref, rtol=5e-2, atol=5e-3)
     assert not np.allclose(stats["bn"]["mean"].get_value(), 0.0)  # the statistics moved
+
+
+class _Sowing(nnx.Module):
+    """Creates a Variable during the call (``sow``), as ``nnx.MultiHeadAttention(...,
+    sow_weights=True)`` does, and assigns a float32 one with ``[...] =``."""
+
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.last = nnx.Variable(jnp.zeros((2, 4)))
+
+    def __call__(self, x):
+        h = self.linear(x)  # 16-bit under any policy here
+        self.last[...] = h
+        y = self.bn(h)
+        self.sow(nnx.Intermediate, "y", y)
+        return y
+
+
+@pytest.mark.parametrize("policy", [jamp.Policy(), *CAST_INPUTS], ids=_name)
+def test_a_call_creating_a_variable_writes_back_in_the_callers_dtypes(policy):
+    """A call that changed the state's structure wrote the program's whole state back: under
+    cast_inputs the caller's float32 weights came back bfloat16-rounded (and training ran in
+    pure bfloat16 from the first step), and under any policy an assigned float32 Variable came
+    back 16-bit."""
+    model = _Sowing(nnx.Rngs(0))
+    kernel = np.asarray(model.linear.kernel.get_value())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (flax 0.12: sow outside capture)
+        out = jamp.autocast_transform(lambda m, x: m(x), policy)(model, jnp.ones((2, 4)))
+    np.testing.assert_array_equal(model.linear.kernel.get_value(), kernel)  # not assigned
+    assert model.linear.kernel.get_value().dtype == F32
+    assert model.bn.mean.get_value().dtype == F32  # assigned: in the caller's dtype
+    assert model.last.get_value().dtype == F32
+    (sown,) = model.y.get_value()  # created: as the function made it
+    assert sown.dtype == out.dtype

@@ -102,6 +102,42 @@ def test_a_static_scale_float16_rounds_to_zero_is_refused():
     assert float(jamp.StaticLossScale(2.0 ** -26).scale(jnp.float32(1.0))) == 2.0 ** -26
 
 
+@pytest.mark.parametrize("scale, rounded", [(1e-39, ""), (1e-40, ""), (1e-50, " to 0")],
+                         ids=["1e-39", "1e-40", "1e-50"])
+@pytest.mark.parametrize("make", [
+    lambda s: jamp.StaticLossScale(s),
+    lambda s: jamp.DynamicLossScale(loss_scale=s, min_loss_scale=None),
+    lambda s: jamp.DynamicLossScale(loss_scale=1.0, min_loss_scale=s),
+], ids=["static", "dynamic", "dynamic_min"])
+def test_a_scale_under_float32s_normal_range_is_refused_at_construction(make, scale, rounded):
+    """StaticLossScale(1e-40) was accepted and every step's gradients came back NaN (unscaling
+    divides by it: 1 / 1e-40 is inf in float32); 1e-50 was stored as 0, then named so."""
+    with pytest.raises(ValueError, match=rf"loss_scale={scale:g} is under float32's smallest "
+                                         rf"normal value \(1\.175e-38\).*rounds it{rounded},"):
+        make(scale)
+
+
+def test_the_smallest_normal_float32_scale_still_gives_the_gradients():
+    tiny = float(np.finfo(np.float32).tiny)
+    w, x = jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])
+    _, grads, _, finite = jamp.scaled_value_and_grad(_loss_in(F32))(
+        jamp.StaticLossScale(tiny), w, x)
+    assert bool(finite)
+    np.testing.assert_array_equal(grads, x)
+
+
+@pytest.mark.parametrize("value, message", [
+    (2 ** 200, r"loss_scale=1\.607e\+60 overflows float32"),
+    (-(2 ** 200), r"loss_scale must be > 0, got -1\.607e\+60"),
+    (2 ** 2000, r"loss_scale=~2\*\*2000 overflows float32"),
+])
+def test_a_python_int_past_int64_is_checked_as_a_number(value, message):
+    """StaticLossScale(2**200) said "must be a real number" (numpy held it as an object)."""
+    with pytest.raises(ValueError, match=message):
+        jamp.StaticLossScale(value)
+    assert float(jamp.StaticLossScale(2 ** 64).loss_scale) == 2.0 ** 64  # fits float32
+
+
 # --- MicroBatchLossScale keeps the wrapped scale's checks -------------------------------------
 
 def test_a_wrapped_static_scale_past_float16_is_refused_as_it_is_alone():

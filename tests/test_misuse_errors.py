@@ -366,6 +366,162 @@ def test_a_bad_policy_is_reported_by_the_function_called(entry):
         entry(lambda a: a @ a, jnp.ones((2, 2)), policy="bf16")
 
 
+def test_autocast_bare_decorator_says_to_add_parentheses():
+    def layer(x):
+        return x
+
+    with pytest.raises(TypeError, match=r"got the function .*layer: as a decorator it takes "
+                                        r"parentheses, @jamp.autocast\(\)"):
+        jamp.autocast(layer)
+    assert jamp.autocast()(layer)(jnp.ones(2)).dtype == jnp.float32  # the form it suggests
+
+
+def test_autocast_given_the_policy_class_asks_for_an_instance():
+    with pytest.raises(TypeError, match=r"jamp.autocast\(dtype=jamp.Policy\): the Policy class, "
+                                        r"not a policy; pass an instance"):
+        jamp.autocast(jamp.Policy)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("dtype, hint", [
+    (jnp.float64, "float64 values are never cast"),
+    (jnp.float8_e5m2, "float8_e5m2 is the cotangents' format"),
+], ids=["float64", "e5m2"])
+def test_autocast_region_dtype_no_policy_computes_in_is_refused_when_made(dtype, hint, enabled):
+    """jamp.autocast(jnp.float64) was made, and refused only on entering it; disabled, it was
+    entered and a region nested in it computed in float64."""
+    with pytest.raises(ValueError, match=rf"jamp.autocast\(dtype=jnp.{np.dtype(dtype).name}\): "
+                                         rf"a region computes in bfloat16, float16, float32 or "
+                                         rf"float8_e4m3fn; {hint}"):
+        jamp.autocast(dtype, enabled=enabled)
+
+
+async def _async_layer(x):
+    return x * 2
+
+
+async def _async_steps(x):
+    yield x
+
+
+def _steps(x):
+    yield x
+
+
+@pytest.mark.parametrize("fn, what", [(_async_layer, "an async function"),
+                                      (_async_steps, "a generator function"),
+                                      (_steps, "a generator function")],
+                         ids=["async", "async-generator", "generator"])
+@pytest.mark.parametrize("wrap, where", [(jamp.autocast_transform, "autocast_transform"),
+                                         (jamp.autocast(), r"jamp.autocast\(...\)")],
+                         ids=["autocast_transform", "decorator"])
+def test_async_and_generator_functions_are_refused_when_wrapped(fn, what, wrap, where):
+    """An async function was accepted: the call returned a coroutine whose body ran when awaited,
+    after the trace (or the region), and failed with UnexpectedTracerError."""
+    with pytest.raises(TypeError, match=rf"^{where} expects a function, got {what}: {fn.__name__}"):
+        wrap(fn)
+
+
+def test_the_decorator_refuses_a_staticmethod_object_as_autocast_transform_does():
+    with pytest.raises(TypeError, match=r"jamp.autocast\(...\): staticmethod arguments are not "
+                                        r"supported.*@staticmethod above @jamp.autocast\(...\)"):
+        jamp.autocast()(staticmethod(lambda x: x))
+
+
+_W = jnp.ones((2, 2))
+
+
+def _head_closure(x):
+    h = x @ _W
+    return lambda: h * 2
+
+
+def _head_default(x):
+    return lambda h=x @ _W: h
+
+
+def _nested_closure(x):
+    cache = {"h": x @ _W}
+
+    def inner():
+        return cache["h"]
+
+    return x @ _W, lambda: inner()
+
+
+def _generator_of(x):
+    return _steps(x @ _W)
+
+
+def _generator_expression(x):
+    return (v for v in [x @ _W])
+
+
+def _partial_of(x):
+    return functools.partial(jnp.add, x @ _W)
+
+
+@pytest.mark.parametrize("fn, where, kind, captured", [
+    (_head_closure, "output", "function", "h: float32[2, 2]"),
+    (_head_default, "output", "function", "h: float32[2, 2]"),
+    (_nested_closure, "output[1]", "function", "inner.cache['h']: float32[2, 2]"),
+    (_generator_of, "output", "generator", "x: float32[2, 2]"),
+    (_generator_expression, "output", "generator", "<iterable>[0]: float32[2, 2]"),
+    (_partial_of, "output", "functools.partial", "args[0]: float32[2, 2]"),
+], ids=["closure", "default", "nested", "generator", "genexpr", "partial"])
+@pytest.mark.parametrize("wrap", [jamp.autocast_transform, lambda f: jamp.autocast()(f)],
+                         ids=["autocast_transform", "decorator"])
+def test_a_returned_closure_or_generator_over_traced_values_is_refused(fn, where, kind, captured,
+                                                                      wrap):
+    """They came back holding tracers and failed later, where used, with UnexpectedTracerError;
+    jax.jit refuses such an output at once."""
+    with pytest.raises(TypeError, match=rf"^autocast_transform\({fn.__name__}\): its "
+                                        rf"{re.escape(where)} is a {kind} \(.*\) that captured "
+                                        r"values computed from the arguments "
+                                        rf"\({re.escape(captured)}\)"):
+        wrap(fn)(jnp.ones((2, 2)))
+
+
+def test_a_returned_function_over_constants_or_an_outer_trace_passes_through():
+    """Only values of the transformed function's own trace are refused: a function closing over
+    a concrete array, or over the enclosing jax.jit's values, is returned as it came."""
+    def helpers(x):
+        return x @ _W, (lambda: _W), jnp.sum, "tag"
+
+    out, head, summed, tag = jamp.autocast_transform(helpers)(jnp.ones((2, 2)))
+    assert out.dtype == BF16 and head() is _W and summed is jnp.sum and tag == "tag"
+
+    @jax.jit
+    def outer(y):
+        scaled, keep_y = jamp.autocast_transform(lambda x: (x @ _W, lambda: y))(y)
+        return scaled.astype(jnp.float32) + keep_y()
+
+    np.testing.assert_array_equal(outer(jnp.ones((2, 2))), jnp.full((2, 2), 3.0))
+
+
+def test_a_jax_array_given_as_a_static_argument_is_told_to_stay_traced():
+    f = jamp.autocast_transform(lambda x, n: x * 2, static_argnums=1)
+    for array in (jnp.ones(2), np.ones(2)):
+        with pytest.raises(TypeError, match=r"static argument 'n' \(static_argnums\) must be "
+                                            r"hashable.*An array is traced, not static: leave it "
+                                            r"out of static_argnums") as info:
+            f(jnp.ones(2), array)
+        assert "instead of a list" not in str(info.value)
+    with pytest.raises(TypeError, match="Pass a tuple instead of a list"):
+        f(jnp.ones(2), [1, 2])
+
+
+def test_static_argnums_out_of_range_lists_positional_parameters_only():
+    def f(x, n, *, k):
+        return x
+
+    with pytest.raises(ValueError, match=r"static_argnums=\(5,\) but the function takes 2 "
+                                         r"positional argument\(s\) \(x, n; k is keyword-only: "
+                                         r"name it in static_argnames\)$"):
+        jamp.autocast_transform(f, static_argnums=5)
+    assert jamp.autocast_transform(f, static_argnames="k")(jnp.ones(2), 1, k=3).shape == (2,)
+
+
 # --- Tracebacks of errors raised in the user's function ----------------------------------------
 
 _LIBRARY_DIRS = tuple(

@@ -412,3 +412,14 @@ def test_an_equation_inside_a_jnp_helper_is_placed_at_the_users_line():
     ranges = jamp.value_ranges(leaky, jnp.full((8, 8), 900.0), jnp.ones((2, 8)), policy=F16)
     selected = next(e for e in ranges.entries if e.primitive == "select_n")  # in jnp's `_where`
     assert file_and_line(selected.source) == here("leaky-line")
+
+
+def test_the_float32_remedy_of_a_policy_accumulating_in_float16_drops_that_accumulation():
+    """``Policy(float16, accumulate_dtype=float16)``: the last-resort remedy was
+    ``policy.replace(compute_dtype=float32)``, which a float32 policy with a float16
+    accumulation refuses, so find_nonfinite raised instead of reporting."""
+    model, params, x = mlp_setup()
+    policy = jamp.Policy(jnp.float16, accumulate_dtype=jnp.float16)
+    found = jamp.find_nonfinite(model.apply, params, x, policy=policy)  # (raised ValueError)
+    assert found.remedy is not None and found.remedy.policy.accumulate_dtype == jnp.float16
+    assert all_finite(jamp.autocast_transform(model.apply, found.remedy.policy)(params, x))

@@ -616,3 +616,26 @@ def test_compensated_float16_small_parameters_move_as_far_as_float32():
     assert abs(moved / expected - 1) < 0.02, moved / expected
     state = optim.compensated(optax.sgd(lr)).init(params)
     assert state.compensation["w"].dtype == jnp.float16
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_compensated_bfloat16_zero_and_tiny_parameters_stay_finite(jit):
+    """A bfloat16 parameter's spacing at 0 is 2**-133, a float32 subnormal that XLA on the CPU
+    flushes to 0: a zero parameter with a zero update (a zero-init bias whose gradient is
+    exactly 0) stored 0/0 as its compensation and was NaN from the next step on."""
+    values = np.array([0, 0, 1e-39, 2**-126, 2**-125, 2**-120, -(2**-121), 1e-30, 1], np.float64)
+    steps = np.array([0, 1e-2, 2**-130, 2**-135, -(2**-125), 3 * 2**-127, 1e-33, 1e-3, 1e-3])
+    tx = optim.compensated(optax.sgd(1.0))
+    update = jax.jit(tx.update) if jit else tx.update
+    params = {"b": jnp.asarray(values, BF16)}
+    grads = {"b": jnp.asarray(-steps, F32)}  # sgd(1.0)'s update is -grad
+    state = tx.init(params)
+    for _ in range(3):
+        updates, state = update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    landed = np.asarray(params["b"], np.float32)
+    compensation = np.asarray(state.compensation["b"], np.float32)
+    assert np.isfinite(landed).all() and np.isfinite(compensation).all(), (landed, compensation)
+    assert landed[0] == 0 and compensation[0] == 0  # no update: stays 0, nothing to carry
+    assert params["b"].dtype == BF16 and state.compensation["b"].dtype == BF16
+    np.testing.assert_allclose(landed, values + 3 * steps, rtol=2**-7, atol=2**-124)

@@ -402,3 +402,76 @@ def test_a_parent_wildcard_on_a_top_level_scope_is_explained():
     caught = _unmatched_warnings(model, jamp.Policy(rules=(("*/head", None),)), X, W)
     assert "'head' would match 'head'" in str(caught[0].message)
     assert "needs a parent scope" in str(caught[0].message)
+
+
+# --- rules in an unordered collection; accumulate_dtype against the compute dtype -------------
+
+
+@pytest.mark.parametrize("make", [set, frozenset], ids=["set", "frozenset"])
+def test_rules_in_a_set_are_refused_since_the_later_rule_wins(make):
+    """A set has no order, so which of two rules matching one scope won changed with
+    PYTHONHASHSEED; it is refused with the pairs written as a tuple (in a fixed order)."""
+    rules = make({("head", None), ("h*", jnp.float16)})
+    with pytest.raises(TypeError, match=rf"got a {make.__name__}, which has no order") as info:
+        jamp.Policy(rules=rules)
+    assert "rules=(('h*', jnp.float16), ('head', None)) in the order you mean" in str(info.value)
+    with pytest.raises(TypeError, match="which has no order"):
+        jamp.Policy().replace(rules=make({("head", None)}))
+    # ordered collections of pairs keep their order: a list, a dict's items, a generator
+    pairs = (("head", None), ("h*", jnp.float16))
+    expected = (("head", None), ("h*", np.dtype(jnp.float16)))
+    assert jamp.Policy(rules=list(pairs)).rules == expected
+    assert jamp.Policy(rules=dict(pairs).items()).rules == expected
+    assert jamp.Policy(rules=(p for p in pairs)).rules == expected
+
+
+@pytest.mark.parametrize("compute, accumulate, lacks", [
+    (jnp.float32, jnp.bfloat16, "precision"),
+    (jnp.float32, jnp.float16, "precision.*range"),
+    (jnp.float16, jnp.bfloat16, "precision"),
+    (jnp.bfloat16, jnp.float16, "range"),
+], ids=["f32-bf16", "f32-f16", "f16-bf16", "bf16-f16"])
+def test_accumulate_dtype_narrower_than_the_compute_dtype_is_refused(compute, accumulate, lacks):
+    """Policy(jnp.float32, accumulate_dtype=jnp.bfloat16) made every matmul output bfloat16,
+    and a float16 policy accumulating in bfloat16 mixed the two 16-bit formats."""
+    with pytest.raises(ValueError, match=rf"Policy\.accumulate_dtype={np.dtype(accumulate).name} "
+                                         rf"must hold every value of the compute dtype "
+                                         rf"{np.dtype(compute).name}, but has less {lacks}.*"
+                                         r"Use accumulate_dtype=") as info:
+        jamp.Policy(compute, accumulate_dtype=accumulate)
+    assert ("None" if compute == jnp.float32 else "jnp.float32") in str(info.value).split("Use")[1]
+    # the same through replace and from_string, which build a Policy
+    with pytest.raises(ValueError, match="accumulate_dtype"):
+        jamp.Policy(compute).replace(accumulate_dtype=accumulate)
+    spec = f"compute={np.dtype(compute).name},accumulate={np.dtype(accumulate).name}"
+    with pytest.raises(ValueError, match=rf"from_string\('{spec}'\): Policy\.accumulate_dtype"):
+        jamp.Policy.from_string(spec)
+
+
+@pytest.mark.parametrize("compute, accumulate", [
+    (jnp.bfloat16, jnp.float32), (jnp.float16, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+    (jnp.float16, jnp.float16), (jnp.float32, jnp.float32),
+    (jnp.float8_e4m3fn, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16),
+    (jnp.float8_e4m3fn, jnp.float16),
+])
+def test_accumulate_dtype_at_least_as_wide_is_kept(compute, accumulate):
+    x, w = jnp.full((4, 4), 1.0 + 2.0 ** -10), jnp.ones((4, 4))
+    policy = jamp.Policy(compute, accumulate_dtype=accumulate, min_float8_flops=0)
+    assert policy.accumulate_dtype == np.dtype(accumulate)
+    assert jamp.autocast_transform(lambda x, w: x @ w, policy)(x, w).dtype == accumulate
+
+
+def test_with_compute_dtype_drops_an_accumulation_or_reduction_the_new_dtype_refuses():
+    """A nested ``dtype=`` region and find_nonfinite's float32 remedy take "this policy, in
+    that dtype": a float16 accumulation under float32 (or bfloat16) compute is refused by
+    ``replace``, and dropped here; one that still fits is kept."""
+    f16 = jamp.Policy(jnp.float16, accumulate_dtype=jnp.float16, reduce_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="accumulate_dtype"):
+        f16.replace(compute_dtype=jnp.float32)
+    wide = f16.with_compute_dtype(jnp.float32)
+    assert (wide.compute_dtype, wide.accumulate_dtype, wide.reduce_dtype) == (
+        jnp.float32, None, jnp.float32)
+    assert f16.with_compute_dtype(jnp.bfloat16).accumulate_dtype is None
+    kept = jamp.Policy(jnp.bfloat16, accumulate_dtype=jnp.float32)
+    assert kept.with_compute_dtype(jnp.float16) == jamp.Policy(jnp.float16,
+                                                               accumulate_dtype=jnp.float32)

@@ -1171,14 +1171,23 @@ def test_policy_fields_a_region_cannot_honour_are_refused_not_ignored():
 
 
 def test_a_rule_no_region_of_its_policy_matched_warns_once_when_the_block_ends():
+    """Once per region's line (a training loop's region warns at its first step), naming the
+    line; a region elsewhere with the same typo is another place to fix and warns too."""
     policy = jamp.Policy(rules=(("*/haed", None), ("*/Dense_1", None)))
     model, params = MLP(), MLP().init(KEY, X)
-    with pytest.warns(jamp.UnmatchedRuleWarning, match="haed") as caught:
+
+    def step():
         with jamp.autocast(policy):
-            model.apply(params, X)
+            return model.apply(params, X)
+
+    with pytest.warns(jamp.UnmatchedRuleWarning, match="haed") as caught:
+        step()
     assert not any("Dense_1" in str(w.message) for w in caught)  # that one matched
+    assert all("region at test_region_trace.py:" in str(w.message) for w in caught)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same scopes again: no second warning
+        warnings.simplefilter("error")  # the same line and scopes again: no second warning
+        step()
+    with pytest.warns(jamp.UnmatchedRuleWarning, match="haed"):
         with jamp.autocast(policy):
             model.apply(params, X)
 

@@ -1,4 +1,5 @@
 """Regions, rules over Flax module paths, the decorator and trace-time queries."""
+import asyncio
 import contextlib
 import threading
 import warnings
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import jamp
+from jamp import _compat as compat
 from tests.jaxpr_utils import operand_dtypes
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -158,10 +160,11 @@ def test_one_instance_entered_repeatedly_and_nested():
     assert [o.dtype for o in jamp.autocast_transform(f)(A)] == [F32] * 4 + [BF16]
 
 
-def test_exiting_a_region_twice_or_out_of_order_is_a_clear_error_that_changes_nothing():
+def test_exiting_a_region_twice_or_out_of_order_is_a_clear_error_and_closes_it_in_order():
     """Entered and exited by hand (a notebook, an ExitStack kept by an object): exiting twice was
     an IndexError from jamp's internals, and exiting the outer region first silently turned
-    autocast off under the inner one still open."""
+    autocast off under the inner one still open. Exited out of order, a region stays open under
+    the ones entered after it and closes when they have: nothing else would ever exit it."""
     region = jamp.autocast()
     region.__enter__()
     region.__exit__(None, None, None)
@@ -174,11 +177,12 @@ def test_exiting_a_region_twice_or_out_of_order_is_a_clear_error_that_changes_no
         with pytest.raises(RuntimeError, match=r"entered after it is still open.*reverse order"):
             outer.__exit__(None, None, None)
         assert (A @ A).dtype == F16 and jamp.get_autocast_dtype() == F16  # both still open
+        with pytest.raises(RuntimeError, match=r"not open here"):  # (its exit is under way)
+            outer.__exit__(None, None, None)
     finally:
         inner.__exit__(None, None, None)
-        assert (A @ A).dtype == BF16
-        outer.__exit__(None, None, None)
-    assert (A @ A).dtype == F32 and not jamp.is_autocast_enabled()
+    assert (A @ A).dtype == F32 and not jamp.is_autocast_enabled()  # the outer one closed too
+    assert compat._routing_users == 0  # JAX's differentiation methods are back
     elsewhere = jamp.autocast()
     elsewhere.__enter__()
     try:
@@ -196,6 +200,80 @@ def test_exiting_a_region_twice_or_out_of_order_is_a_clear_error_that_changes_no
         assert "entered in another thread" in str(thread_error[0])
     finally:
         elsewhere.__exit__(None, None, None)
+
+
+def test_one_autocast_object_entered_by_two_threads_at_once_closes_in_each():
+    """A module-level ``amp = jamp.autocast()`` used by a server's worker threads: the first
+    thread to leave was told its region was "entered in another thread" and kept it open for
+    good, and later tasks with no region ran in bfloat16 on that thread."""
+    amp = jamp.autocast()
+    inside, leave = threading.Barrier(2), threading.Event()
+    seen: dict = {}
+
+    def request(name, leaves_first):
+        try:
+            with amp:
+                inside.wait(timeout=60)
+                if not leaves_first:
+                    leave.wait(timeout=60)
+                seen[name] = (A @ A).dtype
+        finally:
+            if leaves_first:
+                leave.set()
+        seen[name + " after"] = ((A @ A).dtype, jamp.is_autocast_enabled())
+
+    threads = [threading.Thread(target=request, args=(name, name == "first"))
+               for name in ("first", "second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert seen == {"first": BF16, "second": BF16,
+                    "first after": (F32, False), "second after": (F32, False)}
+    assert compat._routing_users == 0
+
+
+def test_regions_of_interleaved_asyncio_tasks_and_a_collected_generator_all_close():
+    """A region around an ``await`` shares the thread's state with the tasks the loop runs
+    meanwhile (as torch's and JAX's own per-thread state): the task leaving first is told, and
+    after both have left, nothing stays in a region. A generator holding a region, collected
+    inside another region, left it open for good."""
+    async def task(dtype, delay):
+        with jamp.autocast(dtype=dtype):
+            await asyncio.sleep(delay)
+
+    async def both():
+        return await asyncio.gather(task(F16, 0.01), task(BF16, 0.05), return_exceptions=True)
+
+    first, second = asyncio.run(both())
+    assert isinstance(first, RuntimeError) and "another asyncio task" in str(first)
+    assert second is None
+    assert (A @ A).dtype == F32 and not jamp.is_autocast_enabled()
+
+    def batches():
+        with jamp.autocast():
+            while True:
+                yield A @ A
+
+    held = batches()
+    next(held)
+    with jamp.autocast(dtype=F16):
+        with pytest.raises(RuntimeError, match="entered after it is still open"):
+            held.close()  # (a collection says the same as "Exception ignored")
+        assert (A @ A).dtype == F16
+    assert (A @ A).dtype == F32 and not jamp.is_autocast_enabled()
+    assert compat._routing_users == 0
+
+
+def test_one_autocast_object_decorating_two_functions_runs_each():
+    """``amp = jamp.autocast()`` then ``@amp`` on two functions: called outside a region, the
+    second ran the first (its transform was kept on the object, found by policy alone)."""
+    amp = jamp.autocast()
+    double = amp(lambda x: x @ x * 2.0)
+    negate = amp(lambda x: -(x @ x))
+    np.testing.assert_allclose(double(A), 2 * np.asarray(A @ A), rtol=1e-2)
+    np.testing.assert_allclose(negate(A), -np.asarray(A @ A), rtol=1e-2)
+    assert double(A).dtype == negate(A).dtype == BF16
 
 
 def test_enabled_region_without_dtype_inherits_the_enclosing_dtype():

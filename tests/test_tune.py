@@ -334,7 +334,7 @@ def test_other_bad_input_is_named():
     # the tuned policy computes in float32 where a scope stays so, and measures against float32:
     # a narrower accumulation or gradient reduction would have applied there (reduce_dtype:
     # Policy's own error, about a float32 policy the caller never wrote)
-    for field, narrow in (("accumulate_dtype", jnp.float16), ("reduce_dtype", jnp.bfloat16)):
+    for field, narrow in (("accumulate_dtype", jnp.bfloat16), ("reduce_dtype", jnp.bfloat16)):
         with pytest.raises(ValueError, match=rf"tune: policy\.{field}=\w+ is narrower than "
                                              rf"float32.*{field}=None"):
             jamp.tune(benign, params, x, policy=jamp.Policy(**{field: narrow}))
