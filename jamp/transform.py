@@ -220,8 +220,8 @@ def autocast_transform(
     ``mutable=["batch_stats"]``) are always static. An array JAX cannot trace (numpy strings or
     Python objects, a ``jax.Array`` of numpy's ``StringDType``) is refused, as ``jax.jit``
     refuses it, by the argument's name and pytree path.
-    Output leaves that are not arrays or numbers (strings, functions, ``None``) are returned as
-    they came, as ``equinox.filter_jit`` does. Flax NNX modules among the arguments are split
+    Output leaves that are not arrays (Python numbers, strings, functions, ``None``) are
+    returned as they came, as ``equinox.filter_jit`` does. Flax NNX modules among the arguments are split
     and merged as ``nnx.jit`` does, and their final state (e.g. BatchNorm statistics) is
     written back.
 
@@ -383,11 +383,11 @@ class _Traced:
 
 
 def _is_array_output(leaf: Any) -> bool:
-    """Output leaves ``jax.jit`` would return as JAX values (arrays, effect tokens); everything
-    else passes through."""
-    return isinstance(
-        leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)
-    ) or compat.is_token(leaf)
+    """Output leaves returned as JAX values (arrays, numpy scalars, effect tokens); everything
+    else, Python numbers too, passes through as it came, as ``equinox.filter_jit`` returns it:
+    a number the trace ends with is a constant of it, and an Equinox module's ``Dropout.p`` or
+    ``inference`` flag must come back a Python value, which the next call takes as static."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or compat.is_token(leaf)
 
 
 def _leaf_path(tree: Any, leaves: list[Any], i: int) -> str:

@@ -135,6 +135,23 @@ def test_non_array_outputs_pass_through_as_they_came():
         assert out["module"].weight.dtype == F32
 
 
+def test_python_numbers_in_outputs_come_back_as_they_came():
+    """As equinox.filter_jit returns them (numbers inside pytree arguments are static on the way
+    in): they came back as Arrays, so a module's ``inference`` flag returned by a step was an
+    Array the next call could not branch on."""
+    def f(x, config):
+        return {"y": x @ x.T, "rate": config["rate"], "train": config["train"], "n": 3}
+
+    g = jamp.autocast_transform(f)
+    for _ in range(2):  # the traced call and a cached call
+        out = g(X, {"rate": 0.1, "train": False})
+        assert (type(out["rate"]), type(out["train"]), type(out["n"])) == (float, bool, int)
+        assert (out["rate"], out["train"], out["n"]) == (0.1, False, 3)
+        assert out["y"].dtype == BF16
+    again = g(X, {"rate": out["rate"], "train": out["train"]})  # fed back: static as before
+    assert again["train"] is False
+
+
 def test_a_function_returning_only_a_string():
     assert jamp.autocast_transform(lambda x: "done")(X) == "done"
 

@@ -35,3 +35,32 @@ def test_equinox_while_loop_refusing_a_16_bit_carry_gets_the_region_note(kind):
     assert any("initial carry is bfloat16 because the region computed it" in note
                for note in getattr(refused.value, "__notes__", []))
     assert jamp.autocast_transform(run)(X).dtype == jnp.float32  # (the documented remedy)
+
+
+class _Net(eqx.Module):
+    linear: eqx.nn.Linear
+    dropout: eqx.nn.Dropout
+
+    def __call__(self, x, key):
+        return self.dropout(self.linear(x), key=key)
+
+
+def _train_step(net, x, key):
+    grads = eqx.filter_grad(lambda n: jnp.sum(n(x, key)))(net)
+    return eqx.apply_updates(net, jax.tree.map(lambda g: -0.1 * g, grads))
+
+
+@pytest.mark.parametrize("form", ["transform", "decorator"])
+def test_a_step_returning_its_equinox_module_takes_it_again(form):
+    """The module came back with ``Dropout.p`` and ``inference`` as Arrays, and the next step on
+    it failed on Equinox's ``if inference:`` (a traced bool), where eqx.filter_jit round-trips."""
+    step = (jamp.autocast_transform(_train_step) if form == "transform"
+            else jamp.autocast()(_train_step))
+    net = _Net(eqx.nn.Linear(3, 3, key=jax.random.key(0)), eqx.nn.Dropout(0.2))
+    once = step(net, jnp.ones(3), jax.random.key(1))
+    assert (once.dropout.p, once.dropout.inference) == (0.2, False)
+    assert (type(once.dropout.p), type(once.dropout.inference)) == (float, bool)
+    twice = step(once, jnp.ones(3), jax.random.key(2))
+    assert twice.linear.weight.dtype == jnp.float32
+    through_filter_jit = eqx.filter_jit(jamp.autocast_transform(lambda n, x: (n, x * 2)))
+    assert type(through_filter_jit(net, jnp.ones(3))[0].dropout.p) is float
