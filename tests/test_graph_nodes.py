@@ -119,3 +119,35 @@ def test_a_call_creating_a_variable_writes_back_in_the_callers_dtypes(policy):
     assert model.last.get_value().dtype == F32
     (sown,) = model.y.get_value()  # created: as the function made it
     assert sown.dtype == out.dtype
+
+
+class _Cell(nnx.Module):
+    def __init__(self, rngs):
+        self.linear = nnx.Linear(4, 4, rngs=rngs)
+        self.h = nnx.Variable(jnp.zeros((2, 4)))  # float32 state the user made
+
+    def __call__(self, x):
+        self.h[...] = jnp.tanh(self.linear(x + self.h[...]))
+        return self.h[...]
+
+
+def _region_inside(cell, x):
+    with jamp.autocast():
+        return cell(x)
+
+
+@pytest.mark.parametrize("form", ["region around nnx.jit", "region inside nnx.jit", "transform"])
+def test_an_assigned_variables_dtype_by_where_the_region_is(form):
+    """docs/reference/dtypes.md's Regions row: a region around an ``nnx.jit`` call rewrites the
+    jitted callee whole, whose outputs include the state, so an assigned Variable comes back
+    16-bit; a region inside the function, or the transform, keeps the Variable's dtype."""
+    cell, x = _Cell(nnx.Rngs(0)), jnp.ones((2, 4))
+    if form == "region around nnx.jit":
+        with jamp.autocast():
+            nnx.jit(lambda m, x: m(x))(cell, x)
+    elif form == "region inside nnx.jit":
+        nnx.jit(_region_inside)(cell, x)
+    else:
+        jamp.autocast_transform(lambda m, x: m(x))(cell, x)
+    expected = BF16 if form == "region around nnx.jit" else F32
+    assert cell.h.get_value().dtype == expected
