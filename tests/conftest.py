@@ -79,3 +79,15 @@ def pytest_configure(config):
     if settings is not None:
         default = "fast" if fast_loop else "ci"
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default))
+
+
+@pytest.fixture(params=["quiet_remove_frames", "remove_frames"])
+def traceback_filtering(request):
+    """JAX's traceback filtering set to each mode that removes frames, for the test's length
+    (tests/user_frames.py reads what a traceback shows then)."""
+    import jax  # (here: the compile flags above are set before JAX is imported)
+
+    before = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", request.param)
+    yield request.param
+    jax.config.update("jax_traceback_filtering", before)

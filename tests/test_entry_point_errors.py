@@ -5,8 +5,6 @@ An error raised in the user's function shows the user's frames, not jamp's, trac
 rules, a nested wrapper) raise an error that says what to write instead.
 """
 
-import os
-import traceback
 import warnings
 
 import chex
@@ -20,11 +18,9 @@ import pytest
 import jamp
 import tracing
 from jamp import optim
+from tests.user_frames import assert_only_user_frames
 
 BF16 = jnp.bfloat16
-
-_LIBRARY_DIRS = tuple(os.path.dirname(module.__file__) + os.sep for module in (jamp, tracing, jax))
-
 
 # --- an error in the user's function: the user's frames ----------------------------------------
 
@@ -44,14 +40,6 @@ def _raising_apply(variables, x):
 _W, _X = jnp.ones((3, 3)), jnp.ones((2, 3))
 
 
-@pytest.fixture(params=["quiet_remove_frames", "remove_frames"])
-def filtering(request):
-    before = jax.config.jax_traceback_filtering
-    jax.config.update("jax_traceback_filtering", request.param)
-    yield request.param
-    jax.config.update("jax_traceback_filtering", before)
-
-
 @pytest.mark.parametrize("call", [
     lambda: jamp.explain(_raising_loss, _W, _X),
     lambda: jamp.find_nonfinite(_raising_loss, _W, _X),
@@ -61,19 +49,15 @@ def filtering(request):
     lambda: tracing.check_trace(_raising_loss, (_W, _X)),
     lambda: tracing.freeze(_raising_apply, {"w": _W}, _X),
 ], ids=["explain", "find_nonfinite", "value_ranges", "tune", "trace", "check_trace", "freeze"])
-def test_an_error_in_the_users_function_shows_only_the_users_frames(call, filtering):
+def test_an_error_in_the_users_function_shows_only_the_users_frames(call, traceback_filtering):
     # These entry points were no API boundary: the traceback showed up to eight frames of jamp,
     # tracing and JAX (profiler.py, partial_eval.py, ...) between the call and the user's
     # function, where autocast_transform shows none.
     with pytest.raises(ValueError, match="the user's own error") as info:
         call()
-    frames = traceback.extract_tb(info.value.__traceback__)
-    shown = [(os.path.basename(f.filename), f.name) for f in frames]
-    assert [f for f in frames if f.filename.startswith(_LIBRARY_DIRS)] == [], shown
-    assert shown[-2:] == [("test_entry_point_errors.py", "_raising_loss"),
-                          ("test_entry_point_errors.py", "_fails_here")], shown
-    if filtering == "remove_frames":  # the whole stack is kept beside it, as JAX keeps it
-        assert type(info.value.__cause__).__name__ == "UnfilteredStackTrace"
+    innermost = [("test_entry_point_errors.py", "_raising_loss"),
+                 ("test_entry_point_errors.py", "_fails_here")]
+    assert_only_user_frames(info.value, traceback_filtering, innermost)
 
 
 def test_a_tracer_warning_points_at_the_users_call_through_the_boundary():

@@ -6,9 +6,7 @@ intent is clear, it now does what the user meant.
 """
 
 import functools
-import os
 import re
-import traceback
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ from jax.extend.core import Primitive
 import jamp
 import tracing
 from jamp import interpreter
+from tests.user_frames import assert_only_user_frames
 
 BF16 = jnp.bfloat16
 
@@ -524,11 +523,6 @@ def test_static_argnums_out_of_range_lists_positional_parameters_only():
 
 # --- Tracebacks of errors raised in the user's function ----------------------------------------
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(module.__file__) + os.sep for module in (jamp, tracing, jax)
-)
-
-
 def _raising_layer(x, w):
     return jnp.tanh(x @ w) + _fails_here(x)
 
@@ -547,14 +541,6 @@ def _scaled_step(x, w):
     return step(jamp.StaticLossScale(2.0 ** 8), x, w)
 
 
-@pytest.fixture(params=["quiet_remove_frames", "remove_frames"])
-def filtering(request):
-    before = jax.config.jax_traceback_filtering
-    jax.config.update("jax_traceback_filtering", request.param)
-    yield request.param
-    jax.config.update("jax_traceback_filtering", before)
-
-
 @pytest.mark.parametrize("call", [
     jamp.autocast_transform(_raising_layer),
     jax.jit(jamp.autocast_transform(_raising_layer)),
@@ -565,20 +551,15 @@ def filtering(request):
     _scaled_step,
 ], ids=["eager transform", "jit of transform", "transform under jit", "grad of transform",
         "decorator", "region under jit", "scaled_value_and_grad"])
-def test_an_error_in_the_users_function_shows_the_users_frames_not_jamps_or_jaxs(call, filtering):
+def test_an_error_in_the_users_function_shows_the_users_frames_not_jamps_or_jaxs(call, traceback_filtering):
     # jamp's frames were not library frames for JAX's traceback filtering, and an eager transformed
     # function was no API boundary: its traceback showed ten frames of jamp and JAX between the
     # call and the user's function (found with JAX's errors_test under an identity region).
     x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
     with pytest.raises(ValueError, match="the user's own error") as info:
         call(x, w)
-    frames = traceback.extract_tb(info.value.__traceback__)
-    shown = [(os.path.basename(f.filename), f.name) for f in frames]
-    assert [f for f in frames if f.filename.startswith(_LIBRARY_DIRS)] == [], shown
-    assert shown[-2:] == [("test_misuse_errors.py", "_raising_layer"),
-                          ("test_misuse_errors.py", "_fails_here")], shown
-    if filtering == "remove_frames":  # the whole stack is kept beside it, as JAX keeps it
-        assert type(info.value.__cause__).__name__ == "UnfilteredStackTrace"
+    innermost = [("test_misuse_errors.py", "_raising_layer"), ("test_misuse_errors.py", "_fails_here")]
+    assert_only_user_frames(info.value, traceback_filtering, innermost)
 
 
 def test_strict_promotion_in_a_region_says_the_region_made_the_value_16_bit():
