@@ -467,18 +467,19 @@ def _check_narrow_unchanged(
     """Each parameter is 16-bit where init kept ``what`` for it (a ``MaskedNode`` elsewhere),
     and in the shape init saw: a parameter cast since (a checkpoint restored in float32) would
     leave it stale, silently, and one reshaped since fails in jnp's terms, without its path."""
-    flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    for (path, leaf), held, is_narrow_now in zip(flat, kept, narrow):
+    # (the paths are flattened only for an error: update runs this at every eager step)
+    path = lambda i: jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(params)[0][i][0])
+    for i, (leaf, held, is_narrow_now) in enumerate(zip(jax.tree.leaves(params), kept, narrow)):
         if isinstance(held, optax.MaskedNode) == is_narrow_now:
             was = "not 16-bit, so the state holds none" if is_narrow_now else "16-bit"
             raise ValueError(
-                f"{where}.update: params{jax.tree_util.keystr(path)} is {leaf.dtype} but was "
+                f"{where}.update: params{path(i)} is {leaf.dtype} but was "
                 f"{was} when init made the state ({what}); make the state again with "
                 "init(params) after changing a parameter's dtype, or cast the parameters back"
             )
         if is_narrow_now and np.shape(held) != np.shape(leaf):
             raise ValueError(
-                f"{where}.update: params{jax.tree_util.keystr(path)} has shape "
+                f"{where}.update: params{path(i)} has shape "
                 f"{tuple(np.shape(leaf))} but had {tuple(np.shape(held))} when init made the "
                 f"state ({what}); make the state again with init(params) after changing a "
                 "parameter's shape"

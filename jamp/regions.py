@@ -130,8 +130,9 @@ class autocast:  # noqa: N801 - named like torch.autocast on purpose
 
     def __exit__(self, *exc: Any) -> None:
         stacks = _open_regions()
-        mine = [i for i, region in enumerate(stacks) if region.owner is self]
-        mine = [i for i in mine if not stacks[i].exit_requested]
+        mine = [
+            i for i, entry in enumerate(stacks) if entry.owner is self and not entry.exit_requested
+        ]
         if not mine:
             raise RuntimeError(
                 "jamp.autocast: __exit__ of a region that is not open here (exited twice, never "
