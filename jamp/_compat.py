@@ -1122,6 +1122,39 @@ def _inlines_when_staged(params: dict) -> bool:
     )
 
 
+def eager_call_settings(closed: Any) -> tuple[tuple[int, ...], list[Any] | None]:
+    """What calling ``closed``'s function eagerly does that one ``jax.jit`` around its whole
+    program would not (JAX keeps a nested jit's donation and output memory kinds only at the top
+    level): ``(donate_argnums, out_shardings)`` for that outer jit. An input is donated where a
+    top-level jit call donates it and nothing else reads it (nor returns it); ``out_shardings``
+    (``None`` where none is set) gives each output that a top-level jit call returns the sharding
+    that call gives it, or is ``None`` where no output has one."""
+    jaxpr = closed.jaxpr
+    reads: dict[Any, int] = {}
+    donated_by_jit: set[Any] = set()
+    made_by_jit: dict[Any, Any] = {}
+    for eqn in jaxpr.eqns:
+        is_jit = eqn.primitive is _jit_p
+        donated = eqn.params.get("donated_invars", ()) if is_jit else ()
+        for i, var in enumerate(eqn.invars):
+            if isinstance(var, _core.Var):
+                reads[var] = reads.get(var, 0) + 1
+                if i < len(donated) and donated[i]:
+                    donated_by_jit.add(var)
+        if is_jit:
+            for var, sharding in zip(eqn.outvars, eqn.params["out_shardings"]):
+                if not isinstance(sharding, _UnspecifiedValue):
+                    made_by_jit[var] = sharding
+    returned = {v for v in jaxpr.outvars if isinstance(v, _core.Var)}
+    donate = tuple(
+        i
+        for i, var in enumerate(jaxpr.invars)
+        if var in donated_by_jit and reads[var] == 1 and var not in returned
+    )
+    outs = [made_by_jit.get(v) if isinstance(v, _core.Var) else None for v in jaxpr.outvars]
+    return donate, (outs if any(s is not None for s in outs) else None)
+
+
 def _all_unspecified(shardings: tuple) -> bool:
     # (JAX's one UNSPECIFIED counted in C, every call of jnp's functions; else by type)
     return shardings.count(_UNSPECIFIED) == len(shardings) or all(

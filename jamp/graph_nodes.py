@@ -8,6 +8,10 @@ RNG counters) is written back into the caller's modules with ``nnx.update``.
 Only the state the function actually assigned is written back, in the dtype the caller's variable
 had: under ``Policy(cast_inputs=True)`` the program sees its parameters in the compute dtype, and
 writing that view back would round the caller's float32 weights to bfloat16.
+
+``running_statistics`` tells ``cast_inputs`` which arguments are a Flax model's running
+statistics (NNX ``BatchStat`` variables, linen's ``batch_stats`` collection), which it leaves in
+their dtype.
 """
 
 from __future__ import annotations
@@ -35,6 +39,36 @@ def _graph_node_types() -> tuple[type, ...]:
         )
         if isinstance(t, type)
     )
+
+
+def _batch_stat_types() -> tuple[type, ...]:
+    if "flax" not in sys.modules:
+        return ()
+    from flax import nnx
+
+    batch_stat = getattr(nnx, "BatchStat", None)
+    return (batch_stat,) if isinstance(batch_stat, type) else ()
+
+
+def running_statistics(tree: Any, n_leaves: int) -> list[bool] | None:
+    """Per leaf of ``tree`` (``n_leaves`` as JAX flattens it for tracing): whether it is a Flax
+    model's running statistics, an NNX ``BatchStat`` or a leaf of linen's ``batch_stats``
+    collection, which ``Policy(cast_inputs=True)`` leaves in their dtype as Flax's ``dtype=``
+    layers keep them: read in bfloat16, a moving average loses its updates and its weights no
+    longer sum to one. ``None`` where there are none (or the leaves do not line up: reference
+    views, which tracing splits)."""
+    stat_types = _batch_stat_types()
+
+    def is_statistic_node(x: Any) -> bool:
+        return bool(stat_types) and isinstance(x, stat_types)
+
+    marks: list[bool] = []
+    for path, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_statistic_node)[0]:
+        statistic = is_statistic_node(node) or any(
+            getattr(key, "key", None) == "batch_stats" for key in path
+        )
+        marks.extend([statistic] * len(jax.tree.leaves(node)))
+    return marks if any(marks) and len(marks) == n_leaves else None
 
 
 def has_graph_nodes(tree: Any) -> bool:

@@ -109,16 +109,22 @@ def rewrite_and_eval(
     args: Sequence[Any],
     recorder: Any = None,
     rewritten: MutableMapping | None = None,
+    kept_dtypes: Sequence[bool] = (),
 ) -> list[Any]:
     """Evaluate ``closed`` on ``args`` under the current JAX trace, rewritten by ``policy``.
 
     ``recorder`` (see ``report.Recorder``) is told about every equation and inserted cast.
     ``rewritten`` is the cache of rewritten sub-jaxprs (default: one for this call only; see
-    ``SubJaxprCache``).
+    ``SubJaxprCache``). ``kept_dtypes`` marks the inputs ``cast_inputs`` leaves in their dtypes
+    (running statistics, ``graph_nodes.running_statistics``); by default it casts every one.
     """
     jaxpr, consts = compat.open_and_consts(closed)
     if policy.cast_inputs:
-        args = [compat.convert(x, policy.value_dtype) if is_castable(x) else x for x in args]
+        kept = list(kept_dtypes) + [False] * (len(args) - len(kept_dtypes))
+        args = [
+            compat.convert(x, policy.value_dtype) if is_castable(x) and not keep else x
+            for x, keep in zip(args, kept)
+        ]
     rewriter = Rewriter(
         policy,
         RegionState(enabled=True, dtype=policy.compute_dtype),
@@ -359,6 +365,8 @@ class _Traced:
     # Rewritten sub-jaxprs, kept across the calls that rewrite this program again (eager
     # grad/vmap of such a program): their inner jits then hit JAX's compile cache.
     sub_jaxprs: SubJaxprCache = dataclasses.field(default_factory=SubJaxprCache)
+    # Per traced input: left in its dtype by cast_inputs (a Flax model's running statistics).
+    kept_dtypes: tuple[bool, ...] = ()
 
     def outputs(self, array_outs: Sequence[Any]) -> Any:
         leaves: list[Any] = [None] * (len(self.array_outs_at) + len(self.static_outs))
@@ -374,11 +382,16 @@ class _Traced:
         if self.program is None:
             closed = self.closed
 
+            kept = self.kept_dtypes
+
             def program(*flat: Any) -> list[Any]:
-                return rewrite_and_eval(closed, policy, flat)
+                return rewrite_and_eval(closed, policy, flat, kept_dtypes=kept)
 
             program.__name__ = program.__qualname__ = self.name
-            self.program = jax.jit(program)
+            # A jitted fn called eagerly donates and places its outputs, as it does unwrapped
+            # (a jit nested in this one would lose both).
+            donate, out_shardings = compat.eager_call_settings(closed)
+            self.program = jax.jit(program, donate_argnums=donate, out_shardings=out_shardings)
         return self.program
 
 
@@ -465,6 +478,10 @@ def trace_call(
         flat, in_tree, signature, numbers_are_static=compat.under_transformation()
     )
     traced_flat = [flat[i] for i in traced_at]
+    statistics = (
+        graph_nodes.running_statistics((args, kwargs), len(flat)) if policy.cast_inputs else None
+    )
+    kept_dtypes = tuple(statistics[i] for i in traced_at) if statistics else ()
 
     def refuse_untraceable() -> None:
         where = (
@@ -521,6 +538,7 @@ def trace_call(
             outs_store["static"],
             cacheable=cacheable,
             name=getattr(source, "__name__", "autocast"),
+            kept_dtypes=kept_dtypes,
         )
 
     return key, traced_flat, tracer, refuse_untraceable
@@ -641,5 +659,11 @@ def _transform_arrays(
 def _bound_directly(traced: _Traced, policy: Policy, flat: Sequence[Any]) -> Any:
     """The rewrite bound under the caller's traces, equation by equation."""
     return traced.outputs(
-        rewrite_and_eval(traced.closed, policy, flat, rewritten=traced.sub_jaxprs.for_call())
+        rewrite_and_eval(
+            traced.closed,
+            policy,
+            flat,
+            rewritten=traced.sub_jaxprs.for_call(),
+            kept_dtypes=traced.kept_dtypes,
+        )
     )

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 from jax import lax
 
 from .. import _compat as compat
-from ..interpreter import Step, equalize_targets, keep_traced_rule, register
+from ..interpreter import F32, Step, equalize_targets, is_float, keep_traced_rule, register
 
 _PUBLIC = {
     "scatter": lax.scatter,
@@ -33,7 +34,15 @@ def scatter_rule(step: Step) -> Sequence[Any]:
     # The buffer is the result's storage: a broadcast scalar (jnp.zeros(...).at[i].add(u)),
     # which elsewhere adapts, keeps its dtype as JAX's ``.at`` does, and narrower updates are
     # widened to it (torch's scatter_add promotes): duplicates accumulate in the buffer's dtype.
-    operand, indices, updates = step.with_cast(equalize_targets(step, fixed=(0,)))
+    targets = equalize_targets(step, fixed=(0,))
+    dtype = np.dtype(targets.get(0, step.aval(0).dtype))
+    # A sum over repeated indices (jax.ops.segment_sum, a gather's gradient) in a 16-bit buffer
+    # rounds after every addition: 4096 messages into one node summed to 256 in bfloat16 where
+    # float32 gives 2039. It accumulates in float32 and rounds once, as a matmul does.
+    accumulate = name in _ACCUMULATING and not params["unique_indices"] and _narrow(dtype)
+    if accumulate:
+        targets = {0: F32, 2: F32}
+    operand, indices, updates = step.with_cast(targets)
     with compat.equation_context(step.eqn):
         out = _PUBLIC[name](
             operand,
@@ -44,4 +53,13 @@ def scatter_rule(step: Step) -> Sequence[Any]:
             unique_indices=params["unique_indices"],
             mode=params["mode"],
         )
+        if accumulate:
+            out = compat.convert(out, dtype)
     return [out]
+
+
+_ACCUMULATING = frozenset({"scatter-add", "scatter-sub"})
+
+
+def _narrow(dtype: np.dtype) -> bool:
+    return is_float(dtype) and dtype.itemsize < 4
