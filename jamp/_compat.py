@@ -1122,6 +1122,24 @@ def _inlines_when_staged(params: dict) -> bool:
     )
 
 
+def jit_sets_call(params: dict) -> bool:
+    """Whether a jit equation's ``params`` set what its call does beyond running its program
+    (a user's ``jax.jit``): a donated operand, shardings (memory kinds included), layouts,
+    ``keep_unused`` or compiler options. jnp's functions set none: a few counts in C for them
+    (a region asks at every eager call of one; a sharding left unspecified other than by JAX's
+    one ``UNSPECIFIED`` answers yes, which only costs that call JAX's Python dispatch)."""
+    ins, outs = params["in_shardings"], params["out_shardings"]
+    return (
+        True in params["donated_invars"]
+        or ins.count(_UNSPECIFIED) != len(ins)
+        or outs.count(_UNSPECIFIED) != len(outs)
+        or params["in_layouts"].count(None) != len(ins)
+        or params["out_layouts"].count(None) != len(outs)
+        or bool(params["keep_unused"])
+        or bool(params["compiler_options_kvs"])
+    )
+
+
 def eager_call_settings(closed: Any) -> tuple[tuple[int, ...], list[Any] | None]:
     """What calling ``closed``'s function eagerly does that one ``jax.jit`` around its whole
     program would not (JAX keeps a nested jit's donation and output memory kinds only at the top

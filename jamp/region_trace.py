@@ -372,24 +372,34 @@ class CallRewrite:
     # dispatch, ~10x slower for a small op).
     eager: dict = dataclasses.field(default_factory=dict, compare=False)
 
-    def run_eagerly(self, args: Sequence[Any]) -> list[Any] | None:
+    def run_eagerly(
+        self, args: Sequence[Any], call: tuple[Any, dict] | None = None
+    ) -> list[Any] | None:
         """The call on concrete ``args``; None where it failed under ``jax.debug_nans`` or
         ``debug_infs``: the caller then runs it op by op in the region, where the operation that
         made the value raises JAX's FloatingPointError naming it. (JAX's own re-run, op by op,
         of this jitted ``eval_jaxpr`` cannot: a nested jit's failure there raises JAX's
-        internal error type.)"""
-        jitted = self.eager.get("jit")
-        if jitted is None:
-            jaxpr, consts = compat.open_and_consts(self.closed)
-            jitted = self.eager["jit"] = jax.jit(
-                functools.partial(compat.eval_jaxpr_flat, jaxpr, consts)
-            )
+        internal error type.) ``call``: the jit equation ``(primitive, params)`` where it sets
+        more than its program (a user's jit donating an operand or placing its outputs:
+        ``compat.jit_sets_call``), bound again around the rewritten jaxpr, which keeps them."""
+        if call is not None:
+            primitive, params = call
+            params = {**params, "jaxpr": self.closed}
+            run = functools.partial(primitive.bind, *args, **params)
+        else:
+            jitted = self.eager.get("jit")
+            if jitted is None:
+                jaxpr, consts = compat.open_and_consts(self.closed)
+                jitted = self.eager["jit"] = jax.jit(
+                    functools.partial(compat.eval_jaxpr_flat, jaxpr, consts)
+                )
+            run = functools.partial(jitted, *args)
         try:
             # (on JAX's eval trace: under jax.disable_jit() the jit runs eval_jaxpr in Python,
             # which binds on the current trace, and inside a region's operation jax 0.12
             # leaves none current)
             with compat.eval_context():
-                return jitted(*args)
+                return run()
         except Exception:
             if any(compat.value_checks()):
                 return None
@@ -863,17 +873,24 @@ class RegionTrace(compat.Trace):
         operand with shape ops applied or over 16 elements, and every call under a policy with
         ``'@file:line'`` rules (they match the caller's frames, which differ per call). A walk
         that raises is redone op by op on the values themselves, where the error belongs.
+
+        Eagerly, a user's jit that donates operands or places its inputs or outputs (shardings,
+        memory kinds: ``compat.jit_sets_call``) runs as itself around the rewrite, which keeps
+        that (run op by op, it would not); a device array constant over 16 elements given to it
+        is keyed by its type then, as a small one is.
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
         state = self.rewriter.current_state()
-        known = self._operand_knowledge(args)
+        eager = compat.is_eager(self.parent)
+        call = (primitive, params) if eager and compat.jit_sets_call(params) else None
+        known = self._call_knowledge(args, call)
         lazy = self.env.lazy_squares
         if lazy and (known is None or _any_in(known[3], lazy)):
             jaxpr = compat.open_and_consts(params["jaxpr"])[0]
             summed = self._call_squares_summed(jaxpr, args, self._operand_vars(args, known))
             if summed is not args:  # (the operands' knowledge again, with the float32 squares)
-                args, known = summed, self._operand_knowledge(summed)
+                args, known = summed, self._call_knowledge(summed, call)
         promotions = self.env.promotions
         widened = None
         if promotions:
@@ -888,8 +905,8 @@ class RegionTrace(compat.Trace):
             rewrite = self._call_rewrite(params["jaxpr"], state, knowledge, sources, facts, avals)
         outs = None
         if rewrite is not None:
-            if compat.is_eager(self.parent):
-                outs = rewrite.run_eagerly(args)  # (None: op by op under jax.debug_nans)
+            if eager:
+                outs = rewrite.run_eagerly(args, call)  # (None: op by op under jax.debug_nans)
             else:
                 outs = compat.bind_on(
                     self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
@@ -1013,10 +1030,20 @@ class RegionTrace(compat.Trace):
                 env.key_parts[out_vars[k]] = None  # a fact: more than tags (_tag_bits)
         return outs
 
-    def _operand_knowledge(self, args: Sequence[Any]) -> tuple | None:
+    def _call_knowledge(self, args: Sequence[Any], call: tuple | None) -> tuple | None:
+        """``_operand_knowledge`` of a jit call's ``args``; for one run as itself (``call``, a
+        user's jit that donates or places: :meth:`_inline_call`), with larger constants keyed
+        too, where they alone would have it walked op by op (which drops what the jit sets)."""
+        known = self._operand_knowledge(args)
+        if known is None and call is not None:
+            known = self._operand_knowledge(args, any_size=True)
+        return known
+
+    def _operand_knowledge(self, args: Sequence[Any], any_size: bool = False) -> tuple | None:
         """Per operand, the region's tags for it (bits), for a small constant the rules read (a
         weak or rank-0 concrete value, cast once, saturating) its value (eagerly its kind:
-        ``constant_key``), and the first operand
+        ``constant_key``; with ``any_size``, a larger device array's too: ``_array_key``), and
+        the first operand
         that is the same value (its own index if none is); those
         constants' sources; what the trackers know of one operand in terms of another
         (``(tracker, i, j)``: a softmax's max ``i`` of ``j``); and the operands' variables and
@@ -1043,6 +1070,8 @@ class RegionTrace(compat.Trace):
                 source = env.known.get(var)
                 if source is not None:
                     constant = constant_key(source, aval if eager else None)
+                    if constant is None and any_size and eager:
+                        constant = _array_key(value, aval)
                     if constant is None:
                         return None
                 bits = env.tag_bits(var)
@@ -1401,6 +1430,21 @@ def _decision_scope(state: RegionState) -> Any:
     if state.dtype in SCALED_FORMATS:
         return state
     return (state.enabled, state.dtype, state.keep_compute_dtype)
+
+
+def _array_key(value: Any, aval: Any) -> tuple | None:
+    """An eager call's constant operand that ``constant_key`` does not key (over 16 elements,
+    ``jnp.full(shape, 0.1)``, weak-typed; shape ops applied, ``jnp.ones(shape)`` in the region)
+    where it is a device array: keyed as any value of its type, which the rewrite takes as an
+    operand and casts in the program, clipping where a cast narrows it, as the rules cast it
+    from its value (``ConstSource``: the shape ops commute with the cast); else None (a host
+    value, keyed by its bytes: op by op)."""
+    if isinstance(value, HOST_VALUES) or compat.is_tracer(value):
+        return None
+    dtype = getattr(value, "dtype", None)
+    if not isinstance(dtype, np.dtype):  # (an extended dtype: a typed PRNG key)
+        return None
+    return ANY_VALUE, dtype, aval.shape, type(value), None
 
 
 def _tag_bits(env: RegionEnv, var: Any) -> int | None:
