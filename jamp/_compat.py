@@ -19,7 +19,7 @@ import re
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import numpy as np
@@ -1599,10 +1599,14 @@ def register_library_frames(module_file: str) -> None:
     _traceback_util.register_exclusion(path)
 
 
-def api_boundary(fn: Callable) -> Callable:
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+
+def api_boundary(fn: _Function) -> _Function:
     """``fn`` as a boundary for JAX's traceback filtering (``JAX_TRACEBACK_FILTERING``), as
     ``jax.jit``'s functions are: an error from the user's code below it shows the user's frames,
-    not jamp's and JAX's."""
+    not jamp's and JAX's. Typed as ``fn``: the public functions it wraps keep their signatures
+    for type checkers and IDEs."""
     boundary = _traceback_util.api_boundary(fn)
     if hasattr(fn, "__wrapped__"):  # (the user's function, as functools.wraps set it on fn)
         boundary.__wrapped__ = fn.__wrapped__  # type: ignore[attr-defined]
