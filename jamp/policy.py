@@ -355,6 +355,23 @@ def line_rule_hits(file: str, line: int, rules: Sequence[tuple[str, Any]]) -> li
     ]
 
 
+def check_rule_glob(glob: str, where: str) -> None:
+    """A ``ValueError`` naming ``where`` for a rule's pattern that would match nothing as meant:
+    a regular expression (matched as a glob, it matches no scope) or a line rule without its
+    line (``Policy.rules``, ``tracing.freeze(weights=...)``)."""
+    if any(sign in glob for sign in _REGEX_SIGNS):
+        raise ValueError(
+            f"{where} = {glob!r} looks like a regular expression; rules are shell-style globs "
+            "(fnmatch: '*' any text, '?' one character, '[ab]' a set) matched against the whole "
+            f"scope path, e.g. {_glob_for(glob)!r}"
+        )
+    if is_line_rule(glob) and ":" not in glob:
+        raise ValueError(
+            f"{where} = {glob!r}: a rule starting with '@' names a source line as "
+            "'@<file>:<line>', e.g. '@model.py:12' (a glob over the file's name or path)"
+        )
+
+
 def _glob_for(regex_like: str) -> str:
     """The glob a regex-looking rule most likely meant: ``^.*head$`` -> ``*head``."""
     glob = regex_like.removeprefix("^").removesuffix("$")
@@ -422,17 +439,7 @@ def _rules(value: Any) -> tuple[tuple[str, np.dtype | None], ...]:
                 f"Policy.rules[{i}][0] must be a non-empty glob string such as "
                 f"'*/head', got {glob!r}"
             )
-        if any(sign in glob for sign in _REGEX_SIGNS):
-            raise ValueError(
-                f"Policy.rules[{i}][0] = {glob!r} looks like a regular expression; rules are "
-                "shell-style globs (fnmatch: '*' any text, '?' one character, '[ab]' a set) "
-                f"matched against the whole scope path, e.g. {_glob_for(glob)!r}"
-            )
-        if is_line_rule(glob) and ":" not in glob:
-            raise ValueError(
-                f"Policy.rules[{i}][0] = {glob!r}: a rule starting with '@' names a source line "
-                "as '@<file>:<line>', e.g. '@model.py:12' (a glob over the file's name or path)"
-            )
+        check_rule_glob(glob, f"Policy.rules[{i}][0]")
         rules.append((glob, _dtype_or_none(dtype, f"rules[{i}][1]")))
     return tuple(rules)
 

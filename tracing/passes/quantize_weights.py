@@ -51,11 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp import _compat as compat
-from jamp.policy import (  # (_glob_for, _REGEX_SIGNS: Policy.rules' own regex check, shared)
-    _REGEX_SIGNS,
+from jamp.policy import (
     LINE_RULE,
     UnmatchedRuleWarning,
-    _glob_for,
+    check_rule_glob,
     is_line_rule,
     line_rule_hits,
     own_frame,
@@ -196,18 +195,8 @@ def weight_rules(weights: Any, where: str = "freeze") -> Rules:
                 f"('*head*', None) or ('*', jnp.int8), got {rule!r}"
             )
         glob = rule[0]
-        # As Policy.rules refuses one: matched as a glob, it would quantize nothing.
-        if any(sign in glob for sign in _REGEX_SIGNS):
-            raise ValueError(
-                f"{where}: weights[{i}][0] = {glob!r} looks like a regular expression; rules "
-                "are shell-style globs (fnmatch: '*' any text, '?' one character, '[ab]' a "
-                f"set) matched against the whole scope path, e.g. {_glob_for(glob)!r}"
-            )
-        if is_line_rule(glob) and ":" not in glob:
-            raise ValueError(
-                f"{where}: weights[{i}][0] = {glob!r}: a rule starting with '{LINE_RULE}' "
-                "names a source line as '@<file>:<line>', e.g. '@model.py:12'"
-            )
+        # As Policy.rules refuses them: matched as a glob, it would quantize nothing.
+        check_rule_glob(glob, f"{where}: weights[{i}][0]")
         out.append((glob, weight_dtype(rule[1], f"{where}: weights[{i}][1]")))
     return tuple(out)
 
