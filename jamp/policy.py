@@ -873,7 +873,12 @@ class ScopeLog:
 
 
 _warned: set[tuple[str, str, tuple[str, ...]]] = set()
-_OWN_PACKAGES = tuple(os.path.dirname(str(m.__file__)) + os.sep for m in (jax,))
+# JAX, and the ``tracing`` package jamp's distribution ships beside jamp (it calls jamp: a rule
+# warning raised under ``tracing.freeze(policy=...)`` belongs at the user's call of it).
+_OWN_PACKAGES = (
+    os.path.dirname(str(jax.__file__)) + os.sep,
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tracing") + os.sep,
+)
 
 
 def warn_unmatched(unmatched: Iterable[UnmatchedRule], where: str, paths: Iterable[str]) -> None:
@@ -918,7 +923,7 @@ def _is_internal(filename: str) -> bool:
     return (
         here in filename
         or filename == _CONTEXTLIB  # (a region's `with` exits through contextlib's frames)
-        or any(filename.startswith(p) for p in _OWN_PACKAGES)
+        or any(p in filename for p in _OWN_PACKAGES)  # (also within a label: 'f at <path>')
     )
 
 

@@ -255,3 +255,17 @@ def test_find_nonfinite_max_remedies_takes_numpy_ints_and_zero():
     assert found.remedy is None and found.tried == ()
     found = jamp.find_nonfinite(_overflows, *_ARGS, policy=jnp.float16, max_remedies=np.int32(6))
     assert found is not None and found.remedy is not None
+
+
+def test_freeze_with_a_policy_rule_that_matches_nothing_warns_at_the_users_call():
+    """The warning pointed at tracing/freeze.py and named its inner ``flat_fn``."""
+    model = nn.Dense(4)
+    variables = model.init(jax.random.PRNGKey(0), _X)
+    policy = jamp.Policy(rules=(("*no_such_scope*", None),))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracing.freeze(model, variables, _X, policy=policy)
+    unmatched = [w for w in caught if issubclass(w.category, jamp.UnmatchedRuleWarning)]
+    assert len(unmatched) == 1
+    assert unmatched[0].filename == __file__
+    assert "flat_fn" not in str(unmatched[0].message) and "freeze.py" not in str(unmatched[0].message)
