@@ -374,6 +374,10 @@ _FIRST_REWRITE = "first rewrite"
 
 # Primitives that only move or replicate data; a constant stays a constant through them.
 SHAPE_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose"})
+# Parts and joins of parameters are parameters still: a fused bias split per head or gate (a qkv
+# bias sliced), biases concatenated into one (Flax's OptimizedLSTMCell's four gates'), which a
+# bias add then takes as a bias (``_adapts``).
+PARAMETER_PIECES = frozenset({"slice", "split", "concatenate"})
 
 # Sums: a value they accumulate is "accumulated" (rules/powers.py), also through the primitives
 # in ACCUMULATED_THROUGH (reshapes, converts) on the way there.
@@ -939,6 +943,10 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
         _track_lowered(step, outs)
     if step.policy.category(name) == "lower" and step.state.enabled:
         env.lower_outputs.update(step.eqn.outvars)
+    if name in PARAMETER_PIECES and all(
+        isinstance(atom, compat.Var) and atom in env.input_view for atom in step.eqn.invars
+    ):
+        env.input_view.update(step.eqn.outvars)
     if len(step.args) != 1 or len(outs) != 1:
         return
     atom, out_var = step.eqn.invars[0], step.eqn.outvars[0]

@@ -482,6 +482,42 @@ def test_bias_add_after_matmul_or_conv_is_part_of_the_lower_op():
     assert jax.vmap(jamp.autocast_transform(g), (0, None, 0))(x, w, r).dtype == F32
 
 
+PIECES_OF_PARAMETERS = {  # a fused bias split, sliced or joined is a bias still
+    "concatenated": lambda x, w, b: x @ w + jnp.concatenate([b[:8], b[8:]]).reshape(1, -1),
+    "sliced": lambda x, w, b: x @ w[:, :8] + b[:8],
+    "split": lambda x, w, b: sum(x @ wi + bi for wi, bi in zip(jnp.split(w, 2, axis=1),
+                                                             jnp.split(b, 2))),
+}
+
+
+@pytest.mark.parametrize("form", ["transform", "region"])
+@pytest.mark.parametrize("piece", PIECES_OF_PARAMETERS)
+def test_a_bias_made_of_pieces_of_parameters_is_a_bias(piece, form):
+    """Flax's OptimizedLSTMCell concatenates its four gates' biases: the bias add promoted, so
+    its gates ran in float32 where hand-written bfloat16 (and torch's lstm_cell) run bfloat16."""
+    fn, args = PIECES_OF_PARAMETERS[piece], (_rand(2, 8), _rand(8, 16, key=1), _rand(16, key=2))
+    if form == "transform":
+        out = jamp.autocast_transform(fn)(*args)
+    else:
+        with jamp.autocast():
+            out = fn(*args)
+    assert out.dtype == BF16
+    np.testing.assert_allclose(out.astype(F32), fn(*args), rtol=2e-2, atol=5e-2)
+
+
+def test_optimized_lstm_cell_gates_run_in_bfloat16():
+    import flax.linen as nn
+    cell = nn.OptimizedLSTMCell(16)
+    x = _rand(4, 8)
+    carry = cell.initialize_carry(jax.random.PRNGKey(0), x.shape)
+    variables = cell.init(jax.random.PRNGKey(1), carry, x)
+    closed = jax.make_jaxpr(jamp.autocast_transform(cell.apply))(variables, carry, x)
+    gates = [e.outvars[0].aval.dtype for e in closed.jaxpr.eqns
+             if e.primitive.name in ("logistic", "tanh")]
+    assert gates and BF16 in gates  # the gates on the matmul's output (the carry's tanh: float32)
+    assert sum(d == F32 for d in gates) <= 1
+
+
 def test_broadcast_scalars_keep_adapting_inside_jitted_callees():
     # jnp code often broadcasts a scalar and passes it to a jitted helper (`_where`).
     where = jax.jit(lambda m, a, b: jnp.where(m, a, b))
