@@ -5,8 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jamp
+from tests.hypothesis_profiles import examples
 
 RNG = np.random.default_rng(0)
 MESSAGES = jnp.asarray(RNG.uniform(0.0, 1.0, (4096, 8)), jnp.float32)
@@ -43,3 +46,27 @@ def test_an_accumulated_scatter_add_is_differentiable():
     expected = jax.grad(lambda w: into_16_bit_buffer(MESSAGES, w).sum())(W)
     assert grad.dtype == jnp.float32
     np.testing.assert_allclose(grad, expected, rtol=2e-2)
+
+
+@settings(max_examples=examples(12), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 300), segments=st.integers(1, 6), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([jnp.bfloat16, jnp.float16]), form=st.sampled_from(["transform", "region"]))
+def test_property_a_16_bit_scatter_add_rounds_once(n, segments, seed, dtype, form):
+    """For any indices, a scatter-add into a 16-bit buffer equals the float32 sum of the same
+    16-bit updates, rounded once into the buffer's dtype: repeated indices round no more."""
+    rng = np.random.default_rng(seed)
+    updates = jnp.asarray(rng.uniform(0.0, 1.0, (n,)), dtype)
+    indices = jnp.asarray(rng.integers(0, segments, n), jnp.int32)
+
+    def scatter(u, idx):
+        return jnp.zeros(segments, u.dtype).at[idx].add(u)
+
+    if form == "transform":
+        out = jamp.autocast_transform(scatter, dtype)(updates, indices)
+    else:
+        with jamp.autocast(dtype=dtype):
+            out = scatter(updates, indices)
+    expected = scatter(updates.astype(jnp.float32), indices).astype(dtype)
+    assert out.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
