@@ -944,7 +944,8 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     if step.policy.category(name) == "lower" and step.state.enabled:
         env.lower_outputs.update(step.eqn.outvars)
     if name in PARAMETER_PIECES and all(
-        isinstance(atom, compat.Var) and atom in env.input_view for atom in step.eqn.invars
+        atom in env.input_view or env.source(atom) is not None  # (a parameter, or a constant)
+        for atom in step.eqn.invars
     ):
         env.input_view.update(step.eqn.outvars)
     if len(step.args) != 1 or len(outs) != 1:

@@ -560,7 +560,8 @@ class Policy:
         (float64 only with ``jax_enable_x64``, as any JAX array: float32 without, warned).
       cast_inputs: cast floating (non-float64) inputs to the compute dtype on entry, except a
         Flax model's running statistics (linen's ``batch_stats``, NNX ``BatchStat``), which
-        keep their dtype as Flax's ``dtype=`` layers keep them.
+        keep their dtype as Flax's ``dtype=`` layers keep them (``autocast_jaxpr``, given a
+        program without its arguments' pytrees, casts every input).
       lower, fp32, promote: sets of primitive names (``LOWER``, ``FP32``, ``PROMOTE`` in
         ``jamp.policy`` by default; see the README for the full tables). Every name must be a
         primitive of the running JAX: ``Policy(lower={"dot"})`` raises ``ValueError`` suggesting

@@ -628,6 +628,8 @@ class RegionTrace(compat.Trace):
         if programs and compat.is_eager(self.parent):
             outs = self._eager_program(primitive, args, params)
             if outs is not None:
+                if True in params.get("donated_invars", ()):  # (a user's jit, jax 0.10)
+                    self._forget_donated(args, params["donated_invars"])
                 return outs if primitive.multiple_results else outs[0]
         env = self.env
         invars = []
@@ -686,6 +688,8 @@ class RegionTrace(compat.Trace):
                 for var in invars:
                     if var in env.upcast_of:
                         env.casts.pop((var, F32), None)
+        if programs and True in params.get("donated_invars", ()) and compat.is_eager(self.parent):
+            self._forget_donated(args, params["donated_invars"])  # (a user's jit, jax 0.10)
         # What a call would have returned without the policy (its body's traced types).
         traced = [getattr(v.aval, "dtype", None) for v in eqn.outvars] if programs else []
         outvars = eqn.set_outputs(outs)
@@ -907,6 +911,8 @@ class RegionTrace(compat.Trace):
         if rewrite is not None:
             if eager:
                 outs = rewrite.run_eagerly(args, call)  # (None: op by op under jax.debug_nans)
+                if call is not None and outs is not None:
+                    self._forget_donated(args, params["donated_invars"])
             else:
                 outs = compat.bind_on(
                     self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
@@ -916,6 +922,16 @@ class RegionTrace(compat.Trace):
             return self._walk(params["jaxpr"], args, failed)
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
+
+    def _forget_donated(self, args: Sequence[Any], donated: Sequence[bool]) -> None:
+        """After a user's jit donated operands: the values known from them (a view of a weak
+        constant, ``w.reshape(...)`` made before the call) are no longer theirs to recompute
+        from, as that array is deleted; they are the values the region holds."""
+        gone = {id(a) for a, d in zip(args, donated) if d}
+        if gone:
+            known = self.env.known
+            for var in [v for v, source in known.items() if id(source.base) in gone]:
+                del known[var]
 
     def _eager_program(self, primitive: Any, args: Sequence[Any], params: dict) -> list[Any] | None:
         """Eagerly, a primitive carrying programs (``lax.scan``, ``while_loop``, ``cond``) is

@@ -467,7 +467,9 @@ def explain(
     refuse_untraceable()  # (before the program it compiles, which refuses it unnamed)
     traced = tracer()
     recorder = Recorder(policy, tag_float8=compiled)
-    program = lambda *a: rewrite_and_eval(traced.closed, policy, a, recorder)  # noqa: E731
+    program = lambda *a: rewrite_and_eval(  # noqa: E731
+        traced.closed, policy, a, recorder, kept_dtypes=traced.kept_dtypes
+    )
     if not compiled:
         compat.trace_to_closed(program, [compat.aval_of(x) for x in flat])
         return recorder.report()

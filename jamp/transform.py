@@ -358,6 +358,8 @@ class _Traced:
     cacheable: bool = True
     name: str = "autocast"
     program: Callable | None = None  # jax.jit of the rewrite, made on first use
+    donated: tuple[int, ...] = ()  # the inputs ``program`` donates (``compiled``)
+    undonated: Callable | None = None  # the same program donating none
     # Whether a custom_jvp/custom_vjp rule in the program closes over values of the user's
     # trace, which only the direct rewrite can map (Rewriter.outer_value): found out when the
     # compiled program's rule raised RuleClosureError under eager grad.
@@ -376,12 +378,11 @@ class _Traced:
             leaves[i] = value
         return jax.tree.unflatten(self.out_tree, leaves)
 
-    def compiled(self, policy: Policy) -> Callable:
+    def compiled(self, policy: Policy, flat: Sequence[Any]) -> Callable:
         """The rewritten program as one ``jax.jit`` function (traced and compiled once per
-        trace context)."""
+        trace context), for the arguments ``flat``."""
         if self.program is None:
             closed = self.closed
-
             kept = self.kept_dtypes
 
             def program(*flat: Any) -> list[Any]:
@@ -392,7 +393,21 @@ class _Traced:
             # (a jit nested in this one would lose both).
             donate, out_shardings = compat.eager_call_settings(closed)
             self.program = jax.jit(program, donate_argnums=donate, out_shardings=out_shardings)
+            self.donated = donate
+            self.undonated = (
+                jax.jit(program, out_shardings=out_shardings) if donate else self.program
+            )
+        if self.donated and _shares_a_donated_buffer(flat, self.donated):
+            assert self.undonated is not None  # (made with the program)
+            return self.undonated  # (one array passed twice: the other reads it after)
         return self.program
+
+
+def _shares_a_donated_buffer(flat: Sequence[Any], donated: tuple[int, ...]) -> bool:
+    """Whether an input to donate is also passed elsewhere in ``flat`` (tied weights, an EMA
+    sharing the parameters' arrays): donated, the other read would find it deleted."""
+    ids = [id(x) for x in flat]
+    return any(ids.count(ids[i]) > 1 for i in donated)
 
 
 def _is_array_output(leaf: Any) -> bool:
@@ -478,10 +493,6 @@ def trace_call(
         flat, in_tree, signature, numbers_are_static=compat.under_transformation()
     )
     traced_flat = [flat[i] for i in traced_at]
-    statistics = (
-        graph_nodes.running_statistics((args, kwargs), len(flat)) if policy.cast_inputs else None
-    )
-    kept_dtypes = tuple(statistics[i] for i in traced_at) if statistics else ()
 
     def refuse_untraceable() -> None:
         where = (
@@ -524,6 +535,12 @@ def trace_call(
         debug = _debug_info(
             source, signature.fn if signature is not None else fn, flat, in_tree, traced_at
         )
+        statistics = (  # (per argument structure, the cache key's: found when tracing)
+            graph_nodes.running_statistics((args, kwargs), len(flat))
+            if policy.cast_inputs
+            else None
+        )
+        kept_dtypes = tuple(statistics[i] for i in traced_at) if statistics else ()
         # cast_inputs: softmax as one call, which then returns the compute dtype and keeps only
         # its compute-dtype output for the backward pass (rules/custom_ad.py).
         softmax = compat.softmax_as_custom_jvp() if policy.cast_inputs else contextlib.nullcontext()
@@ -628,7 +645,7 @@ def _transform_arrays(
         # of its JVP and batching) make later calls skip tracing, rewriting and compiling.
         try:
             with as_rewritten():
-                outs = traced.compiled(policy)(*flat)
+                outs = traced.compiled(policy, flat)(*flat)
         except custom_ad.RuleClosureError:
             if eager:
                 raise

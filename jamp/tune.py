@@ -241,7 +241,8 @@ class _Traced:
             fn, policy, args, kwargs, signature=signature
         )
         refuse_untraceable()  # (before the programs tune compiles, which refuse it unnamed)
-        self.closed = tracer().closed
+        traced = tracer()
+        self.closed, self.kept_dtypes = traced.closed, traced.kept_dtypes
         self.jaxpr = compat.open_and_consts(self.closed)[0]
         self.avals = [compat.aval_of(x) for x in flat]
         self.shape: list[tuple[tuple[str, ...], int]] | None = None
@@ -253,7 +254,10 @@ class _Traced:
 
         recorder = _OpRecorder(policy)
         compat.trace_to_closed(
-            lambda *a: rewrite_and_eval(self.closed, policy, a, recorder), self.avals
+            lambda *a: rewrite_and_eval(
+                self.closed, policy, a, recorder, kept_dtypes=self.kept_dtypes
+            ),
+            self.avals,
         )
         if self.shape is None:
             self.shape = [(op.path, op.flops) for op in recorder.matmuls]

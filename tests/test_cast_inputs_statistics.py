@@ -83,3 +83,11 @@ def test_nnx_batch_stats_update_as_in_float32(form):
         mean = jamp.autocast_transform(step, LEAN)(state, BATCH)["norm"]["mean"][...]
     assert mean.dtype == jnp.float32
     np.testing.assert_allclose(mean, expected.norm.mean[...], rtol=1e-6)
+
+
+def test_explain_reports_the_statistics_kept_as_the_transform_keeps_them():
+    model = LinenNorm()
+    variables = model.init(jax.random.PRNGKey(0), BATCH)
+    report = jamp.explain(lambda v, x: model.apply(v, x, mutable=["batch_stats"]), variables,
+                          BATCH, policy=LEAN)
+    assert report.casts == 3  # the scale, the bias and the batch; not the mean and variance

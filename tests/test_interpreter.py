@@ -485,6 +485,7 @@ def test_bias_add_after_matmul_or_conv_is_part_of_the_lower_op():
 PIECES_OF_PARAMETERS = {  # a fused bias split, sliced or joined is a bias still
     "concatenated": lambda x, w, b: x @ w + jnp.concatenate([b[:8], b[8:]]).reshape(1, -1),
     "sliced": lambda x, w, b: x @ w[:, :8] + b[:8],
+    "joined to a constant": lambda x, w, b: x @ w + jnp.concatenate([b[:8], jnp.zeros(8)]),
     "split": lambda x, w, b: sum(x @ wi + bi for wi, bi in zip(jnp.split(w, 2, axis=1),
                                                              jnp.split(b, 2))),
 }
@@ -503,6 +504,18 @@ def test_a_bias_made_of_pieces_of_parameters_is_a_bias(piece, form):
             out = fn(*args)
     assert out.dtype == BF16
     np.testing.assert_allclose(out.astype(F32), fn(*args), rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("form", ["transform", "region"])
+def test_a_parameter_joined_to_a_computed_value_is_no_bias(form):
+    fn = lambda x, w, b: x @ w + jnp.concatenate([b[:8], jnp.tanh(x[0, :8])])  # noqa: E731
+    args = (_rand(2, 8), _rand(8, 16, key=1), _rand(16, key=2))
+    if form == "transform":
+        out = jamp.autocast_transform(fn)(*args)
+    else:
+        with jamp.autocast():
+            out = fn(*args)
+    assert out.dtype == F32
 
 
 def test_optimized_lstm_cell_gates_run_in_bfloat16():

@@ -134,3 +134,24 @@ def test_output_sharding_kept_in_a_region_on_two_devices():
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "sharded outputs kept" in result.stdout
+
+
+_ONES = jnp.ones((4, 4))
+_DONATING = jax.jit(lambda w, x: w - 0.1 * jnp.tanh(x @ w), donate_argnums=0)
+
+
+def _reads_a_view_after_donating(w):
+    view = w.reshape(16).reshape(4, 4)
+    _DONATING(w, _ONES)
+    return _ONES @ view, (view * 2.0)[0, 0]
+
+
+def test_a_view_of_a_donated_weak_constant_is_still_readable():
+    """A region knows a weak-typed array's views by the array (to cast it saturating); after a
+    jit donated that array, they were recomputed from its deleted buffer."""
+    expected = _reads_a_view_after_donating(jnp.full((4, 4), 0.1))
+    weak = jnp.full((4, 4), 0.1)
+    with jamp.autocast():
+        out = _reads_a_view_after_donating(weak)
+    for got, want in zip(out, expected):
+        np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2)

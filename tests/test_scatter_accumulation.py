@@ -70,3 +70,21 @@ def test_property_a_16_bit_scatter_add_rounds_once(n, segments, seed, dtype, for
     expected = scatter(updates.astype(jnp.float32), indices).astype(dtype)
     assert out.dtype == dtype
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(expected, np.float32))
+
+
+def test_a_disabled_region_or_a_policy_without_the_rule_adds_as_traced():
+    buffer_dtype_sum = (jnp.zeros(1, jnp.bfloat16).at[INTO_NODE_0[:300]]
+                        .add(jnp.ones(300, jnp.bfloat16)))  # 256: bfloat16 stalls there
+
+    def disabled(u):
+        with jamp.autocast(enabled=False):
+            return jnp.zeros(1, jnp.bfloat16).at[INTO_NODE_0[:300]].add(u)
+
+    u = jnp.ones(300, jnp.bfloat16)
+    assert float(jamp.autocast_transform(disabled)(u)[0]) == float(buffer_dtype_sum[0]) == 256.0
+    not_promoted = jamp.Policy(promote=jamp.policy.PROMOTE - {"scatter-add"})
+    added = jamp.autocast_transform(lambda u: jnp.zeros(1, u.dtype).at[INTO_NODE_0[:300]].add(u),
+                                    not_promoted)(u)
+    assert float(added[0]) == 256.0
+    assert float(jamp.autocast_transform(lambda u: jnp.zeros(1, u.dtype).at[
+        INTO_NODE_0[:300]].add(u))(u)[0]) == 300.0  # (the default: accumulated in float32)

@@ -50,3 +50,14 @@ def test_output_memory_kind_is_the_jits():
     assert to_host(X).sharding.memory_kind == "pinned_host"  # the CPU has host memory
     out = jamp.autocast_transform(to_host)(X)
     assert out.sharding.memory_kind == "pinned_host" and out.dtype == jnp.bfloat16  # (a matmul)
+
+
+def test_an_array_passed_twice_is_not_donated_from_under_the_other_read():
+    """Tied weights, an EMA sharing the parameters' arrays: the same array passed as the donated
+    argument and as another one is read after the donating call, as plain JAX allows."""
+    w = jnp.ones((4, 4))
+    total, _ = jamp.autocast_transform(lambda a, b: (b.sum(), DONATING(a, X)))(w, w)
+    assert float(total) == 16.0 and not w.is_deleted()
+    other = jnp.ones((4, 4))
+    jamp.autocast_transform(lambda a, b: (b.sum(), DONATING(a, X)))(other, w)
+    assert other.is_deleted()  # passed once: donated as before

@@ -39,7 +39,13 @@ def scatter_rule(step: Step) -> Sequence[Any]:
     # A sum over repeated indices (jax.ops.segment_sum, a gather's gradient) in a 16-bit buffer
     # rounds after every addition: 4096 messages into one node summed to 256 in bfloat16 where
     # float32 gives 2039. It accumulates in float32 and rounds once, as a matmul does.
-    accumulate = name in _ACCUMULATING and not params["unique_indices"] and _narrow(dtype)
+    accumulate = (
+        name in _ACCUMULATING
+        and step.state.enabled  # (a disabled region runs it as traced)
+        and step.policy.category(name) == "promote"  # (a policy that moved it elsewhere)
+        and not params["unique_indices"]
+        and _narrow(dtype)
+    )
     if accumulate:
         targets = {0: F32, 2: F32}
     operand, indices, updates = step.with_cast(targets)
