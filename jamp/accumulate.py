@@ -14,7 +14,7 @@ skipped as a whole (no update, the inner optimizer's state unchanged).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,29 @@ def _accumulator(p: Any) -> jax.Array:
     dtype = jnp.result_type(p)
     wide = jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
     return jnp.zeros(jnp.shape(p), wide)
+
+
+def _mismatch(acc_grads: Any, grads: Any) -> ValueError | None:
+    """The gradients are not shaped as the parameters ``init`` made the state for were, in the
+    terms :func:`jamp.optim.master_weights` says it in (JAX's error names no path); None if they
+    are."""
+    where = "jamp.accumulate_micro_batches(tx, every_k).update"
+    try:
+        flat = cast(Any, jax.tree.structure(acc_grads)).flatten_up_to(grads)
+    except (ValueError, TypeError) as err:
+        return ValueError(
+            f"{where}: opt_state.acc_grads and grads differ in structure: {err} A parameter "
+            "added or removed since init made the state? Make the state again with init(params)"
+        )
+    for (path, a), g in zip(jax.tree_util.tree_flatten_with_path(acc_grads)[0], flat):
+        if np.shape(g) != np.shape(a):
+            at = jax.tree_util.keystr(path)
+            return ValueError(
+                f"{where}: grads{at} has shape {tuple(np.shape(g))} but had "
+                f"{tuple(np.shape(a))} when init made the state (opt_state.acc_grads{at}); make "
+                "the state again with init(params) after changing a parameter's shape"
+            )
+    return None
 
 
 def accumulate_micro_batches(tx: Any, every_k: int) -> Any:
@@ -86,7 +109,23 @@ def accumulate_micro_batches(tx: Any, every_k: int) -> Any:
     def update(
         grads: Any, state: MicroBatchesState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, MicroBatchesState]:
-        acc = jax.tree.map(lambda a, g: a + jnp.asarray(g).astype(a.dtype), state.acc_grads, grads)
+        reshaped: list[Any] = []
+
+        def accumulated(a: jax.Array, g: Any) -> jax.Array:
+            if np.shape(g) != a.shape:  # (a 1x4 gradient would broadcast into 4x4 silently)
+                reshaped.append(g)
+                return a
+            return a + jnp.asarray(g).astype(a.dtype)
+
+        try:
+            acc = jax.tree.map(accumulated, state.acc_grads, grads)
+        except ValueError as err:  # another structure: a parameter added or removed since init
+            found = _mismatch(state.acc_grads, grads)
+            if found is None:
+                raise
+            raise found from err
+        if reshaped:
+            raise cast(ValueError, _mismatch(state.acc_grads, grads))  # (it names the leaf)
         last = state.mini_step == every_k - 1
         finite = all_finite(acc)
         mean = jax.tree.map(lambda a, g: (a / every_k).astype(jnp.result_type(g)), acc, grads)

@@ -9,8 +9,8 @@ Growth is capped at ``max_loss_scale`` (the float32 maximum by default, as flax'
 ``DynamicScale``), and every field is validated at construction with an error naming it
 (``DynamicLossScale(factor=0.5)`` raises ``ValueError``), so a scale cannot stall training by
 reaching inf, 0 or NaN. The scales are pytrees (orbax checkpoints them) and are registered
-with ``flax.serialization`` when the first is made (``to_bytes``, ``from_bytes``, a
-``TrainState`` that holds one).
+with ``flax.serialization`` when the first is made, constructed, unpickled or rebuilt from a
+treedef (``to_bytes``, ``from_bytes``, a ``TrainState`` that holds one).
 
 Example::
 
@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import sys
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -162,7 +162,12 @@ def _register(cls: type) -> type:
 
 
 def _unchecked(cls: type, **values: Any) -> Any:
-    """An instance with these field values, without validation (values jamp computed itself)."""
+    """An instance with these field values, without validation (values jamp computed itself).
+
+    Registers the scales with flax here too: a scale rebuilt by unflattening (a loaded export's
+    outputs, a state restored into a target made from a treedef) may be the first the process
+    has (a dict lookup once done)."""
+    _register_with_flax()
     obj: Any = object.__new__(cls)
     for name, value in values.items():
         object.__setattr__(obj, name, value)
@@ -174,6 +179,17 @@ class _LossScale:
 
     def __post_init__(self) -> None:
         _register_with_flax()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Unpickled (multiprocessing, cloudpickle), a scale is made without its constructor:
+        # through _unchecked, which registers it with flax (and does not validate what was).
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(cast(Any, self))}
+        return _unpickle, (type(self), values)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Pickles written before ``__reduce__`` (the default protocol's field dict)."""
+        _register_with_flax()
+        self.__dict__.update(state)
 
     def scale(self, tree: Any) -> Any:
         """Multiply every floating or complex leaf (usually the loss) by the loss scale.
@@ -203,6 +219,10 @@ class _LossScale:
         """The loss scale for the next step (unchanged for static scales)."""
         _check_grads_finite(grads_finite)
         return self
+
+
+def _unpickle(cls: type, values: dict[str, Any]) -> Any:
+    return _unchecked(cls, **values)
 
 
 def _check_grads_finite(grads_finite: Any) -> jax.Array:
@@ -498,8 +518,9 @@ def _from_state_dict(target: Any, state: dict[str, Any]) -> Any:
 
 @functools.cache
 def _register_with_flax() -> None:
-    """Called as a scale is constructed (every scale flax could meet was): ``import jamp``
-    does not import flax (~0.2 s), and flax finds a type's handlers only in its registry."""
+    """Called as a scale is made (constructed, unflattened or unpickled: every scale flax could
+    meet was): ``import jamp`` does not import flax (~0.2 s), and flax finds a type's handlers
+    only in its registry."""
     from flax import serialization
 
     for cls in (NoOpLossScale, StaticLossScale, DynamicLossScale, MicroBatchLossScale):

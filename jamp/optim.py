@@ -355,6 +355,57 @@ def state_dtype(
         text = _path_text(path)
         return not any(fnmatch.fnmatchcase(text, g) for g in globs)
 
+    # inner.init's state as shapes and dtypes, by the parameters' shapes and dtypes: what a kept
+    # leaf in a 16-bit dtype is checked against (made once for a configuration, then looked up)
+    made_for: dict[Any, Any] = {}
+
+    def made_by_init(params: Any) -> Any:
+        leaves, params_def = jax.tree.flatten(params)
+        key = (params_def, tuple((np.shape(x), jnp.result_type(x)) for x in leaves))
+        try:
+            return made_for[key]
+        except KeyError:
+            if len(made_for) >= 8:
+                made_for.clear()
+            made_for[key] = _abstract_init(inner, params)
+            return made_for[key]
+        except TypeError:  # an unhashable node in the parameters' treedef: made each time
+            return _abstract_init(inner, params)
+
+    def check_stored(flat: list[Any], treedef: Any, stored_at: list[int], params: Any) -> None:
+        """The state in the dtypes this configuration stores (a state saved under another one
+        and restored with flax.serialization, which keeps the saved dtypes, would stay in those
+        for good, and a guarded step fails on the mismatch without naming it)."""
+        for i in stored_at:
+            path, leaf = flat[i]
+            if leaf.dtype != target:
+                raise _stored_dtype_error(
+                    where, path, leaf.dtype, target, f"state_dtype(tx, dtype={target.name})"
+                )
+        at = set(stored_at)
+        kept = [
+            i
+            for i, (_, x) in enumerate(flat)
+            if i not in at and _floating(x) and np.ndim(x) and is_narrow(x.dtype)
+        ]
+        if not kept or params is None:
+            return  # (what tx.init makes is known from the parameters only)
+        made = made_by_init(params)
+        if made is None:
+            return
+        made_leaves, made_def = jax.tree.flatten(made)
+        if made_def != treedef:
+            return  # another structure: inner.update fails, and the error names it
+        for i in kept:
+            path, leaf = flat[i]
+            if made_leaves[i].dtype != leaf.dtype:
+                why = (
+                    "a master copy, as tx.init makes it"
+                    if _MASTER_COPY in tuple(path)
+                    else f"kept by keep={globs!r}, as tx.init makes it"
+                )
+                raise _stored_dtype_error(where, path, leaf.dtype, made_leaves[i].dtype, why)
+
     def init(params: Any) -> StateDtypeState:
         state = inner.init(params)
         flat = jax.tree_util.tree_flatten_with_path(state)[0]
@@ -379,15 +430,24 @@ def state_dtype(
     ) -> tuple[Any, StateDtypeState]:
         _check_state(state, StateDtypeState, f"{where}(tx)")
         stored = state.inner_state
+        old_flat, treedef = jax.tree_util.tree_flatten_with_path(stored)
+        treedef = cast(Any, treedef)  # typed PyTreeDef? in jax's stubs, without its methods
+        stored_at = [i for i, (path, old) in enumerate(old_flat) if narrowed(path, old)]
+        check_stored(old_flat, treedef, stored_at, params)
         # All of it in float32, kept narrow leaves and gradients too: a tx with a lax.cond
         # inside (apply_if_finite) needs the same dtypes from the step it takes and the one
         # it skips (the gradients, or the state as it came in).
         wide = jax.tree.map(widened, stored)
-        new_updates, new_state = inner.update(jax.tree.map(widened, updates), wide, params, **extra)
-        old_flat, treedef = jax.tree_util.tree_flatten_with_path(stored)
-        treedef = cast(Any, treedef)  # typed PyTreeDef? in jax's stubs, without its methods
+        try:
+            new_updates, new_state = inner.update(
+                jax.tree.map(widened, updates), wide, params, **extra
+            )
+        except (ValueError, TypeError) as err:
+            found = None if _ours(err) else _mismatch(inner, stored, params, updates, where)
+            if found is None:
+                raise
+            raise found from err
         new_leaves = treedef.flatten_up_to(new_state)
-        stored_at = [i for i, (path, old) in enumerate(old_flat) if narrowed(path, old)]
         rounded = round_fn(
             [_saturated(jnp.asarray(new_leaves[i]).astype(F32), target) for i in stored_at],
             [target] * len(stored_at),
@@ -403,16 +463,149 @@ def state_dtype(
         # Updates of another structure (optax.lookahead's: fast and slow) line up with no
         # gradient: they come back as tx returned them.
         if cast(Any, jax.tree.structure(new_updates)) == jax.tree.structure(updates):
-            new_updates = jax.tree.map(
-                lambda u, g: u.astype(g.dtype) if _floating(u) and _floating(g) else u,
-                new_updates,
-                updates,
-            )
+            reshaped: list[Any] = []
+
+            def like_grad(u: Any, g: Any) -> Any:
+                if np.shape(u) != np.shape(g):  # a state of other shapes, broadcast by tx
+                    reshaped.append(u)
+                return u.astype(g.dtype) if _floating(u) and _floating(g) else u
+
+            new_updates = jax.tree.map(like_grad, new_updates, updates)
+            if reshaped:
+                raise _mismatch(inner, stored, params, updates, where) or _reshaped_error(
+                    where, new_updates, updates, "grads"
+                )
         return new_updates, StateDtypeState(
             step=state.step + 1, inner_state=treedef.unflatten(kept_leaves)
         )
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _stored_dtype_error(where: str, path: Any, found: Any, expected: Any, why: str) -> ValueError:
+    return ValueError(
+        f"{where}(tx).update: opt_state.inner_state{jax.tree_util.keystr(path)} is "
+        f"{np.dtype(found).name} but this state_dtype stores it in {np.dtype(expected).name} "
+        f"({why}): a state saved under another configuration? (flax.serialization.from_bytes "
+        "keeps the dtypes it was saved in.) Convert it once to the dtypes init makes: restore "
+        "with orbax and the abstract target jax.eval_shape(tx.init, params), which casts, or "
+        "opt_state = jax.tree.map(lambda x, t: x.astype(t.dtype), opt_state, "
+        "jax.eval_shape(tx.init, params))"
+    )
+
+
+def _ours(err: Exception) -> bool:
+    """An error a jamp wrapper inside raised, in the user's terms already (they start with the
+    wrapper's name): passed on as it is."""
+    return str(err).startswith("jamp.")
+
+
+def _abstract_init(inner: Any, params: Any) -> Any:
+    """``inner.init(params)`` as shapes and dtypes, or None where it cannot be made here."""
+    try:
+        shapes = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), params
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (state_dtype's keep= warning, given at init)
+            return jax.eval_shape(inner.init, shapes)
+    except Exception:  # (on an error path only: the caller raises the error it has)
+        return None
+
+
+def _listed(paths: list[str], prefix: str) -> str:
+    shown = ", ".join(prefix + p for p in paths[:3])
+    return shown + (f", ... ({len(paths)} in all)" if len(paths) > 3 else "")
+
+
+def _param_path(params: Any, state_path: str) -> str | None:
+    """The parameter a state leaf mirrors (``['enc']['w']`` for ``[0].mu['enc']['w']``): the
+    longest parameter path the state path ends with."""
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    ends = [p for p in paths if p and state_path.endswith(p)]
+    return max(ends, key=len) if ends else None
+
+
+def _mismatch(inner: Any, stored: Any, params: Any, grads: Any, where: str) -> ValueError | None:
+    """Why ``inner.update`` failed, in the user's terms, where the parameters changed structure
+    or shape since ``init`` made the state (or the gradients are not shaped as the parameters),
+    as :func:`master_weights` says it; None for another cause. Only on an error path: it traces
+    ``inner.init``."""
+    subject = "params" if params is not None else "grads"
+    like = params if params is not None else grads
+    made = _abstract_init(inner, like)
+    if made is not None:
+        want = jax.tree_util.tree_flatten_with_path(made)[0]
+        got = jax.tree_util.tree_flatten_with_path(stored)[0]
+        if cast(Any, jax.tree.structure(made)) != jax.tree.structure(stored):
+            want_paths = [jax.tree_util.keystr(p) for p, _ in want]
+            got_paths = [jax.tree_util.keystr(p) for p, _ in got]
+            lacking = [p for p in want_paths if p not in set(got_paths)]
+            unknown = [p for p in got_paths if p not in set(want_paths)]
+            parts = []
+            if lacking:
+                parts.append(
+                    f"init({subject}) makes {_listed(lacking, 'opt_state.inner_state')}, which "
+                    "opt_state lacks"
+                )
+            if unknown:
+                parts.append(
+                    f"opt_state has {_listed(unknown, 'opt_state.inner_state')}, which "
+                    f"init({subject}) does not make"
+                )
+            detail = "; ".join(parts) or (
+                f"{jax.tree.structure(stored)} where init({subject}) makes "
+                f"{jax.tree.structure(made)}"
+            )
+            return ValueError(
+                f"{where}(tx).update: opt_state.inner_state and {subject} differ in structure: "
+                f"{detail}. A parameter added or removed since init made the state? Make the "
+                f"state again with init({subject})"
+            )
+        for (path, w), (_, g) in zip(want, got):
+            if np.shape(w) == np.shape(g):
+                continue
+            state_path = jax.tree_util.keystr(path)
+            leaf = _param_path(like, state_path)
+            if leaf is None:
+                return ValueError(
+                    f"{where}(tx).update: opt_state.inner_state{state_path} has shape "
+                    f"{tuple(np.shape(g))} but init({subject}) makes {tuple(np.shape(w))}; make "
+                    "the state again with init(params) after changing a parameter's shape"
+                )
+            return ValueError(
+                f"{where}(tx).update: {subject}{leaf} has shape {tuple(np.shape(w))} but had "
+                f"{tuple(np.shape(g))} when init made the state "
+                f"(opt_state.inner_state{state_path}); make the state again with init(params) "
+                "after changing a parameter's shape"
+            )
+    if params is not None:
+        try:
+            flat_grads = cast(Any, jax.tree.structure(params)).flatten_up_to(grads)
+        except (ValueError, TypeError) as err:
+            return ValueError(f"{where}(tx).update: grads and params differ in structure: {err}")
+        for (path, p), g in zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_grads):
+            if np.shape(g) != np.shape(p):
+                at = jax.tree_util.keystr(path)
+                return ValueError(
+                    f"{where}(tx).update: grads{at} has shape {tuple(np.shape(g))} but "
+                    f"params{at} has shape {tuple(np.shape(p))}"
+                )
+    return None
+
+
+def _reshaped_error(where: str, updates: Any, like: Any, what: str) -> ValueError:
+    """tx's updates of other shapes than ``like`` (the gradients or the parameters), no cause
+    found in the state."""
+    flat = jax.tree_util.tree_flatten_with_path(updates)[0]
+    for (path, u), x in zip(flat, jax.tree.leaves(like)):
+        if np.shape(u) != np.shape(x):
+            at = jax.tree_util.keystr(path)
+            return ValueError(
+                f"{where}(tx).update: tx returned updates{at} of shape {tuple(np.shape(u))} for "
+                f"{what}{at} of shape {tuple(np.shape(x))}"
+            )
+    return ValueError(f"{where}(tx).update: tx returned updates of other shapes than the {what}")
 
 
 def _saturated(value: jax.Array, dtype: Any) -> jax.Array:
@@ -658,10 +851,25 @@ def stochastic_rounding(tx: Any, *, seed: int = 0) -> optax.GradientTransformati
         _check_state(state, StochasticRoundingState, f"{where}(tx)")
         leaves, treedef, narrow = _split(params, f"{where}(tx).update")
         flat_grads, wide_grads = _widened_grads(grads, treedef, narrow, f"{where}(tx)")
-        inner_updates, inner_state = inner.update(
-            wide_grads, state.inner_state, widened(leaves, treedef, narrow), **extra
-        )
-        out = list(treedef.flatten_up_to(inner_updates))
+        wide_params = widened(leaves, treedef, narrow)
+        try:
+            inner_updates, inner_state = inner.update(
+                wide_grads, state.inner_state, wide_params, **extra
+            )
+        except (ValueError, TypeError) as err:
+            found = None
+            if not _ours(err):
+                found = _mismatch(inner, state.inner_state, wide_params, wide_grads, where)
+            if found is None:
+                raise
+            raise found from err
+        out = _flat_like(inner_updates, treedef, "tx's updates", f"{where}(tx)")
+        if any(np.shape(u) != np.shape(x) for u, x in zip(out, leaves)):
+            # a state of other shapes (a parameter reshaped since init) broadcasts against a
+            # gradient where it can (4x4 moments, a 1x4 gradient): the update would reshape it
+            raise _mismatch(
+                inner, state.inner_state, wide_params, wide_grads, where
+            ) or _reshaped_error(where, treedef.unflatten(out), params, "params")
         at = [i for i, n in enumerate(narrow) if n]
         rounded = stochastic_round_many(
             [leaves[i].astype(F32) + jnp.asarray(out[i]).astype(F32) for i in at],
