@@ -2,7 +2,8 @@
 
 A scatter's ``update_jaxpr`` param is the combiner traced at the original dtype; binding it with
 operands of another dtype would lower a mismatched reduction, so the equalized operands go through
-``lax.scatter_add`` and friends, which trace a fresh one.
+``lax.scatter_add`` and friends, which trace a fresh one. A scatter-add (or -sub) into a 16-bit
+buffer accumulates in float32 and rounds once into the buffer's dtype.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def scatter_rule(step: Step) -> Sequence[Any]:
         return keep_traced_rule(step)  # x.at[i].apply(f): the combiner is user code
     # The buffer is the result's storage: a broadcast scalar (jnp.zeros(...).at[i].add(u)),
     # which elsewhere adapts, keeps its dtype as JAX's ``.at`` does, and narrower updates are
-    # widened to it (torch's scatter_add promotes): duplicates accumulate in the buffer's dtype.
+    # widened to it (torch's scatter_add promotes): duplicates accumulate in the buffer's dtype,
+    # or in float32 where that is a 16-bit one (below).
     targets = equalize_targets(step, fixed=(0,))
     dtype = np.dtype(targets.get(0, step.aval(0).dtype))
     # A sum over repeated indices (jax.ops.segment_sum, a gather's gradient) in a 16-bit buffer
