@@ -1066,7 +1066,7 @@ def lower_rule(step: Step) -> Sequence[Any]:
         return outs
     dtype = step.state.value_dtype
     args = step.with_cast({i: dtype for i in floating})
-    return bind_lower(step, args, **_output_type(step, step.policy.accumulate_dtype or dtype))
+    return bind_lower(step, args, **_output_type(step, step.policy.accumulate_for(dtype)))
 
 
 def algorithm_operand_dtypes(precision: Any) -> tuple[np.dtype, ...] | None:

@@ -234,6 +234,12 @@ def _reduce_dtype(value: Any, compute: np.dtype) -> np.dtype | None:
     return dtype
 
 
+def _holds(wide: np.dtype, narrow: np.dtype) -> bool:
+    """Whether ``wide`` holds every value of ``narrow`` in range and precision."""
+    a, b = jnp.finfo(wide), jnp.finfo(narrow)
+    return a.nmant >= b.nmant and a.maxexp >= b.maxexp
+
+
 def _accumulate_dtype(value: Any, compute: np.dtype) -> np.dtype | None:
     """``Policy.accumulate_dtype``: None, or a dtype holding every value of the compute dtype in
     range and precision (a matmul output is never rounded below what it computes in, nor moved
@@ -555,7 +561,8 @@ class Policy:
         the compute dtype. Costs memory and makes backward matmuls mix dtypes; use for logits only.
         It must hold every value of the compute dtype, in range and precision: float32 or the
         compute dtype itself (bfloat16 and float16 refuse each other; under float8, bfloat16
-        and float16 hold every float8 value); a narrower one raises ``ValueError``.
+        and float16 hold every float8 value); a narrower one raises ``ValueError``. A scope a
+        rule runs in a dtype it does not hold (a float32 head) returns that dtype.
       output_dtype: if set, floating (non-float64) outputs of the function are cast to it
         (float64 only with ``jax_enable_x64``, as any JAX array: float32 without, warned).
       cast_inputs: cast floating (non-float64) inputs to the compute dtype on entry, except a
@@ -748,6 +755,18 @@ class Policy:
         """The dtype values take between lower-table ops (bfloat16 under a float8 compute
         dtype, else the compute dtype)."""
         return value_dtype(self.compute_dtype)
+
+    def accumulate_for(self, dtype: Any, otherwise: Any = None) -> np.dtype:
+        """The output dtype of a matmul or convolution computed in ``dtype``: ``accumulate_dtype``
+        where it holds every value of ``dtype`` (checked against the compute dtype when made, but
+        a rule may run a scope in another: a float32 head under ``accumulate_dtype=bfloat16``
+        keeps float32), else ``otherwise`` (by default ``dtype``; a float8 product's 16-bit
+        value dtype)."""
+        dtype = np.dtype(dtype)
+        accumulate = self.accumulate_dtype
+        if accumulate is None or not _holds(accumulate, dtype):
+            return dtype if otherwise is None else np.dtype(otherwise)
+        return accumulate
 
     def category(self, primitive_name: str) -> str | None:
         """``'lower'``, ``'fp32'``, ``'promote'`` or None for a primitive name."""

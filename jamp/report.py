@@ -278,6 +278,8 @@ class Recorder:
                 return (
                     "accumulate_dtype"
                     if self.policy.accumulate_dtype is not None
+                    and self.policy.accumulate_for(_compute_dtype(step))
+                    == self.policy.accumulate_dtype
                     else "explicit preferred_element_type"
                 )
             return (

@@ -475,3 +475,28 @@ def test_with_compute_dtype_drops_an_accumulation_or_reduction_the_new_dtype_ref
     kept = jamp.Policy(jnp.bfloat16, accumulate_dtype=jnp.float32)
     assert kept.with_compute_dtype(jnp.float16) == jamp.Policy(jnp.float16,
                                                                accumulate_dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("form", ["transform", "region"])
+@pytest.mark.parametrize("policy, head_dtype", [
+    # a float32 head under a bfloat16 accumulation: float32, not rounded to bfloat16
+    (jamp.Policy(accumulate_dtype=jnp.bfloat16, rules=(("*head*", jnp.float32),)), jnp.float32),
+    # a bfloat16 head under a float16 one: bfloat16's range, not float16's
+    (jamp.Policy(jnp.float16, accumulate_dtype=jnp.float16, rules=(("*head*", jnp.bfloat16),)),
+     jnp.bfloat16),
+    # a scope whose dtype the accumulation holds takes it
+    (jamp.Policy(jnp.float16, accumulate_dtype=jnp.float32, rules=(("*head*", jnp.bfloat16),)),
+     jnp.float32),
+])
+def test_accumulate_dtype_never_rounds_a_scope_a_rule_runs_wider(policy, head_dtype, form):
+    def head(x, w):
+        with jax.named_scope("head"):
+            return x @ w
+
+    x, w = jnp.full((2, 3), 1 / 3), jnp.full((3, 2), 1 / 7)
+    if form == "transform":
+        out = jamp.autocast_transform(head, policy)(x, w)
+    else:
+        with jamp.autocast(policy):
+            out = head(x, w)
+    assert out.dtype == head_dtype

@@ -363,7 +363,7 @@ def float8_rule(step: Step) -> Sequence[Any] | None:
     formats = [
         GRADIENT_FORMAT if step.has_tag(i, "cotangent") else FORWARD_FORMAT for i in range(2)
     ]
-    default = step.policy.accumulate_dtype or step.state.value_dtype
+    default = step.policy.accumulate_for(step.state.dtype, step.state.value_dtype)
     out_dtype = _output_type(step, default).get("preferred_element_type") or default
     step.flop_dtype = GRADIENT_FORMAT if GRADIENT_FORMAT in formats else FORWARD_FORMAT
     name = step.eqn.primitive.name
