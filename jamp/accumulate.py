@@ -130,22 +130,27 @@ def accumulate_micro_batches(tx: Any, every_k: int) -> Any:
         finite = all_finite(acc)
         mean = jax.tree.map(lambda a, g: (a / every_k).astype(jnp.result_type(g)), acc, grads)
 
-        def inner_update(_: Any) -> Any:
-            updates, inner_state = tx.update(mean, state.inner_state, params, **extra_args)
+        # The branches take what they read as operands, not as closures: eagerly, a state held
+        # as numpy arrays (flax.serialization's restore) would become constants of the program,
+        # which XLA folds (2 ulps off the same step on jax arrays) and compiles again per value.
+        def inner_update(operands: Any) -> Any:
+            mean, stored, params = operands
+            updates, inner_state = tx.update(mean, stored, params, **extra_args)
             # The state keeps the dtypes tx.init gave it, as in optax.MultiSteps: bfloat16
             # parameters' Adam moments stay bfloat16 under float32 gradients (and both branches
             # of the cond below must agree on them).
             return updates, jax.tree.map(
                 lambda old, new: jnp.asarray(new, jnp.result_type(old)),
-                state.inner_state,
+                stored,
                 inner_state,
             )
 
-        def hold(_: Any) -> Any:
-            shapes = jax.eval_shape(inner_update, None)[0]
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state
+        def hold(operands: Any) -> Any:
+            shapes = jax.eval_shape(inner_update, operands)[0]
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), operands[1]
 
-        updates, inner_state = jax.lax.cond(last & finite, inner_update, hold, None)
+        operands = (mean, state.inner_state, params)
+        updates, inner_state = jax.lax.cond(last & finite, inner_update, hold, operands)
         return updates, MicroBatchesState(
             jnp.where(last, 0, state.mini_step + 1).astype(jnp.int32),
             jax.tree.map(lambda a: jnp.where(last, jnp.zeros_like(a), a), acc),
