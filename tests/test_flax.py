@@ -13,9 +13,10 @@ import jamp
 from tests.jaxpr_utils import eqns_named
 
 BF16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float32)
-# (Drawn with numpy: module-level data built with jax ops compiles in every test process.)
-X = jnp.asarray(np.random.default_rng(0).standard_normal((16, 8, 8, 1), np.float32))
-Y = jnp.asarray(np.random.default_rng(1).integers(0, 10, (16,), dtype=np.int32))
+# (Drawn with numpy and placed with device_put: data built with jax ops at import compiles in
+# every test process.)
+X = jax.device_put(np.random.default_rng(0).standard_normal((16, 8, 8, 1), np.float32))
+Y = jax.device_put(np.random.default_rng(1).integers(0, 10, (16,), dtype=np.int32))
 
 
 class LinenCNN(nn.Module):

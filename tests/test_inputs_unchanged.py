@@ -78,7 +78,7 @@ class _Net(nnx.Module):
         return self.head(self.dropout(nnx.relu(self.bn(self.linear(x)))))
 
 
-X = jnp.asarray(np.random.default_rng(3).standard_normal((6, 4), np.float32) + 2.0)  # numpy: no compile
+X = jax.device_put(np.random.default_rng(3).standard_normal((6, 4), np.float32) + 2.0)  # numpy + device_put: no compile
 
 
 def _nnx_call(model, policy, how):

@@ -20,11 +20,12 @@ PERIOD = 5
 STEPS = 36
 
 # Three Gaussian blobs in 8 dimensions, 4 batches of 32.
-# (Drawn with numpy: module-level data built with jax ops compiles in every test process.)
+# (Drawn with numpy and placed with device_put: data built with jax ops at import compiles in
+# every test process.)
 _RNG = np.random.default_rng(0)
-LABELS = jnp.asarray(np.arange(128, dtype=np.int32) % 3)
-INPUTS = jnp.asarray((_RNG.standard_normal((3, 8), np.float32) * 2.0)[np.arange(128) % 3]
-                     + _RNG.standard_normal((128, 8), np.float32))
+LABELS = jax.device_put(np.arange(128, dtype=np.int32) % 3)
+INPUTS = jax.device_put((_RNG.standard_normal((3, 8), np.float32) * 2.0)[np.arange(128) % 3]
+                        + _RNG.standard_normal((128, 8), np.float32))
 
 
 class Classifier(nnx.Module):

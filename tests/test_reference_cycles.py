@@ -17,8 +17,8 @@ import jamp
 import tracing
 from tests.collector import left_in_cycles
 
-X = jnp.asarray(np.random.default_rng(0).standard_normal((8, 16), np.float32))  # numpy: no compile
-W = jnp.asarray(np.random.default_rng(1).standard_normal((16, 16), np.float32) * 0.25)  # numpy: no compile
+X = jax.device_put(np.random.default_rng(0).standard_normal((8, 16), np.float32))  # numpy + device_put: no compile
+W = jax.device_put(np.random.default_rng(1).standard_normal((16, 16), np.float32) * 0.25)  # numpy + device_put: no compile
 
 
 def _assert_no_cycles(run):

@@ -23,7 +23,7 @@ def _loss(params, x):
     return jnp.mean((h @ params["w2"]) ** 2)
 
 
-X = jnp.asarray(np.random.default_rng(1).standard_normal((5, 8), np.float32))  # numpy: no compile
+X = jax.device_put(np.random.default_rng(1).standard_normal((5, 8), np.float32))  # numpy + device_put: no compile
 
 
 def _backward_dots_are_bf16(jaxpr):
