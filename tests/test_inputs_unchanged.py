@@ -78,7 +78,8 @@ class _Net(nnx.Module):
         return self.head(self.dropout(nnx.relu(self.bn(self.linear(x)))))
 
 
-X = jax.device_put(np.random.default_rng(3).standard_normal((6, 4), np.float32) + 2.0)  # numpy + device_put: no compile
+# (numpy + device_put: no compile at import, in every test process)
+X = jax.device_put(np.random.default_rng(3).standard_normal((6, 4), np.float32) + 2.0)
 
 
 def _nnx_call(model, policy, how):

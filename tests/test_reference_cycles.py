@@ -17,8 +17,9 @@ import jamp
 import tracing
 from tests.collector import left_in_cycles
 
-X = jax.device_put(np.random.default_rng(0).standard_normal((8, 16), np.float32))  # numpy + device_put: no compile
-W = jax.device_put(np.random.default_rng(1).standard_normal((16, 16), np.float32) * 0.25)  # numpy + device_put: no compile
+# (numpy + device_put: no compile at import, in every test process)
+X = jax.device_put(np.random.default_rng(0).standard_normal((8, 16), np.float32))
+W = jax.device_put(np.random.default_rng(1).standard_normal((16, 16), np.float32) * 0.25)
 
 
 def _assert_no_cycles(run):

@@ -23,7 +23,8 @@ def _loss(params, x):
     return jnp.mean((h @ params["w2"]) ** 2)
 
 
-X = jax.device_put(np.random.default_rng(1).standard_normal((5, 8), np.float32))  # numpy + device_put: no compile
+# (numpy + device_put: no compile at import, in every test process)
+X = jax.device_put(np.random.default_rng(1).standard_normal((5, 8), np.float32))
 
 
 def _backward_dots_are_bf16(jaxpr):
