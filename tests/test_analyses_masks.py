@@ -11,8 +11,11 @@ from tests.source_lines import file_and_line
 
 F16 = jamp.Policy(jnp.float16)
 CAUSAL = np.tril(np.ones((4, 4), bool))
-Q = jnp.ones((4, 8)) * 0.1
-SMALL_V, LARGE_V = jnp.ones((4, 8)), jnp.ones((4, 8)) * 1000.0   # x 100: 1e5 overflows float16
+# Built on the host and put with jax.device_put, which compiles nothing (eager jnp operations, and
+# jnp.asarray of a numpy array, compile a program per shape and dtype).
+Q = jax.device_put(np.full((4, 8), 0.1, np.float32))
+SMALL_V = jax.device_put(np.ones((4, 8), np.float32))
+LARGE_V = jax.device_put(np.full((4, 8), 1000.0, np.float32))   # x 100: 1e5 overflows float16
 
 
 def line_of(marker: str) -> int:
@@ -62,7 +65,7 @@ def test_a_masked_program_whose_values_stay_in_range_reports_nothing():
 
 def test_the_overflow_beside_a_mask_is_found_and_its_remedy_removes_it():
     for fn, marker in MASKED:
-        assert np.isfinite(fn(Q, Q, LARGE_V))                                 # float32: fine
+        assert np.isfinite(jax.jit(fn)(Q, Q, LARGE_V))                        # float32: fine
         assert not np.isfinite(jamp.autocast_transform(fn, F16)(Q, Q, LARGE_V))
 
         found = jamp.find_nonfinite(fn, Q, Q, LARGE_V, policy=F16)
@@ -81,7 +84,7 @@ def test_an_overflow_in_the_masked_array_itself_is_found_element_by_element():
         s = jnp.where(CAUSAL, q @ k.T, -jnp.inf)
         return jnp.sum(jax.nn.softmax(s * 1000.0, axis=-1))  # scaled-mask
 
-    q = jnp.ones((4, 8)) * 3.0                                # 72 * 1000 overflows float16
+    q = jax.device_put(np.full((4, 8), 3.0, np.float32))      # 72 * 1000 overflows float16
     found = jamp.find_nonfinite(scaled_after_masking, q, q, policy=F16)
     assert found.primitive == "mul" and file_and_line(found.source) == here("scaled-mask")
     assert found.operands[0].inf == 6                         # the mask, passed on
@@ -100,7 +103,7 @@ def test_a_fully_masked_row_is_a_nan_and_is_reported():
 def test_a_function_returning_minus_inf_on_purpose_reports_nothing():
     def largest_above(x, threshold):
         return 2.0 * jnp.max(jnp.where(x > threshold, x, -jnp.inf))   # -inf: none above it
-    assert largest_above(Q, 100.0) == -np.inf
+    assert jax.jit(largest_above)(Q, 100.0) == -np.inf
     assert jamp.find_nonfinite(largest_above, Q, 100.0, policy=F16) is None
 
 

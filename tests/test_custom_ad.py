@@ -12,12 +12,21 @@ from jamp import _compat as compat
 from tests.jaxpr_utils import eqns_named, in_region, operand_dtypes
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-W = jax.random.normal(jax.random.PRNGKey(0), (8, 8)) * 0.3
-X = jax.random.normal(jax.random.PRNGKey(1), (4, 8))
+
+
+def _normal(key, shape, scale=1.0):
+    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
+    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
+    draw = np.random.default_rng(key).standard_normal(shape, np.float32)
+    return jax.device_put((scale * draw).astype(np.float32))
+
+
+W = _normal(0, (8, 8), 0.3)
+X = _normal(1, (4, 8))
 
 
 def _rand(*shape, key=0):
-    return jax.random.normal(jax.random.PRNGKey(key), shape) * 0.5
+    return _normal(key, shape, 0.5)
 
 
 def test_custom_jvp_activations_keep_compute_dtype_and_differentiate_to_float32():
@@ -69,7 +78,7 @@ def test_custom_vjp_fwd_and_bwd_under_forward_policy_and_cotangents_match_inputs
     loss = lambda w: f(w, X).astype(F32).sum()
     g = jax.grad(loss)(W)
     assert seen and g.dtype == F32
-    expected = jax.grad(lambda w: ((X @ w) @ w).sum())(W)
+    expected = jax.jit(jax.grad(lambda w: ((X @ w) @ w).sum()))(W)
     np.testing.assert_allclose(g, expected, rtol=5e-2, atol=5e-2)
     dots = operand_dtypes(jax.make_jaxpr(jax.grad(loss))(W), "dot_general")
     assert dots and all(d == ("bfloat16", "bfloat16") for d in dots)
@@ -92,7 +101,7 @@ def test_custom_vjp_with_cast_inputs_decorator_runs_in_float32():
 # --- Policy(cast_inputs=True): custom-derivative calls return the compute dtype ------------------
 
 T, D = 16, 8  # an attention matrix [T, T] is told apart from the [T, D] activations by shape
-Q, K, V = (jax.random.normal(key, (T, D)) for key in jax.random.split(jax.random.PRNGKey(2), 3))
+Q, K, V = (_normal(key, (T, D)) for key in (2, 3, 4))
 CAST_INPUTS = jamp.Policy(cast_inputs=True)
 
 
@@ -127,7 +136,8 @@ def test_cast_inputs_attention_keeps_no_float32_attention_matrix_for_backward():
 def test_cast_inputs_attention_gradients_are_float32_close_and_type_check():
     f = jamp.autocast_transform(attention, CAST_INPUTS)
     loss = lambda q, k, v: f(q, k, v).astype(F32).sum()
-    reference = jax.grad(lambda q, k, v: attention(q, k, v).sum(), argnums=(0, 1, 2))(Q, K, V)
+    reference = jax.jit(jax.grad(lambda q, k, v: attention(q, k, v).sum(), argnums=(0, 1, 2)))(
+        Q, K, V)
     for grad_fn in (jax.grad(loss, argnums=(0, 1, 2)), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))):
         grads = grad_fn(Q, K, V)
         for g, r in zip(grads, reference):
@@ -146,7 +156,7 @@ def test_cast_inputs_vmapped_and_masked_softmax_under_enable_checks():
     MultiheadAttention) or masked (``where=``); the zoo's Flax lm1b/sst2 and Equinox attention
     raised an AssertionError from inside JAX under ``jax.grad`` with the checks on."""
     heads = jnp.stack([Q, Q * 0.5])
-    projection = jax.random.normal(jax.random.PRNGKey(5), (2, T, T))
+    projection = _normal(5, (2, T, T))
     programs = {
         "vmapped": lambda q, k: jax.vmap(lambda h: jax.nn.softmax(h @ k.T, axis=-1))(q),
         "masked": lambda q, k: jax.nn.softmax(q @ k.T, axis=-1, where=jnp.tril(
@@ -155,7 +165,7 @@ def test_cast_inputs_vmapped_and_masked_softmax_under_enable_checks():
     for name, program in programs.items():
         f = jamp.autocast_transform(program, CAST_INPUTS)
         loss = lambda q, k: jnp.sum(f(q, k).astype(F32) * projection)
-        reference = jax.grad(lambda q, k: jnp.sum(program(q, k) * projection))(heads, K)
+        reference = jax.jit(jax.grad(lambda q, k: jnp.sum(program(q, k) * projection)))(heads, K)
         with jax.enable_checks(True):
             out, grads = f(heads, K), jax.grad(loss)(heads, K)
             jitted = jax.jit(jax.grad(loss))(heads, K)
@@ -226,7 +236,7 @@ def test_cast_inputs_custom_vjp_returns_compute_dtype_and_saves_it_as_residual()
     _, vjp_fn = jax.vjp(f, W, X)
     assert {x.dtype.name for x in jax.tree.leaves(vjp_fn) if x.shape == (4, 8)} == {"bfloat16"}
     g = jax.grad(lambda w: f(w, X).astype(F32).sum())(W)
-    expected = jax.grad(lambda w: jax.nn.sigmoid(X @ w).sum())(W)
+    expected = jax.jit(jax.grad(lambda w: jax.nn.sigmoid(X @ w).sum()))(W)
     assert g.dtype == F32
     np.testing.assert_allclose(g, expected, rtol=5e-2, atol=5e-2)
 

@@ -51,20 +51,31 @@ def as_f32(tree):
     return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)
 
 
-def randomize_batchnorm(variables, key):
+def uniform(seed, shape, low=0.0, high=1.0):
+    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
+    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
+    return jax.device_put(np.random.default_rng(seed).uniform(low, high, shape).astype(np.float32))
+
+
+def normal(seed, shape, scale=1.0):
+    draw = np.random.default_rng(seed).standard_normal(shape, np.float32)
+    return jax.device_put((scale * draw).astype(np.float32))
+
+
+def randomize_batchnorm(variables, seed):
     """Non-trivial statistics and affine parameters (init gives mean 0, var 1, scale 1, bias 0)."""
-    leaves, tree = jax.tree_util.tree_flatten_with_path(variables)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, leaf), k in zip(leaves, keys):
+    rng = np.random.default_rng(seed)
+
+    def randomize(path, leaf):
         name = jax.tree_util.keystr(path)
-        noise = jax.random.uniform(k, leaf.shape, jnp.float32)
+        noise = rng.random(leaf.shape, np.float32)
         if "var" in name:
-            leaf = (0.5 + noise).astype(leaf.dtype)
-        elif any(s in name for s in ("mean", "scale", "bias")):
-            leaf = (2 * noise - 1).astype(leaf.dtype)
-        out.append(leaf)
-    return jax.tree.unflatten(jax.tree.structure(variables), out)
+            return jax.device_put((0.5 + noise).astype(leaf.dtype))
+        if any(s in name for s in ("mean", "scale", "bias")):
+            return jax.device_put((2 * noise - 1).astype(leaf.dtype))
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(randomize, variables)
 
 
 class ConvBN(nn.Module):
@@ -82,10 +93,10 @@ class ConvBN(nn.Module):
 
 def init(module, *inputs, key=0):
     variables = module.init(jax.random.key(key), *inputs)
-    return randomize_batchnorm(variables, jax.random.key(key + 100))
+    return randomize_batchnorm(variables, key + 100)
 
 
-X = jax.random.uniform(jax.random.key(7), (3, 16, 16, 3))
+X = uniform(7, (3, 16, 16, 3))
 
 
 # --- 3. BatchNorm folding (test_folded_conv_bn) ---------------------------------------------
@@ -116,7 +127,7 @@ def test_dense_bn_folds_into_one_dot():
         def __call__(self, x):
             return nn.relu(nn.BatchNorm(use_running_average=True)(nn.Dense(6)(x)))
 
-    x = jax.random.normal(jax.random.key(1), (4, 5))
+    x = normal(1, (4, 5))
     model = DenseBN()
     variables = init(model, x)
     frozen = checked(tracing.freeze(model, variables, x))
@@ -154,17 +165,15 @@ def conv_nchw(x, kernel, stride=2):
                                         dimension_numbers=("NCHW", "OIHW", "NCHW"))
 
 
-def functional_variables(channels=8, key=0):
-    k = jax.random.split(jax.random.key(key), 6)
-    per_channel = lambda kk, lo, hi: jax.random.uniform(kk, (1, channels, 1, 1), minval=lo,
-                                                       maxval=hi)
-    return {"kernel": jax.random.normal(k[0], (channels, 4, 3, 3)) * 0.3,
-            "conv_bias": per_channel(k[1], -1, 1), "mean": per_channel(k[2], -1, 1),
-            "var": per_channel(k[3], 0.5, 2), "weight": per_channel(k[4], -2, 2),
-            "bias": per_channel(k[5], -1, 1)}
+def functional_variables(channels=8):
+    per_channel = lambda seed, lo, hi: uniform(seed, (1, channels, 1, 1), lo, hi)
+    return {"kernel": normal(0, (channels, 4, 3, 3), 0.3),
+            "conv_bias": per_channel(1, -1, 1), "mean": per_channel(2, -1, 1),
+            "var": per_channel(3, 0.5, 2), "weight": per_channel(4, -2, 2),
+            "bias": per_channel(5, -1, 1)}
 
 
-XN = jax.random.uniform(jax.random.key(3), (3, 4, 16, 16))  # NCHW
+XN = uniform(3, (3, 4, 16, 16))  # NCHW
 
 
 def test_folded_conv_functional_bn_with_module_sharing():
@@ -255,8 +264,8 @@ def test_conv_multiple_uses():
             conv1 = nn.Conv(1, (1, 1))
             return conv1(x) + nn.BatchNorm(use_running_average=True)(conv1(y))
 
-    a = jax.random.uniform(jax.random.key(1), (4, 8, 8, 1))
-    b = jax.random.uniform(jax.random.key(2), (4, 8, 8, 1))
+    a = uniform(1, (4, 8, 8, 1))
+    b = uniform(2, (4, 8, 8, 1))
     model = ToyModel()
     variables = init(model, a, b)
     frozen = checked(tracing.freeze(model, variables, a, b))
@@ -283,10 +292,9 @@ def test_grouped_conv_and_left_hand_dense_fold():
         y = jnp.einsum("oi,ib->ob", v["w"], x)
         return (y - v["mean"][:, None]) * v["scale"][:, None] + v["shift"][:, None]
 
-    k = jax.random.split(jax.random.key(5), 4)
-    v = {"w": jax.random.normal(k[0], (5, 3)), "mean": jax.random.normal(k[1], (5,)),
-         "scale": jax.random.normal(k[2], (5,)), "shift": jax.random.normal(k[3], (5,))}
-    xs = jax.random.normal(jax.random.key(6), (3, 4))
+    v = {"w": normal(1, (5, 3)), "mean": normal(2, (5,)), "scale": normal(3, (5,)),
+         "shift": normal(4, (5,))}
+    xs = normal(6, (3, 4))
     frozen = checked(tracing.freeze(rows, v, xs))
     c = counts(frozen.jaxpr)
     assert c["dot_general"] == 1 and not c["sub"] and not c["mul"], c
@@ -303,7 +311,7 @@ def test_fold_batchnorm_false_keeps_the_batchnorm():
     chex.assert_trees_all_close(frozen(X), model.apply(variables, X), **F32_TOL)
 
     bn = nn.BatchNorm(use_running_average=True, epsilon=1e-3)
-    bn_vars = randomize_batchnorm(bn.init(jax.random.key(0), X), jax.random.key(1))
+    bn_vars = randomize_batchnorm(bn.init(jax.random.key(0), X), 1)
     frozen = checked(tracing.freeze(lambda v, x: bn.apply(v, x) + 10, bn_vars, X))
     chex.assert_trees_all_close(frozen(X), bn.apply(bn_vars, X) + 10, **F32_TOL)
 
@@ -315,7 +323,7 @@ def test_everything_depending_only_on_variables_is_folded():
         w = jnp.sin(v["w"]) * 2 + v["b"].sum()
         return x @ w.T
 
-    v = {"w": jax.random.normal(jax.random.key(0), (4, 3)), "b": jnp.arange(3.0)}
+    v = {"w": normal(0, (4, 3)), "b": jnp.arange(3.0)}
     x = jnp.ones((2, 3))
     frozen = checked(tracing.freeze(f, v, x))
     assert counts(frozen.jaxpr) == collections.Counter({"dot_general": 1}), frozen.graph
@@ -647,7 +655,7 @@ def test_param_deallocated():
 
 def test_variable_read_as_is_deallocated():
     """A variable the program reads unchanged is a constant of it: a copy, not the caller's."""
-    variables = {"w": jax.random.normal(jax.random.key(0), (3, 4))}
+    variables = {"w": normal(0, (3, 4))}
     ref = weakref.ref(variables["w"])
     x = jnp.ones((2, 3))
     expected = x @ variables["w"]
@@ -691,7 +699,7 @@ def test_policy_stores_weights_already_cast():
         def __call__(self, x):
             return nn.Dense(3)(nn.relu(nn.Dense(8)(x)))
 
-    x = jax.random.normal(jax.random.key(1), (4, 5))
+    x = normal(1, (4, 5))
     model = MLP()
     variables = model.init(jax.random.key(0), x)
     frozen = checked(tracing.freeze(model, variables, x, policy=jamp.Policy()))
@@ -767,7 +775,7 @@ def test_resnet_frozen_matches_unfrozen():
     frozen = checked(tracing.freeze(model, variables, X))
     c = counts(frozen.jaxpr)
     assert c["conv_general_dilated"] == 6 and not any(c[op] for op in BN_OPS), c
-    x2 = jax.random.normal(jax.random.key(11), X.shape)
+    x2 = normal(11, X.shape)
     for x in (X, x2):
         chex.assert_trees_all_close(frozen(x), jax.jit(model.apply)(variables, x), **F32_TOL)
 

@@ -41,10 +41,16 @@ class MLP(nn.Module):
         return nn.Dense(10, name="head")(x)
 
 
+def normal(seed, shape):
+    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
+    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
+    return jax.device_put(np.random.default_rng(seed).standard_normal(shape, np.float32))
+
+
 @pytest.fixture(scope="module")
 def mlp():
     model = MLP()
-    x = jax.random.normal(jax.random.key(1), (4, 300))
+    x = normal(1, (4, 300))
     return model, model.init(jax.random.key(0), x), x
 
 
@@ -126,7 +132,7 @@ def test_representable_kernels_round_trip_exactly(dtype, levels):
     else:  # a scale per column
         steps = 2.0 ** rng.integers(-3, 3, size=(1, 5))
         w = _representable(rng, levels, (301, 5), dtype is not jnp.int8) * steps
-    x = jax.random.normal(jax.random.key(0), (2, 301))
+    x = normal(0, (2, 301))
     fn = lambda v, x: x @ v["w"]
     frozen = tracing.freeze(fn, {"w": w}, x, weights=dtype)
     np.testing.assert_allclose(frozen(x), x @ w, rtol=1e-5, atol=1e-4)
@@ -157,7 +163,7 @@ def test_convolution_kernel_layout_round_trips():
     ints = rng.integers(-127, 128, size=(3, 3, 4, 6)).astype(np.float32)
     ints[0, 0, 0, :] = 127
     k = ints * 2.0 ** rng.integers(-2, 2, size=(1, 1, 1, 6))  # a scale per output channel
-    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 4))
+    x = normal(0, (2, 8, 8, 4))
     conv = lambda v, x: jax.lax.conv_general_dilated(
         x, v["k"], (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     frozen = tracing.freeze(conv, {"k": k}, x, weights=jnp.int8)
@@ -175,7 +181,7 @@ class ConvBN(nn.Module):
 
 def test_batchnorm_folded_then_quantized():
     model = ConvBN()
-    x = jax.random.normal(jax.random.key(0), (2, 8, 8, 3))
+    x = normal(0, (2, 8, 8, 3))
     variables = model.init(jax.random.key(1), x)
     stats = variables["batch_stats"]["BatchNorm_0"]
     variables = {**variables, "batch_stats": {"BatchNorm_0": {
@@ -192,7 +198,7 @@ def test_nnx_module_kernels_by_source_line():
     model = nnx.Sequential(nnx.Linear(64, 64, rngs=nnx.Rngs(0)), nnx.relu,
                            nnx.Linear(64, 8, rngs=nnx.Rngs(1)))
     model.eval()
-    x = jax.random.normal(jax.random.key(0), (3, 64))
+    x = normal(0, (3, 64))
     before = jax.tree.map(np.array, nnx.state(model))
     frozen = tracing.freeze(model, None, x, weights=jnp.int8)
     assert [k.stored for k in frozen.kernels] == ["int8", "int8"]
@@ -218,7 +224,7 @@ def test_nnx_kernels_are_named_by_the_users_lines():
     the layers apart."""
     model = TwoLinears(nnx.Rngs(0))
     model.eval()
-    x = jax.random.normal(jax.random.key(1), (8, 64))
+    x = normal(1, (8, 64))
     body = TwoLinears.__call__.__code__.co_firstlineno + 1
     lines = [f"@test_freeze_weights.py:{body}", f"@test_freeze_weights.py:{body + 1}"]
     frozen = tracing.freeze(model, None, x)
@@ -251,7 +257,7 @@ def test_einsum_kernels_are_named_by_the_users_scopes_and_lines():
     'bd,dk->bk', a line rule for one of them matched nothing while '*' matched that scope, and
     a Linen Einsum was 'LinenEinsum/proj/bd,dk->bk'. That scope is JAX's, not the user's."""
     model = TwoEinsums(nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(1), (4, 16))
+    x = normal(1, (4, 16))
     first = TwoEinsums.__call__.__code__.co_firstlineno + 1
     lines = [f"@test_freeze_weights.py:{first}", f"@test_freeze_weights.py:{first + 1}"]
     assert [k.scope for k in tracing.freeze(model, None, x).kernels] == lines
@@ -272,7 +278,7 @@ def test_polymorphic_export_loads_in_a_fresh_process(mlp, tmp_path):
     blob = frozen.export(polymorphic_shapes="b, ...")
     assert len(blob) < 0.2 * len(tracing.freeze(model, variables, x).export())
     (tmp_path / "int4.bin").write_bytes(blob)
-    x7 = np.asarray(jax.random.normal(jax.random.key(5), (7, 300)))
+    x7 = np.random.default_rng(5).standard_normal((7, 300), np.float32)
     np.save(tmp_path / "x.npy", x7)
     script = (
         "import sys, numpy as np, tracing\n"
@@ -355,8 +361,8 @@ def test_no_kernel_left_names_the_kernels_kept_for_another_use():
 def test_embeddings_biases_and_tied_kernels_stay():
     """A table read by a gather stays as frozen, also when the same constant is the output
     projection's kernel (tied); the other kernel is quantized; biases stay float32."""
-    table = jax.random.normal(jax.random.key(0), (50, 32))
-    w = jax.random.normal(jax.random.key(1), (32, 32))
+    table = normal(0, (50, 32))
+    w = normal(1, (32, 32))
     v = {"table": table, "w": w, "b": jnp.ones(32)}
     tokens = jnp.array([[1, 2, 3]])
     contract_features = (((2,), (1,)), ((), ()))
@@ -471,7 +477,7 @@ def test_caller_variables_unchanged(mlp):
 def test_tune_weights_picks_the_cheapest_within_tolerance(mlp):
     model, variables, x = mlp
     frozen = tracing.freeze(model, variables, x)
-    held_out = (jax.random.normal(jax.random.key(9), x.shape),)
+    held_out = (normal(9, x.shape),)
     # int8 errors are ~5e-3 a scope, int4's ~0.1: 5e-2 affords int8 everywhere, no int4.
     result = jamp.tune_weights(frozen, x, tolerance=5e-2, check_inputs=held_out)
     assert [s.chosen for s in result.scopes] == ["int8"] * 3

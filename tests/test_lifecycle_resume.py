@@ -191,8 +191,8 @@ def test_the_conversion_the_error_gives_resumes_in_the_configured_dtypes():
 def test_16_bit_leaves_adam_made_and_keep_kept_are_not_refused():
     """bfloat16 parameters' moments are bfloat16 as adam makes them: kept, they stay, steps
     go on, eagerly and under jit."""
-    params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), PARAMS)
-    grads = jax.tree.map(lambda a: a.astype(jnp.bfloat16), GRADS)
+    params, grads = (jax.tree.map(lambda a: jax.device_put(np.asarray(a).astype(jnp.bfloat16)), t)
+                     for t in (PARAMS, GRADS))  # (cast on the host: see host_full)
     tx = optim.state_dtype(optax.adam(1e-2), jnp.float16, keep=("*nu*",))
     state = tx.init(params)
     assert state.inner_state[0].nu["w"].dtype == BF16
@@ -204,8 +204,15 @@ def test_16_bit_leaves_adam_made_and_keep_kept_are_not_refused():
 # --- parameters added, removed or reshaped between steps -------------------------------------
 
 
-P = {"enc": {"w": jnp.full((4, 4), 0.5, jnp.bfloat16)},
-     "head": {"w": jnp.full((4, 2), 0.25, jnp.bfloat16), "b": jnp.zeros((2,))}}
+def host_full(shape, value, dtype):
+    """jnp.full(shape, value, dtype), built on the host and put with jax.device_put, which
+    compiles nothing (eagerly, jnp.full, and jnp.asarray of a numpy array, compile a program per
+    shape and dtype)."""
+    return jax.device_put(np.full(shape, value, dtype))
+
+
+P = {"enc": {"w": host_full((4, 4), 0.5, jnp.bfloat16)},
+     "head": {"w": host_full((4, 2), 0.25, jnp.bfloat16), "b": host_full((2,), 0.0, np.float32)}}
 
 
 def re_shape(shape):
@@ -213,7 +220,7 @@ def re_shape(shape):
 
 
 def _grads(params):
-    return jax.tree.map(lambda a: jnp.full(a.shape, 0.01, a.dtype), params)
+    return jax.tree.map(lambda a: host_full(a.shape, 0.01, a.dtype), params)
 
 
 def _wrappers():
@@ -227,10 +234,10 @@ def _wrappers():
     }
 
 
-ADDED = {**P, "new": {"w": jnp.ones((3,), jnp.bfloat16)}}
-RESHAPED = {**P, "enc": {"w": jnp.full((4, 5), 0.5, jnp.bfloat16)}}
+ADDED = {**P, "new": {"w": host_full((3,), 1.0, jnp.bfloat16)}}
+RESHAPED = {**P, "enc": {"w": host_full((4, 5), 0.5, jnp.bfloat16)}}
 # 1x4 against 4x4 moments broadcasts: the parameter would have come back 4x4
-BROADCAST = {**P, "enc": {"w": jnp.full((1, 4), 0.5, jnp.bfloat16)}}
+BROADCAST = {**P, "enc": {"w": host_full((1, 4), 0.5, jnp.bfloat16)}}
 
 
 @pytest.mark.parametrize("jit", [False, True])

@@ -25,8 +25,11 @@ def here(marker: str) -> tuple[str, int]:
     return source_lines.here(__file__, marker)
 
 
+# Checks run and test data is built on the host (data put with jax.device_put, which compiles
+# nothing): eager jnp operations, and jnp.asarray of a numpy array, compile a program per shape
+# and dtype.
 def all_finite(tree) -> bool:
-    return all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(tree))
+    return all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(tree))
 
 
 # --- one-pass-variance BatchNorm -----------------------------------------------------------------
@@ -47,8 +50,9 @@ def conv_bn(w, x):
 
 def bn_inputs():
     # Activations of ~3.1 with a tiny spread: bfloat16 rounds E[x^2] below E[x]^2.
-    x = 1.0 + 1e-4 * jnp.arange(32.0).reshape(8, 4)
-    return jnp.eye(4) * 3.1, x
+    # (built on the host: the same float32 operations, so the same values, as jnp's)
+    x = np.float32(1.0) + np.float32(1e-4) * np.arange(32, dtype=np.float32).reshape(8, 4)
+    return jax.device_put(np.eye(4, dtype=np.float32) * np.float32(3.1)), jax.device_put(x)
 
 
 def test_one_pass_variance_batch_norm_is_localised_to_rsqrt_and_fixed_by_square_in_fp32():
@@ -86,7 +90,8 @@ def mlp_setup():
     model = MLP()
     x = jnp.ones((2, 8))
     params = model.init(jax.random.PRNGKey(0), x)
-    return model, jax.tree.map(lambda p: jnp.abs(p) * 100, params), x
+    return model, jax.tree.map(lambda p: jax.device_put(np.abs(np.asarray(p)) * np.float32(100)),
+                               params), x
 
 
 def test_float16_overflow_in_an_mlp_is_localised_to_the_head_matmul():
@@ -133,7 +138,7 @@ def scan_inputs():
     rng = np.random.default_rng(0)
     xs = rng.normal(size=(5, 16)).astype(np.float32)
     xs[3] = 1.0 + 1e-4 * np.arange(16)                # one step whose spread bfloat16 loses
-    return jnp.eye(16) * 3.1, jnp.asarray(xs)
+    return jax.device_put(np.eye(16, dtype=np.float32) * np.float32(3.1)), jax.device_put(xs)
 
 
 def test_nan_inside_a_scan_body_reports_the_iteration():

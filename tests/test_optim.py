@@ -19,17 +19,24 @@ BF16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 optim = jamp.optim
 
 
-def regression(seed=0):
-    """A linear least-squares problem whose solution is ~1 away from the start."""
+@jax.jit
+def regression_data(seed):
+    # one program (drawn eagerly, each of its operations compiled a program of its own)
     k1, k2 = jax.random.split(jax.random.key(seed))
     w_true = jax.random.normal(k1, (16, 4))
     x = jax.random.normal(k2, (128, 16))
-    y = x @ w_true
+    return w_true, x, x @ w_true
+
+
+def regression(seed=0):
+    """A linear least-squares problem whose solution is ~1 away from the start."""
+    w_true, x, y = regression_data(seed)
 
     def loss(params):
         return jnp.mean((x @ params["w"].astype(F32) + params["b"].astype(F32) - y) ** 2)
 
-    start = {"w": w_true + 0.5, "b": jnp.zeros((4,))}
+    start = {"w": jax.device_put(np.asarray(w_true) + np.float32(0.5)),
+             "b": jax.device_put(np.zeros(4, np.float32))}
     return loss, start
 
 
@@ -47,7 +54,10 @@ def train(tx, params, loss, steps):
 
 
 def cast(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype), tree)
+    # On the host (ml_dtypes rounds to nearest even, as XLA does), put with jax.device_put, which
+    # compiles nothing: an eager astype, and jnp.asarray of a numpy array, compile a program per
+    # shape and dtype. (The same for the other test data built on the host below.)
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x).astype(dtype)), tree)
 
 
 def test_tiny_updates_plain_optax_stalls_wrappers_track_float32():
@@ -135,7 +145,7 @@ def test_scalar_state_leaves_hyperparameters_and_bookkeeping_stay_as_tx_made_the
     assert {v.dtype for v in state.inner_state.hyperparams.values()} == {F32}
     assert state.inner_state.inner_state[0].mu["w"].dtype == BF16  # moments still narrowed
     updates, _ = jax.jit(tx.update)(grads, state, params)
-    expected, _ = injected.update(grads, injected.init(params), params)
+    expected, _ = jax.jit(injected.update)(grads, injected.init(params), params)
     np.testing.assert_allclose(updates["w"], expected["w"], rtol=1e-2)
 
     def plateau():
@@ -144,9 +154,11 @@ def test_scalar_state_leaves_hyperparameters_and_bookkeeping_stay_as_tx_made_the
     scales = {}
     for name, tx in (("optax", plateau()), ("state_dtype", optim.state_dtype(plateau()))):
         state, loss = tx.init(params), 3.0
+        # optax's own run, the reference, compiled once (eager, its cond compiled at every step)
+        update = jax.jit(tx.update) if name == "optax" else tx.update
         for _ in range(20):
             loss *= 0.999
-            _, state = tx.update(grads, state, params, value=jnp.float32(loss))
+            _, state = update(grads, state, params, value=jnp.float32(loss))
         inner = state if name == "optax" else state.inner_state
         scales[name] = float(inner[1].scale)
     assert scales == {"optax": 1.0, "state_dtype": 1.0}
@@ -176,9 +188,9 @@ def test_updates_land_exactly_on_the_new_master(grad_dtype):
     """optax.apply_updates(params, updates) == round(master), updates in the gradients' dtype,
     for parameters that at most double or halve in a step (float32 gradients: any step)."""
     p, t = random_targets(np.random.default_rng(0), 4000)
-    params = {"w": jnp.asarray(p)}
+    params = {"w": jax.device_put(p)}
     tx = aiming(np.asarray(t, np.float32) - np.asarray(p, np.float32))
-    zero = {"w": jnp.zeros(p.shape, grad_dtype)}
+    zero = {"w": jax.device_put(np.zeros(p.shape, grad_dtype))}
     updates, _ = jax.jit(tx.update)(zero, tx.init(params), params)
     assert updates["w"].dtype == grad_dtype
     landed = optax.apply_updates(params, updates)["w"]
@@ -242,10 +254,10 @@ def test_skipped_steps_change_nothing_apply_if_finite_and_loss_scaling():
     inner = optim.master_weights(optim.state_dtype(optax.adam(1e-2)), rounding="stochastic")
     tx = optax.apply_if_finite(inner, 3)
     state = tx.init(params)
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)  # (one program; eagerly, one per operation)
     updates, state = jax.jit(tx.update)(grads, state, params)
     params = optax.apply_updates(params, updates)
-    bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads)
+    bad = jax.tree.map(lambda g: jax.device_put(with_nan_first(np.asarray(g))), grads)
     updates, skipped = jax.jit(tx.update)(bad, state, params)
     assert int(skipped.notfinite_count) == 1
     chex_equal(optax.apply_updates(params, updates), params)
@@ -270,6 +282,12 @@ def test_skipped_steps_change_nothing_apply_if_finite_and_loss_scaling():
     assert bool(finite) and int(new_state.step) == 1
 
 
+def with_nan_first(a):
+    a = a.copy()
+    a[0] = np.nan  # (as g.at[0].set(jnp.nan): a 2-D gradient's first row)
+    return a
+
+
 def chex_equal(a, b):
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -288,10 +306,13 @@ def test_multisteps_inside_accumulates_float32_gradients():
     ref_state = reference.init(ref_params)
     assert state.inner_state.acc_grads["w"].dtype == F32
     grads = [jnp.full((4,), g, BF16) for g in (2.0**-10, 2.0**-10, 2.0**-11, 2.0**-9)]
+    # the reference compiled once (eager, its cond compiled at every step); its sums of powers
+    # of two are exact, so it computes the same bits either way
+    reference_update = jax.jit(reference.update)
     for g in grads:
         updates, state = tx.update({"w": g}, state, params)
         params = optax.apply_updates(params, updates)
-        ref_updates, ref_state = reference.update({"w": g.astype(F32)}, ref_state, ref_params)
+        ref_updates, ref_state = reference_update({"w": g.astype(F32)}, ref_state, ref_params)
         ref_params = optax.apply_updates(ref_params, ref_updates)
     chex_equal(state.master, ref_params)
     assert float(state.master["w"][0]) != 1.0  # the mean (~2**-10) moved the master
@@ -483,8 +504,10 @@ def test_steps_on_a_mesh_of_explicit_axes(make_tx, param_dtype):
     float8 target. It runs, and lands where the same steps off the mesh land."""
     mesh = jax.make_mesh((1,), ("data",))
     tx = make_tx()
-    params = {"k": (1.0 + jnp.arange(64.0).reshape(16, 4) / 64).astype(param_dtype)}
-    grads = {"k": jnp.full((16, 4), 0.3, param_dtype)}
+    # (built on the host: exact in every param_dtype here; 0.3 rounded as jnp.full rounds it)
+    host = 1 + np.arange(64, dtype=np.float32).reshape(16, 4) / np.float32(64)
+    params = {"k": jax.device_put(host.astype(param_dtype))}
+    grads = {"k": jax.device_put(np.full((16, 4), 0.3, param_dtype))}
 
     @jax.jit
     def step(p, s):

@@ -18,8 +18,11 @@ IDS = [d.name for d in DTYPES]
 round_jit = jax.jit(jamp.stochastic_round, static_argnums=1)
 
 
+# Test data is built on the host and put with jax.device_put, which compiles nothing: eager jnp
+# operations, and jnp.asarray of a numpy array, compile a program per shape and dtype.
 def as_f32(x):
-    return np.asarray(jnp.asarray(x).astype(jnp.float32))
+    # on the host too (ml_dtypes widens every format exactly)
+    return np.asarray(x).astype(np.float32)
 
 
 def representable(dtype):
@@ -33,8 +36,10 @@ def representable(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_representable_values_come_back_unchanged_whatever_the_bits(dtype):
-    x = jnp.asarray(np.tile(representable(dtype), 64))
-    expected = as_f32(x.astype(dtype))
+    values = np.tile(representable(dtype), 64)
+    x = jax.device_put(values)
+    # astype's answer, on the host: ml_dtypes rounds these values as XLA does, bit for bit
+    expected = values.astype(dtype).astype(np.float32)
     for seed in range(4):
         got = round_jit(x, dtype, jax.random.key(seed))
         assert got.dtype == dtype
@@ -64,7 +69,7 @@ def between(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
 def test_unbiased_binomial_test(dtype):
     x = between(dtype)
-    draws = as_f32(round_jit(jnp.broadcast_to(jnp.asarray(x)[:, None], (len(x), N)), dtype,
+    draws = as_f32(round_jit(jax.device_put(np.broadcast_to(x[:, None], (len(x), N))), dtype,
                              jax.random.key(7))).astype(np.float64)
     for value, row in zip(x.astype(np.float64), draws):
         outcomes = np.unique(row)
@@ -77,7 +82,7 @@ def test_unbiased_binomial_test(dtype):
 
 
 def test_deterministic_per_key_and_different_across_keys():
-    x = jnp.linspace(1.0, 2.0, 4096) + 2.0**-12
+    x = jax.device_put(np.linspace(1.0, 2.0, 4096, dtype=np.float32) + np.float32(2.0**-12))
     a = round_jit(x, jnp.bfloat16, jax.random.key(3))
     b = jamp.stochastic_round(x, jnp.bfloat16, jax.random.key(3))  # eager = jit
     c = round_jit(x, jnp.bfloat16, jax.random.key(4))
@@ -89,48 +94,53 @@ def test_deterministic_per_key_and_different_across_keys():
 
 def test_overflow_nan_and_inf_follow_astype():
     key = jax.random.key(0)
-    f16 = jamp.stochastic_round(jnp.asarray([70000.0, -1e6, np.nan, np.inf]), jnp.float16, key)
-    assert np.isposinf(as_f32(f16[0])) and np.isneginf(as_f32(f16[1]))
-    assert np.isnan(as_f32(f16[2])) and np.isposinf(as_f32(f16[3]))
+    f16 = jamp.stochastic_round(jax.device_put(np.asarray([7e4, -1e6, np.nan, np.inf], np.float32)),
+                               jnp.float16, key)
+    f16 = as_f32(f16)
+    assert np.isposinf(f16[0]) and np.isneginf(f16[1]) and np.isnan(f16[2]) and np.isposinf(f16[3])
     # float8_e4m3fn has no inf: astype makes an overflow NaN, and so does stochastic_round
-    e4 = jamp.stochastic_round(jnp.asarray([1000.0, -460.0 * 3]), jnp.float8_e4m3fn, key)
+    e4 = jamp.stochastic_round(jax.device_put(np.asarray([1000.0, -460.0 * 3], np.float32)),
+                              jnp.float8_e4m3fn, key)
     assert np.all(np.isnan(as_f32(e4)))
     # between float16's max (65504) and the next power of two: max or inf, unbiased either way
     near = as_f32(round_jit(jnp.full((4000,), 65504.0 + 8.0), jnp.float16, key))
     assert set(np.unique(near)) == {65504.0, np.inf}
     # a NaN whose payload is in the low bits stays NaN (the added bits must not carry it away)
-    payload = jax.lax.bitcast_convert_type(jnp.asarray([0x7F800001, 0x7FFFFFFF], jnp.uint32),
-                                           jnp.float32)
+    payload = jax.device_put(np.asarray([0x7F800001, 0x7FFFFFFF], np.uint32).view(np.float32))
     assert np.all(np.isnan(as_f32(jamp.stochastic_round(payload, jnp.bfloat16, key))))
 
 
 def test_straight_through_gradient_jit_and_vmap():
-    x = jnp.linspace(-3.0, 3.0, 64) + 2.0**-11
+    x = jax.device_put(np.linspace(-3.0, 3.0, 64, dtype=np.float32) + np.float32(2.0**-11))
     key = jax.random.key(1)
     grad = jax.jit(jax.grad(lambda v: jnp.sum(
         jamp.stochastic_round(v, jnp.bfloat16, key).astype(jnp.float32) * 3.0)))(x)
     np.testing.assert_array_equal(grad, np.full(64, 3.0, np.float32))
     _, tangent = jax.jvp(lambda v: jamp.stochastic_round(v, jnp.float16, key), (x,),
-                         (jnp.ones_like(x),))
+                         (jax.device_put(np.ones(64, np.float32)),))
     assert tangent.dtype == jnp.float16
     # vmap with a batch of keys: each example as if rounded alone
     keys = jax.random.split(key, 4)
-    rows = x.reshape(4, 16)
-    batched = jax.vmap(lambda r, k: jamp.stochastic_round(r, jnp.bfloat16, k))(rows, keys)
+    host_rows = np.asarray(x).reshape(4, 16)
+    batched = jax.vmap(lambda r, k: jamp.stochastic_round(r, jnp.bfloat16, k))(
+        jax.device_put(host_rows), keys)
     for i in range(4):
-        np.testing.assert_array_equal(
-            as_f32(batched[i]), as_f32(jamp.stochastic_round(rows[i], jnp.bfloat16, keys[i])))
+        np.testing.assert_array_equal(as_f32(batched)[i], as_f32(jamp.stochastic_round(
+            jax.device_put(host_rows[i]), jnp.bfloat16, keys[i])))
 
 
 def test_16_bit_inputs_and_float32_target():
     key = jax.random.key(0)
-    x = jnp.asarray([1.0, 1.0 + 2.0**-9, 3.0], jnp.float16)
+    x = jax.device_put(np.asarray([1.0, 1.0 + 2.0**-9, 3.0], np.float16))
     y = jamp.stochastic_round(x, jnp.bfloat16, key)
     assert y.dtype == jnp.bfloat16
     assert as_f32(y)[0] == 1.0 and as_f32(y)[2] == 3.0
     assert as_f32(y)[1] in (1.0, 1.0078125)
     same = jamp.stochastic_round(x, jnp.float32, key)
     np.testing.assert_array_equal(same, as_f32(x))
+
+
+ONES_3 = jax.device_put(np.ones(3, np.float32))
 
 
 @pytest.mark.parametrize("dtype, error, words", [
@@ -141,16 +151,17 @@ def test_16_bit_inputs_and_float32_target():
 ])
 def test_bad_dtype_is_named(dtype, error, words):
     with pytest.raises(error, match=words):
-        jamp.stochastic_round(jnp.ones(3), dtype, jax.random.key(0))
+        jamp.stochastic_round(ONES_3, dtype, jax.random.key(0))
 
 
 def test_bad_x_and_key_are_named():
     with pytest.raises(TypeError, match=r"x=\.\.\.\) must be a floating array, got int32"):
-        jamp.stochastic_round(jnp.arange(3), jnp.bfloat16, jax.random.key(0))
+        jamp.stochastic_round(jax.device_put(np.arange(3, dtype=np.int32)), jnp.bfloat16,
+                              jax.random.key(0))
     with pytest.raises(TypeError, match="key=...\\) must be one PRNG key"):
-        jamp.stochastic_round(jnp.ones(3), jnp.bfloat16, 0)
+        jamp.stochastic_round(ONES_3, jnp.bfloat16, 0)
     with pytest.raises(TypeError, match="batch of keys"):
-        jamp.stochastic_round(jnp.ones(3), jnp.bfloat16, jax.random.split(jax.random.key(0), 3))
+        jamp.stochastic_round(ONES_3, jnp.bfloat16, jax.random.split(jax.random.key(0), 3))
 
 
 def test_raw_keys_of_the_configured_prng_impl_are_accepted():
@@ -164,9 +175,9 @@ def test_raw_keys_of_the_configured_prng_impl_are_accepted():
         assert set(np.asarray(y, np.float32).tolist()) <= {1.0, 1.0078125}
         with pytest.raises(TypeError, match=r"uint32\[4\] under jax_default_prng_impl='rbg'"
                                             r"\), got uint32\[2\]"):
-            jamp.stochastic_round(x, jnp.bfloat16, jnp.zeros((2,), jnp.uint32))
+            jamp.stochastic_round(x, jnp.bfloat16, jax.device_put(np.zeros(2, np.uint32)))
     with pytest.raises(TypeError, match=r"uint32\[2\] under .*got uint32\[4\]"):
-        jamp.stochastic_round(x, jnp.bfloat16, jnp.zeros((4,), jnp.uint32))
+        jamp.stochastic_round(x, jnp.bfloat16, jax.device_put(np.zeros(4, np.uint32)))
 
 
 def test_salts_give_arrays_hashed_alike_their_own_bits():
@@ -216,7 +227,7 @@ def test_explicit_mesh_with_the_key_on_the_mesh(dtype):
     mixed bits made replicated with the value's shards. One device's mesh shows it; the bits
     are the same as off the mesh (8 devices: tests/optim_sharding_checks.py)."""
     mesh = jax.make_mesh((1,), ("data",))
-    x = jnp.asarray(between(dtype)[:, None] * np.linspace(1.0, 3.0, 16, dtype=np.float32))
+    x = jax.device_put(between(dtype)[:, None] * np.linspace(1.0, 3.0, 16, dtype=np.float32))
     key = jax.random.key(2)
     on_mesh = jax.device_put(x, NamedSharding(mesh, P("data")))
     key_on_mesh = jax.device_put(key, NamedSharding(mesh, P()))

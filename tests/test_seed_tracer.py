@@ -21,7 +21,9 @@ Point = collections.namedtuple("Point", "x y")
 
 
 def rand(*shape, seed=0):
-    return jax.random.uniform(jax.random.key(seed), shape)
+    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
+    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
+    return jax.device_put(np.random.default_rng(seed).random(shape, np.float32))
 
 
 def assert_trace_matches(fn, inputs, *other_inputs):

@@ -16,7 +16,9 @@ import tracing
 from tracing import graph as graphs
 from tracing.trace import trace_once
 
-X = jnp.arange(12.0).reshape(3, 4)
+# Test data built with numpy and transferred: jax.device_put compiles nothing, where jnp.arange,
+# reshape or jax.random compile a program for each shape.
+X = jax.device_put(np.arange(12, dtype=np.float32).reshape(3, 4))
 Pair = collections.namedtuple("Pair", "first second")
 
 
@@ -501,8 +503,8 @@ def test_float32_through_bfloat16_intermediates_does_not_warn():
         h = (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32)
         return jax.nn.log_softmax(h - h.mean(-1, keepdims=True))
 
-    x, w = jax.random.normal(jax.random.key(1), (16, 64)), jax.random.normal(
-        jax.random.key(2), (64, 32))
+    x = jax.device_put(np.random.default_rng(1).standard_normal((16, 64), np.float32))
+    w = jax.device_put(np.random.default_rng(2).standard_normal((64, 32), np.float32))
     _, warns = recorded_tracer_warnings(lambda: tracing.check_trace(layer, (x, w)))
     assert warns == []
 
@@ -513,7 +515,7 @@ def test_large_float32_accumulations_scale_the_tolerance_by_their_magnitude():
     def variance(x):
         return jnp.mean(x * x, axis=0) - jnp.mean(x, axis=0) ** 2  # Haiku BatchNorm's formula
 
-    x = 1000.0 + jax.random.normal(jax.random.key(0), (64, 3))
+    x = jax.device_put(1000.0 + np.random.default_rng(0).standard_normal((64, 3), np.float32))
     closed = jax.make_jaxpr(variance)(x)
     involved, = tolerance.accumulation_magnitudes(closed, [x])
     assert involved >= float(jnp.max(jnp.mean(x * x, axis=0)))  # the sums behind E[x^2]
