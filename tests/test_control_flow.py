@@ -1,4 +1,5 @@
 """scan / while / cond / remat bodies are rewritten; carries and branches keep consistent dtypes."""
+import functools
 import warnings
 
 import jax
@@ -11,8 +12,11 @@ import jamp
 from tests.jaxpr_utils import eqns_named, in_region, operand_dtypes
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-W = jax.random.normal(jax.random.PRNGKey(0), (8, 8)) * 0.3
-XS = jax.random.normal(jax.random.PRNGKey(1), (6, 8))
+# Test data made on the host: jax.device_put hands it over as a device array without compiling
+# (jnp.asarray of a numpy array, or a jax.random call, compiles a program per shape).
+_RNG = np.random.default_rng(0)
+W = jax.device_put(_RNG.standard_normal((8, 8), dtype=np.float32) * np.float32(0.3))
+XS = jax.device_put(_RNG.standard_normal((6, 8), dtype=np.float32))
 
 
 def rnn(w, xs):
@@ -37,7 +41,7 @@ def test_scan_rnn_gradient_is_finite_float32_with_bf16_backward_dots():
     loss = lambda w: jamp.autocast_transform(rnn)(w, XS)[0].sum()
     g = jax.grad(loss)(W)
     assert g.dtype == F32 and jnp.all(jnp.isfinite(g))
-    np.testing.assert_allclose(g, jax.grad(lambda w: rnn(w, XS)[0].sum())(W), atol=5e-2)
+    np.testing.assert_allclose(g, jax.jit(jax.grad(lambda w: rnn(w, XS)[0].sum()))(W), atol=5e-2)
     assert set(operand_dtypes(jax.make_jaxpr(jax.grad(loss))(W), "dot_general")) == {("bfloat16",) * 2}
 
 
@@ -56,7 +60,7 @@ def test_cond_branches_with_divergent_dtypes_typecheck(pred):
         return lax.cond(p, lambda v: v @ w, lambda v: v * 2.0, x)
     out = jamp.autocast_transform(f)(W, XS, pred)
     assert out.dtype == F32  # branches disagree (bf16 vs f32): the traced dtype
-    expected = XS @ W if pred else XS * 2.0
+    expected = np.asarray(XS) @ np.asarray(W) if pred else np.asarray(XS) * 2.0
     np.testing.assert_allclose(out, expected, atol=5e-2)
 
 
@@ -93,8 +97,9 @@ def test_jit_under_scan_and_region_inside_loop_body():
 
 
 def test_remat_saves_matmul_residuals_in_compute_dtype():
-    w1 = jax.random.normal(jax.random.PRNGKey(2), (8, 16)) * 0.3
-    w2 = jax.random.normal(jax.random.PRNGKey(3), (16, 16)) * 0.3
+    rng = np.random.default_rng(1)
+    w1 = jax.device_put(rng.standard_normal((8, 16), dtype=np.float32) * np.float32(0.3))
+    w2 = jax.device_put(rng.standard_normal((16, 16), dtype=np.float32) * np.float32(0.3))
 
     def block(w1, w2, x):
         return jnp.sin(jnp.sin(x @ w1) @ w2)
@@ -114,7 +119,7 @@ def test_grad_of_checkpointed_vmapped_scan_is_rewritten_on_every_jax_version():
             return rnn(w, x)[0]
         return jnp.sum(jax.checkpoint(jax.vmap(run))(xs) ** 2)
 
-    xs = jnp.stack([XS, XS[::-1]])
+    xs = jax.device_put(np.stack([np.asarray(XS), np.asarray(XS)[::-1]]))
     grad = jamp.autocast_transform(jax.grad(loss))
     with warnings.catch_warnings():
         warnings.simplefilter("error", jamp.UnsupportedPrimitiveWarning)
@@ -123,8 +128,8 @@ def test_grad_of_checkpointed_vmapped_scan_is_rewritten_on_every_jax_version():
     dots = operand_dtypes(jaxpr, "dot_general")
     assert dots and set(dots) == {("bfloat16", "bfloat16")}, dots
     assert g.dtype == F32
-    want = jax.grad(loss)(W, xs)
-    cosine = jnp.vdot(g, want) / (jnp.linalg.norm(g) * jnp.linalg.norm(want))
+    g, want = np.asarray(g), np.asarray(jax.jit(jax.grad(loss))(W, xs))
+    cosine = np.vdot(g, want) / (np.linalg.norm(g) * np.linalg.norm(want))
     assert cosine > 0.99
 
 
@@ -152,7 +157,7 @@ def per_platform(x, w):
 @pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy()], ids=["f32", "bf16"])
 def test_platform_dependent_lowers_only_the_running_platforms_branch(policy):
     f = jamp.autocast_transform(per_platform, policy)
-    ref = jnp.tanh(XS @ W)
+    ref = np.tanh(np.asarray(XS) @ np.asarray(W))
     for run in (f, jax.jit(f)):  # the TPU-only branch must not be lowered for the CPU
         out = run(XS, W)
         assert out.dtype == policy.compute_dtype  # tanh runs in the dtype it gets
@@ -172,13 +177,28 @@ def count_up(x, w):
     return lax.while_loop(lambda c: c[0] < 3.0, body, (x, jnp.full((2, 8), 0.1)))[1]
 
 
+STARTS = np.array([-2.0, 0.0, 2.5], np.float32)  # 5, 3 and 1 steps
+
+
+@functools.cache
+def _batched_count_up_and_tangent():
+    """Plain JAX's answer for STARTS and its jvp along W, in one program, for every policy."""
+    batched = jax.vmap(count_up, in_axes=(0, None))
+
+    @jax.jit
+    def reference(xs, w):
+        return jax.jvp(lambda v: batched(xs, v), (w,), (w,))
+
+    return reference(jax.device_put(STARTS), W)
+
+
 @pytest.mark.parametrize("policy", [jamp.Policy(F32), jamp.Policy()], ids=["f32", "bf16"])
 def test_while_with_batched_predicate_from_vmap(policy):
     # vmap turns the predicate into bool[batch]: the loop runs while any element holds and steps
     # only those. lax.while_loop cannot rebuild such a loop.
-    xs = jnp.array([-2.0, 0.0, 2.5])  # 5, 3 and 1 steps
+    xs = jax.device_put(STARTS)
     batched = jax.vmap(count_up, in_axes=(0, None))
-    ref = batched(xs, W)
+    ref, ref_tangent = _batched_count_up_and_tangent()
     for f in (jamp.autocast_transform(batched, policy),
               jax.jit(jamp.autocast_transform(batched, policy)),
               jax.vmap(jamp.autocast_transform(count_up, policy), in_axes=(0, None))):
@@ -191,7 +211,6 @@ def test_while_with_batched_predicate_from_vmap(policy):
     assert operand_dtypes(loop.params["body_jaxpr"], "dot_general") == [(dtype, dtype)]
     # jvp through the batched loop works too
     _, tangent = jax.jvp(lambda w: jamp.autocast_transform(batched, policy)(xs, w), (W,), (W,))
-    _, ref_tangent = jax.jvp(lambda w: batched(xs, w), (W,), (W,))
     np.testing.assert_allclose(tangent, ref_tangent, rtol=5e-2, atol=5e-2)
 
 
@@ -220,14 +239,15 @@ def test_custom_vmap_function_is_rewritten_and_its_rule_still_batches(policy):
     assert operand_dtypes(call.params["call"], "dot_general") == [(dtype, dtype)]
     out = jax.jit(f)(XS, W)
     assert out.dtype == F32
-    np.testing.assert_allclose(out, jnp.tanh(XS @ W), rtol=2e-2, atol=2e-2)
+    xs, w = np.asarray(XS), np.asarray(W)  # (the references computed on the host)
+    np.testing.assert_allclose(out, np.tanh(xs @ w), rtol=2e-2, atol=2e-2)
     RULE_CALLS.clear()
-    batch = jnp.stack([XS, 2 * XS])
-    out = jax.vmap(f, in_axes=(0, None))(batch, W)
+    batch = np.stack([xs, 2 * xs])
+    out = jax.vmap(f, in_axes=(0, None))(jax.device_put(batch), W)
     assert RULE_CALLS == [F32] and out.dtype == F32  # the user's rule, in the traced dtype
-    np.testing.assert_allclose(out, jnp.tanh(batch @ W), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(out, np.tanh(batch @ w), rtol=2e-2, atol=2e-2)
     _, tangent = jax.jvp(lambda w: f(XS, w), (W,), (W,))
-    np.testing.assert_allclose(tangent, (1 - jnp.tanh(XS @ W) ** 2) * (XS @ W), rtol=5e-2,
+    np.testing.assert_allclose(tangent, (1 - np.tanh(xs @ w) ** 2) * (xs @ w), rtol=5e-2,
                                atol=5e-2)
 
 
@@ -261,7 +281,8 @@ def test_a_composite_keeps_its_name_and_its_decomposition_runs_under_the_policy(
     assert 'stablehlo.composite "test.tanh_layer"' in jax.jit(fn).lower(XS, W).as_text()
     for out in (fn(XS, W), jax.jit(fn)(XS, W)):
         assert out.dtype == BF16
-        np.testing.assert_allclose(out, jnp.tanh(XS @ W), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(out, np.tanh(np.asarray(XS) @ np.asarray(W)), rtol=2e-2,
+                                   atol=2e-2)
 
 
 def _scheduled(xs, w):
@@ -279,6 +300,12 @@ def _on_host(xs, w):
     compute_on = getattr(compute_on_module, "compute_on2", compute_on_module.compute_on)
     run_on_host = compute_on(compute_type="device_host", out_memory_spaces=jax.memory.Space.Device)
     return run_on_host(lambda a, b: jnp.tanh(a @ b))(xs, w)
+
+
+@functools.cache
+def _without_jamp(call):
+    """What ``call`` computes and its gradient, as plain JAX runs them: once for the forms."""
+    return call(XS, W), jax.grad(lambda w: call(XS, w).sum())(W)
 
 
 @pytest.mark.parametrize("form", ["transform", "region", "jit in a region"])
@@ -307,13 +334,12 @@ def test_a_call_telling_xla_how_to_run_its_body_keeps_that_and_its_body_runs_und
         }
         assert operand_dtypes(kept.params["jaxpr"], "dot_general") == [("bfloat16", "bfloat16")]
         assert lowered in jax.jit(fn).lower(XS, W).as_text()
-        want = call(XS, W)
+        want, want_grad = _without_jamp(call)
         for out in (fn(XS, W), jax.jit(fn)(XS, W)):
             assert out.dtype == BF16
             np.testing.assert_allclose(out.astype(F32), want, rtol=3e-2, atol=3e-2)
         grad = jax.jit(jax.grad(lambda w: fn(XS, w).astype(F32).sum()))(W)
         assert grad.dtype == F32
-        want_grad = jax.grad(lambda w: call(XS, w).sum())(W)
         np.testing.assert_allclose(grad, want_grad, rtol=5e-2, atol=0.1)
 
 
@@ -356,6 +382,13 @@ def _stateful_layer(xs, w):
     return run_state(body)((xs, jnp.zeros((xs.shape[0], w.shape[1]))))[1]
 
 
+@functools.cache
+def _stateful_layer_without_jamp():
+    """Plain JAX's value and derivative (along ones) of _stateful_layer, once for the forms."""
+    tangent = jax.device_put(np.ones(W.shape, np.float32))
+    return _stateful_layer(XS, W), jax.jvp(lambda v: _stateful_layer(XS, v), (W,), (tangent,))[1]
+
+
 @pytest.mark.parametrize("form", ["transform", "region", "jit in a region"])
 def test_run_state_keeps_its_references_types_and_its_body_runs_under_the_policy(form):
     # run_state had no rule: it warned and ran in its traced dtypes (JAX's state_test under
@@ -370,13 +403,12 @@ def test_run_state_keeps_its_references_types_and_its_body_runs_under_the_policy
         assert [v.aval for v in kept.params["jaxpr"].invars] == [
             v.aval for v in traced.params["jaxpr"].invars
         ]
-        want = _stateful_layer(XS, W)
+        want, want_derivative = _stateful_layer_without_jamp()
         for out in (fn(XS, W), jax.jit(fn)(XS, W)):
             assert out.dtype == F32  # (what its reference holds)
             np.testing.assert_allclose(out, want, rtol=3e-2, atol=3e-2)
         # (forward mode: JAX cannot reverse-differentiate this run_state, with or without jamp)
-        tangent = jnp.ones_like(W)
+        tangent = jax.device_put(np.ones(W.shape, np.float32))
         _, derivative = jax.jit(lambda w: jax.jvp(lambda v: fn(XS, v), (w,), (tangent,)))(W)
-        _, want_derivative = jax.jvp(lambda v: _stateful_layer(XS, v), (W,), (tangent,))
         assert derivative.dtype == F32
         np.testing.assert_allclose(derivative, want_derivative, rtol=5e-2, atol=0.1)

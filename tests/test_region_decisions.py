@@ -26,9 +26,12 @@ from jamp.interpreter import Rewriter
 from tests.jaxpr_utils import fresh
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-X = jax.random.normal(jax.random.PRNGKey(0), (8, 16))
-W = jax.random.normal(jax.random.PRNGKey(1), (16, 16)) * 0.25
-B = jnp.linspace(-1.0, 1.0, 16)
+# Test data made on the host: jax.device_put hands it over as a device array without compiling
+# (jnp.asarray of a numpy array, or a jax.random call, compiles a program per shape).
+_RNG = np.random.default_rng(0)
+X = jax.device_put(_RNG.standard_normal((8, 16), dtype=np.float32))
+W = jax.device_put(_RNG.standard_normal((16, 16), dtype=np.float32) * np.float32(0.25))
+B = jax.device_put(np.linspace(-1.0, 1.0, 16, dtype=np.float32))
 
 
 def _decide_every_time(monkeypatch):
@@ -67,7 +70,7 @@ def mixed_adds(x, w, b, x16):
 @pytest.mark.parametrize("jit", [False, True])
 def test_an_operation_is_decided_by_its_operands_tags_not_only_their_types(monkeypatch, jit):
     run = jax.jit(mixed_adds) if jit else mixed_adds
-    args = (X, W, B, X.astype(jnp.bfloat16))
+    args = (X, W, B, jax.device_put(np.asarray(X).astype(BF16)))
     monkeypatch.setattr(region_trace, "_DECISIONS", {})  # (none kept from other tests)
     ran = _count_rules(monkeypatch)
     outs = run(*args)
@@ -93,10 +96,16 @@ class Block(nn.Module):
         return jax.nn.log_softmax(logits), jnp.mean(h**2)
 
 
+@functools.cache
+def block_variables():
+    """Block's variables for X, initialised in one program (not op by op), shared by the tests."""
+    return jax.jit(Block().init, static_argnums=2)(jax.random.PRNGKey(2), X, False)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_replayed_decisions_give_the_program_deciding_every_operation_gives(monkeypatch, dtype):
     model = Block()
-    variables = model.init(jax.random.PRNGKey(2), X, False)
+    variables = block_variables()
 
     def forward(v, x):
         with jamp.autocast(dtype=dtype):
@@ -121,8 +130,8 @@ def test_a_softmax_shift_is_decided_every_time_and_constants_by_value(monkeypatc
     keyed by its value (cast from it, saturating): ±40,000 float16 logits stay finite however
     often the code runs."""
     ran = _count_rules(monkeypatch)
-    logits = jnp.array([[40000.0, -40000.0, 0.0]] * 4)
-    labels = jnp.array([0, 1, 2, 0])
+    logits = jax.device_put(np.array([[40000.0, -40000.0, 0.0]] * 4, np.float32))
+    labels = jax.device_put(np.array([0, 1, 2, 0], np.int32))
     for _ in range(3):
         with jamp.autocast(dtype=jnp.float16):
             h = lax.dot(logits, jnp.eye(3))
@@ -149,7 +158,7 @@ def test_an_operation_with_a_small_constant_is_decided_once_per_value(monkeypatc
             outs.append(lax.mul(d, jnp.float32(2.0)))  # a device array: decided
         return outs
 
-    v = jnp.linspace(-1e-3, 2e-3, 16)
+    v = jax.device_put(np.linspace(-1e-3, 2e-3, 16, dtype=np.float32))
     fn = jax.jit(scaled) if jit else scaled
     monkeypatch.setattr(region_trace, "_DECISIONS", {})
     ran = _count_rules(monkeypatch)
@@ -452,7 +461,7 @@ def test_blocks_share_decisions_and_rules_still_decide_per_module(monkeypatch):
     """Modules differ in their scope path only: they share one table of decisions. A per-module
     rule turns one off: its state differs, and nothing decided elsewhere is replayed there."""
     model = Stack()
-    variables = model.init(jax.random.PRNGKey(3), X)
+    variables = jax.jit(model.init)(jax.random.PRNGKey(3), X)
     monkeypatch.setattr(region_trace, "_DECISIONS", {})
     with jamp.autocast():
         out = model.apply(variables, X)

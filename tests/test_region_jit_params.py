@@ -19,7 +19,11 @@ import jamp
 from tests.check_modules import ROOT
 
 BF16 = np.dtype(jnp.bfloat16)
-X = jax.random.normal(jax.random.PRNGKey(0), (4, 8))
+# Test data made on the host: jax.device_put hands it over as a new device array without
+# compiling (jnp.asarray of a numpy array, or a jax.random call, compiles a program per shape).
+_RNG = np.random.default_rng(0)
+X = jax.device_put(_RNG.standard_normal((4, 8), dtype=np.float32))
+_STRONG = _RNG.standard_normal((8, 8), dtype=np.float32) * np.float32(0.25)
 
 
 def _update(w, x):
@@ -29,7 +33,7 @@ def _update(w, x):
 def _params():
     return {
         # the weight a training step updates in place
-        "strong": lambda: jax.random.normal(jax.random.PRNGKey(1), (8, 8)) * 0.25,
+        "strong": lambda: jax.device_put(_STRONG),
         # jnp.full of a Python float is weak-typed: a constant to the rules (cast from its
         # value), which a call once walked op by op when it had over 16 elements
         "weak": lambda: jnp.full((8, 8), 0.1),
@@ -60,12 +64,13 @@ def test_donated_operand_is_donated_in_a_region(kind, donate):
 def test_donated_constant_made_in_the_region():
     """``jnp.ones`` in the region: a constant with shape ops to the rules, donated all the same."""
     step = jax.jit(_update, donate_argnums=0)
+    ones = jax.device_put(np.ones((8, 8), np.float32))
+    expected = jax.jit(jamp.autocast_transform(_update))(ones, X)  # (the same both times round)
     for _ in range(2):
         with jamp.autocast():
             w = jnp.ones((8, 8))
             out = step(w, X)
         assert w.is_deleted()
-        expected = jax.jit(jamp.autocast_transform(_update))(jnp.ones((8, 8)), X)
         np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-2)
 
 
@@ -79,7 +84,7 @@ def test_donation_as_plain_jax():
 def test_output_memory_kind_kept_in_a_region():
     host = SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
     to_host = jax.jit(lambda x, w: jnp.tanh(x @ w), out_shardings=host)
-    w = jax.random.normal(jax.random.PRNGKey(1), (8, 8))
+    w = jax.device_put(_STRONG)
     plain = to_host(X, w)
     with jamp.autocast():
         out = to_host(X, w)
@@ -93,7 +98,7 @@ def test_output_memory_kind_kept_in_a_region():
 def test_jnp_functions_still_run_in_the_region():
     """A jnp function's jit sets nothing beyond its program: it runs as before, nothing of its
     operands donated."""
-    x = X.astype(jnp.bfloat16)
+    x = jax.device_put(np.asarray(X).astype(BF16))
     with jamp.autocast():
         out = jnp.linalg.norm(x)
     assert not x.is_deleted()
@@ -136,7 +141,7 @@ def test_output_sharding_kept_in_a_region_on_two_devices():
     assert "sharded outputs kept" in result.stdout
 
 
-_ONES = jnp.ones((4, 4))
+_ONES = jax.device_put(np.ones((4, 4), np.float32))
 _DONATING = jax.jit(lambda w, x: w - 0.1 * jnp.tanh(x @ w), donate_argnums=0)
 
 

@@ -29,10 +29,14 @@ from tests.jaxpr_utils import (
 )
 
 BF16, F16, F32, F64 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64))
-KEY = jax.random.PRNGKey(0)
-X = jax.random.normal(KEY, (8, 16))
-W = jax.random.normal(jax.random.PRNGKey(1), (16, 16)) * 0.25
-B = jnp.linspace(-1.0, 1.0, 16)
+KEY = jax.random.PRNGKey(0)  # (the models' init key)
+# Test data made on the host: jax.device_put hands it over as a device array without compiling
+# (jnp.asarray of a numpy array, or a jax.random call, compiles a program per shape).
+_RNG = np.random.default_rng(0)
+X = jax.device_put(_RNG.standard_normal((8, 16), dtype=np.float32))
+W = jax.device_put(_RNG.standard_normal((16, 16), dtype=np.float32) * np.float32(0.25))
+B = jax.device_put(np.linspace(-1.0, 1.0, 16, dtype=np.float32))
+X16, W16 = (jax.device_put(np.asarray(a).astype(BF16)) for a in (X, W))
 
 
 def block(x, w, b):
@@ -59,8 +63,8 @@ def test_eager_region_runs_the_policy_and_returns_its_dtypes():
 
 def test_float64_integers_and_explicit_float32_blocks_are_untouched():
     with jax.enable_x64(True):
-        x64 = jnp.ones((4, 4), jnp.float64)
-        ints = jnp.arange(16).reshape(4, 4)
+        x64 = jax.device_put(np.ones((4, 4), np.float64))
+        ints = jax.device_put(np.arange(16, dtype=np.int64).reshape(4, 4))
         with jamp.autocast():
             assert (x64 @ x64).dtype == F64
             assert (ints @ ints).dtype == ints.dtype
@@ -116,6 +120,14 @@ CONTRACTIONS = {
 }
 
 
+@functools.cache
+def _transformed_contraction(name, policy, dtype):
+    """autocast_transform's product under jax.jit: one program for the eager and jitted region."""
+    fn = CONTRACTIONS[name]
+    transform = jamp.autocast_transform(fn, policy) if policy else jamp.autocast_transform(fn)
+    return jax.jit(transform)(*((X, W) if dtype == F32 else (X16, W16)))
+
+
 @pytest.mark.parametrize("name", list(CONTRACTIONS))
 @pytest.mark.parametrize(
     "policy, dtype",
@@ -129,11 +141,10 @@ def test_every_jnp_contraction_returns_the_dtype_the_policy_gave_its_product(
     # jnp.tensordot ends by converting its product to the dtype its operands would give it: in a
     # region that convert undid the policy (float32 from a bfloat16 region, the inputs' 16-bit
     # dtype from a float32 one) where `@` and autocast_transform keep the policy's dtype.
-    fn, x, w = CONTRACTIONS[name], X.astype(dtype), W.astype(dtype)
+    fn, (x, w) = CONTRACTIONS[name], ((X, W) if dtype == F32 else (X16, W16))
     region = in_region(fn, dtype=policy)
-    transform = jamp.autocast_transform(fn, policy) if policy else jamp.autocast_transform(fn)
     got = (jax.jit(region) if jitted else region)(x, w)
-    want = jax.jit(transform)(x, w)
+    want = _transformed_contraction(name, policy, dtype)
     assert got.dtype == want.dtype == (policy or BF16)
     chex.assert_trees_all_close(got, want, rtol=2e-2, atol=2e-2)
 
@@ -226,6 +237,12 @@ EXACT_GELU = functools.partial(jax.nn.gelu, approximate=False)  # erfc: its JVP 
 # custom_jvp function (jax 0.12), which JAX binds on the region while it differentiates
 
 
+@functools.cache
+def _transformed_grad(act):
+    """jax.grad of the test below's loss under autocast_transform, once for both its steps."""
+    return jax.grad(jamp.autocast_transform(lambda w: jnp.sum(act(X @ w + B))))(W)
+
+
 @pytest.mark.parametrize("act", [jnp.exp, jnp.tanh, jnp.square, jax.nn.gelu, EXACT_GELU,
                                  jax.nn.log_softmax])
 @pytest.mark.parametrize("jitted", [False, True])
@@ -247,8 +264,8 @@ def test_unjitted_grad_called_inside_a_region_is_grad_of_the_function_under_the_
     expected_value, expected = run(jax.value_and_grad(in_region(loss)))(W)
     assert (value.dtype, grads.dtype) == (expected_value.dtype, expected.dtype) == (F32, F32)
     chex.assert_trees_all_close((value, grads), (expected_value, expected), rtol=1e-6, atol=1e-6)
-    chex.assert_trees_all_close(grads, jax.grad(jamp.autocast_transform(loss))(W), rtol=0.02,
-                                atol=0.02 * float(jnp.max(jnp.abs(grads))))
+    chex.assert_trees_all_close(grads, _transformed_grad(act), rtol=0.02,
+                                atol=0.02 * float(np.max(np.abs(grads))))
     program = jax.make_jaxpr(step)(W)
     # the forward product and the backward one (the pullback is called in the region too: its
     # transposes run as the forward decided them) compute in bfloat16
@@ -570,9 +587,15 @@ class MLP(nn.Module):
         return nn.Dense(4)(x)
 
 
+@functools.cache
+def mlp_params():
+    """MLP's parameters for X, initialised in one program (not op by op), shared by the tests."""
+    return jax.jit(MLP().init)(KEY, X)
+
+
 def test_flax_apply_in_a_region_equals_autocast_transform_inside_jit():
     model = MLP()
-    params = model.init(KEY, X)
+    params = mlp_params()
 
     @jax.jit
     def region(params, x):
@@ -593,7 +616,7 @@ def test_flax_apply_in_a_region_equals_autocast_transform_inside_jit():
 
 def test_flax_rules_match_module_paths_in_a_region():
     model = MLP()
-    params = model.init(KEY, X)
+    params = mlp_params()
     policy = jamp.Policy(jnp.bfloat16, rules=(("*/Dense_1", None),))
     with jamp.autocast(policy):
         out = model.apply(params, X)
@@ -738,8 +761,8 @@ def test_a_value_jnp_promotes_twice_is_cast_once_as_under_the_transform():
     up in float32 before one cast back (two casts would add them in bfloat16): the gradients are
     the transform's."""
     model = _ConvBatchNorm()
-    x = jax.random.normal(KEY, (2, 8, 8, 3))
-    variables = model.init(KEY, x)
+    x = jax.device_put(np.random.default_rng(1).standard_normal((2, 8, 8, 3), dtype=np.float32))
+    variables = jax.jit(model.init)(KEY, x)
 
     def loss(params):
         out, _ = model.apply(
@@ -842,7 +865,9 @@ def test_nnx_batchnorm_updates_its_statistics_inside_a_region_under_nnx_jit():
             return model(x)
 
     out = forward(model, X)
-    expected = reference(X)  # float32, eagerly: the statistics it sets are float32's
+    # float32, without a region (jitted: one program, not op by op): the statistics it sets
+    # are float32's
+    expected = nnx.jit(lambda model, x: model(x))(reference, X)
     assert out.dtype == F32  # BatchNorm normalises in float32 (rsqrt, mean: the fp32 table)
     stats, ref_stats = model.layers[1].mean[...], reference.layers[1].mean[...]
     assert stats.dtype == F32 and not np.allclose(stats, 0.0)
@@ -961,7 +986,7 @@ def test_a_lax_op_given_a_16_bit_value_it_cannot_mix_gets_an_error_that_says_wha
     before the region sees the call; so is an operation under autocast(enabled=False). A lax
     operation taking one dtype refuses bfloat16 with float32 there; the error says why and
     what to do, and a cast to float32 first runs the call under the policy."""
-    square = jnp.ones((16, 16))
+    square = jax.device_put(np.ones((16, 16), np.float32))
 
     @jax.jit
     def mixes(h, w):
@@ -1025,7 +1050,8 @@ def test_a_float32_only_function_given_a_value_the_region_made_16_bit_gets_a_not
     """``jnp.fft.rfft`` checks its input's dtype in Python (and on jax 0.12 ``svd``, ``qr`` and
     ``eigh`` as JAX traces ``jnp.linalg``): a matmul's bfloat16 output is refused before the
     region sees the call. The note says why; the cast it names runs in float32."""
-    x, w = jnp.ones((4, 8)), jnp.linspace(-1, 1, 64).reshape(8, 8)
+    x = jax.device_put(np.ones((4, 8), np.float32))
+    w = jax.device_put(np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8))
     note = "inside a jamp.autocast region: the value is bfloat16 because the region computed it"
 
     def rfft(x, cast):
@@ -1038,7 +1064,8 @@ def test_a_float32_only_function_given_a_value_the_region_made_16_bit_gets_a_not
     notes = "".join(getattr(raised.value, "__notes__", ()))
     assert note in notes and "x.astype(jnp.float32)" in notes
     assert rfft(x, True).dtype == jnp.complex64
-    np.testing.assert_allclose(rfft(x, True), jnp.fft.rfft(x @ w), rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(rfft(x, True), np.fft.rfft(np.asarray(x) @ np.asarray(w)),
+                               rtol=2e-2, atol=2e-2)
 
     def singular_values(x):
         with jamp.autocast():
@@ -1064,7 +1091,7 @@ def test_a_float32_only_function_given_a_value_the_region_made_16_bit_gets_a_not
             return jnp.linalg.inv(h), jnp.linalg.inv(h.astype(jnp.float32))
 
     try:
-        narrow, wide = inverse(2 * jnp.eye(4) + 0.1)
+        narrow, wide = inverse(jax.device_put(2 * np.eye(4, dtype=np.float32) + np.float32(0.1)))
     except TypeError as err:
         assert note in "".join(getattr(err, "__notes__", ()))
     else:
@@ -1143,7 +1170,7 @@ def test_custom_derivative_bodies_get_concrete_values_where_jax_runs_them_direct
         return x @ w
 
     g.defvjp(lambda x, w: (g(x, w), (x, w)), lambda r, ct: (ct @ r[1].T, r[0].T @ ct))
-    zeros = jnp.zeros_like(X)
+    zeros = jax.device_put(np.zeros(X.shape, np.float32))
 
     def at_compile_time(fn):
         def run():
@@ -1174,7 +1201,7 @@ def test_a_rule_no_region_of_its_policy_matched_warns_once_when_the_block_ends()
     """Once per region's line (a training loop's region warns at its first step), naming the
     line; a region elsewhere with the same typo is another place to fix and warns too."""
     policy = jamp.Policy(rules=(("*/haed", None), ("*/Dense_1", None)))
-    model, params = MLP(), MLP().init(KEY, X)
+    model, params = MLP(), mlp_params()
 
     def step():
         with jamp.autocast(policy):
@@ -1196,8 +1223,8 @@ def test_flax_nn_scan_partial_evaluation_is_not_taken_for_differentiation():
     """Flax's ``nn.scan`` partially evaluates its body (to find loop invariants) over the
     region: that is no jax.grad above the region and must not be refused (the sst2 example)."""
     model = nn.RNN(nn.LSTMCell(8))
-    xs = X.reshape(2, 4, 16)
-    params = model.init(KEY, xs)
+    xs = jax.device_put(np.asarray(X).reshape(2, 4, 16))
+    params = jax.jit(model.init)(KEY, xs)
 
     @jax.jit
     def forward(params, xs):
@@ -1285,7 +1312,7 @@ def test_a_typed_prng_key_reaches_jnp_functions_in_a_region_as_it_does_outside()
         )
 
     region = in_region(sample, dtype=jamp.Policy(jnp.float32))
-    x = jnp.array([1.0, 2.5])
+    x = jax.device_put(np.array([1.0, 2.5], np.float32))
     cases = {
         "eager": lambda f: f(x),
         "vmap": lambda f: jax.vmap(f)(x),
@@ -1325,7 +1352,7 @@ def test_an_inline_jit_is_walked_once_per_types_state_and_operand_knowledge(monk
     """jnp's functions (inline jits) are decided once per callee jaxpr, operand types (weak types
     too), region state and what the region knows about the operands, then bound as one call."""
     add = jax.jit(lambda y, b: jnp.tanh(y + b), inline=True)
-    x16 = X.astype(jnp.bfloat16)
+    x16 = X16
     walks = _count_walks(monkeypatch)
 
     def f(x, x16, w, b):
@@ -1430,7 +1457,7 @@ def test_an_eager_loop_in_a_region_compiles_its_control_flow_once(monkeypatch, l
     rewritten once per equation, operand types, region state and operand knowledge, and runs
     as one compiled call: the same decisions and values as the way it went before."""
     step = EAGER_LOOPS[loop]
-    x = X[:, :16] * 0.5
+    x = jax.device_put(np.asarray(X)[:, :16] * np.float32(0.5))
     with jamp.autocast():
         first = step(x)
         with count_compiles() as compiles:
@@ -1522,7 +1549,7 @@ def test_a_device_array_constant_in_a_region_under_grad(outside):
     # a Python float is a literal the rules cast the same way
     np.testing.assert_array_equal(got, grad(w, 2.0))
     np.testing.assert_allclose(
-        got, jax.grad(lambda w: 2.0 * jnp.sum(jnp.tanh(x @ w)))(w), rtol=2e-2
+        got, jax.jit(jax.grad(lambda w: 2.0 * jnp.sum(jnp.tanh(x @ w))))(w), rtol=2e-2
     )
 
 
@@ -1533,7 +1560,7 @@ def test_a_custom_jvp_function_under_disable_jit_in_an_eager_region(fn):
     evaluates the rewritten jaxpr in Python, binding on the current trace, and inside the
     region's operation jax 0.12 leaves none current: it failed with "'NoneType' object has no
     attribute 'process_primitive'" (JAX's ``array_extensibility_test`` in an eager region)."""
-    x = jnp.linspace(-2.0, 2.0, 8)
+    x = jax.device_put(np.linspace(-2.0, 2.0, 8, dtype=np.float32))
     with jax.disable_jit():
         expected = fn(x)
         with jamp.autocast(jamp.Policy(jnp.bfloat16)):
@@ -1720,7 +1747,7 @@ def test_a_core_call_runs_its_body_in_the_region(wrap):
         body = lu.wrap_init(lambda x: [jnp.tanh(x @ w)], debug_info=None)
         return jax.extend.core.primitives.call_p.bind(x, subfuns=(body,))[0]
 
-    x = jnp.arange(16.0).reshape(4, 4) / 16
+    x = jax.device_put(np.arange(16, dtype=np.float32).reshape(4, 4) / np.float32(16))
     got = wrap(in_region(fn))(x)
     assert got.dtype == jnp.bfloat16
     chex.assert_trees_all_close(got, fn(x).astype(jnp.bfloat16), rtol=2e-2, atol=2e-2)
@@ -1736,7 +1763,7 @@ def test_jitted_calls_taking_and_returning_effect_tokens_in_an_eager_region():
     def passes_token(x, tok):
         return x @ x, tok
 
-    x = jnp.ones((4, 4))
+    x = jax.device_put(np.ones((4, 4), np.float32))
     with jamp.autocast():
         made = jax.jit(jax.lax.create_token)(1.0)
         out, passed = passes_token(x, token)
@@ -1769,7 +1796,7 @@ def test_jnp_reductions_of_16_bit_values_follow_the_policys_fp32_table():
     """A region leaves out jnp's rounding of a reduction's float32 result back to a 16-bit
     input's dtype "as the fp32 table says": it did so for any policy, an empty one too (which
     then was no identity), where autocast_transform keeps it."""
-    xb = jnp.linspace(-1, 1, 32).reshape(4, 8).astype(jnp.bfloat16)
+    xb = jax.device_put(np.linspace(-1, 1, 32, dtype=np.float32).reshape(4, 8).astype(BF16))
     empty = jamp.Policy(jnp.float32, lower=(), fp32=(), promote=())
     no_sum = jamp.Policy(fp32=jamp.policy.FP32 - {"reduce_sum"})
     for policy, expected in ((empty, jnp.bfloat16), (no_sum, jnp.bfloat16),

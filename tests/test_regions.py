@@ -1,6 +1,7 @@
 """Regions, rules over Flax module paths, the decorator and trace-time queries."""
 import asyncio
 import contextlib
+import functools
 import threading
 import warnings
 
@@ -15,7 +16,8 @@ from jamp import _compat as compat
 from tests.jaxpr_utils import operand_dtypes
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-A = jnp.ones((4, 4)) * 0.5
+# (made on the host: jax.device_put hands it over without compiling, where jnp's ops compile)
+A = jax.device_put(np.full((4, 4), 0.5, np.float32))
 
 
 def test_disabled_and_other_dtype_regions():
@@ -50,7 +52,8 @@ def test_disabled_region_bias_add_promotes_as_jax_in_both_forms():
     cast to bfloat16 where autocast is on (torch's linear includes it); in a disabled region
     nothing is cast: the add runs in float32, as JAX promotes bf16 + f32. The transform cast
     the bias all the same."""
-    w, b = jnp.ones((4, 4)), jnp.linspace(0, 1, 4)
+    w = jax.device_put(np.ones((4, 4), np.float32))
+    b = jax.device_put(np.linspace(0, 1, 4, dtype=np.float32))
 
     def f(a):
         y = a @ w  # bf16
@@ -113,7 +116,7 @@ def test_a_transformed_function_keeps_its_own_policy_inside_a_region_or_a_transf
     assert [o.dtype for o in call(outer)(A)] == [F16, F32, BF16]
     grads = jax.grad(lambda a: jnp.sum(in_region(a)[0]).astype(F32))(A)
     assert grads.dtype == F32
-    np.testing.assert_allclose(grads, jax.grad(lambda a: jnp.sum(a @ a))(A), rtol=1e-2)
+    np.testing.assert_allclose(grads, jax.jit(jax.grad(lambda a: jnp.sum(a @ a)))(A), rtol=1e-2)
 
 
 @pytest.mark.parametrize("cast", ["astype", "asarray", "lax"])
@@ -125,7 +128,8 @@ def test_a_float32_cast_the_code_asks_for_sticks_in_a_region(cast):
     in its program, as under the transform, dtypes.md.)"""
     widen = {"astype": lambda h: h.astype(F32), "asarray": lambda h: jnp.asarray(h, F32),
              "lax": lambda h: jax.lax.convert_element_type(h, F32)}[cast]
-    x, w = jnp.ones((2, 4)), jnp.full((4, 4), 0.25)  # x @ w == 1.0 exactly
+    x = jax.device_put(np.ones((2, 4), np.float32))
+    w = jnp.full((4, 4), 0.25)  # x @ w == 1.0 exactly
 
     def tail(h):
         h32 = widen(h)
@@ -349,12 +353,13 @@ def test_a_jitted_function_reading_the_queries_is_traced_per_state(transform_fir
 
     order = (inside, outside) if transform_first else (outside, inside)
     results = {fn.__name__: fn() for fn in order}
-    np.testing.assert_array_equal(results["outside"], A * 5.0)
+    a = np.asarray(A)
+    np.testing.assert_array_equal(results["outside"], a * 5.0)
     for got, factor in zip(results["inside"], (3.0, 5.0, 2.0)):
-        np.testing.assert_array_equal(got, A * factor)
+        np.testing.assert_array_equal(got, a * factor)
     with jamp.autocast():  # the region form too
-        np.testing.assert_array_equal(scale(A), A * 3.0)
-    np.testing.assert_array_equal(scale(A), A * 5.0)
+        np.testing.assert_array_equal(scale(A), a * 3.0)
+    np.testing.assert_array_equal(scale(A), a * 5.0)
 
 
 def test_region_outside_a_transform_takes_effect():
@@ -396,7 +401,8 @@ def test_decorator_outside_a_region_takes_a_python_int_as_the_function_sees_it()
 
     out = split_heads(A, 2, scale=0.5)
     assert out.shape == (4, 2, 2) and out.dtype == BF16
-    np.testing.assert_allclose(out.reshape(4, 4), (A @ A) * 0.5 + 2, rtol=1e-2)
+    a = np.asarray(A)
+    np.testing.assert_allclose(np.asarray(out).reshape(4, 4), (a @ a) * 0.5 + 2, rtol=1e-2)
     assert split_heads(A, num_heads=4).shape == (4, 4, 1)
     split_heads(A, 2, scale=0.25)  # a float stays traced: no new trace
     assert traces == [2, 4]
@@ -488,7 +494,7 @@ def test_decorator_cast_inputs_body_reads_the_cast_dtype():
     def accumulate(x, w):
         return jax.lax.fori_loop(0, 3, lambda i, c: c + x @ w, jnp.zeros_like(x))
 
-    x, w = jnp.full((2, 4), 1e-4), jnp.eye(4)
+    x, w = jnp.full((2, 4), 1e-4), jax.device_put(np.eye(4, dtype=np.float32))
 
     def f(x):
         with jamp.autocast():
@@ -533,9 +539,15 @@ class _Model(nn.Module):
         return _Block(name="block")(x)
 
 
+@functools.cache
+def _model_params():
+    """_Model's parameters, initialised in one program (not op by op), for every policy."""
+    return jax.jit(_Model().init)(jax.random.PRNGKey(0), A)
+
+
 def _dense_output_dtypes(policy):
     model = _Model()
-    params = model.init(jax.random.PRNGKey(0), A)
+    params = _model_params()
     jaxpr = jax.make_jaxpr(jamp.autocast_transform(model.apply, policy))(params, A)
     return [e.outvars[0].aval.dtype for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
 
@@ -620,7 +632,7 @@ def test_casts_inside_bodies_jax_traces_first_and_input_typed_norms_as_documente
     by JAX before the region sees it, with float32 operands) converts nothing there; entering the
     region inside the body, with none around the call, keeps it. A normalization casting back to
     its input's dtype returns the 16-bit dtype in a region, float32 under the transform."""
-    x, w = jnp.ones((2, 4)), jnp.full((4, 4), 0.25)
+    x, w = jax.device_put(np.ones((2, 4), np.float32)), jnp.full((4, 4), 0.25)
 
     def body(x):
         return (x @ w).astype(F32) + 1e-3
