@@ -17,8 +17,14 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 KEY = jax.random.PRNGKey(0)
 
 
+# Test data is drawn on the host and transferred: jax.random and eager jnp ops would each compile
+# a program per shape.
+def _host_rand(*shape, key=0):
+    return np.random.default_rng(key).standard_normal(shape, dtype=np.float32) * np.float32(0.5)
+
+
 def _rand(*shape, dtype=F32, key=0):
-    return jax.random.normal(jax.random.PRNGKey(key), shape, dtype) * 0.5
+    return jax.device_put(_host_rand(*shape, key=key).astype(dtype))
 
 
 def test_lower_ops_return_compute_dtype_not_a_downcast_float32():
@@ -86,7 +92,8 @@ def test_conv_runs_in_compute_dtype():
                                 jax.nn.log_softmax, jax.nn.logsumexp])
 def test_fp32_ops_run_in_float32(fn):
     # The input reaches the op as bfloat16 (a matmul output), as activations do in a model.
-    x, eye = jnp.abs(_rand(4, 8)) * 0.5, jnp.eye(8)
+    x = jax.device_put(np.abs(_host_rand(4, 8)) * np.float32(0.5))
+    eye = jax.device_put(np.eye(8, dtype=np.float32))
     f = jamp.autocast_transform(lambda x, eye: fn(x @ eye))
     assert f(x, eye).dtype == F32
 
@@ -133,7 +140,9 @@ def test_other_ops_keep_arriving_dtype_and_user_casts_are_kept():
 @pytest.mark.parametrize("dtype", [F16, BF16])
 def test_constants_saturate_so_fully_masked_rows_have_no_nan(dtype):
     q, k = _rand(4, 8), _rand(4, 8, key=1)
-    mask = jnp.zeros((4, 4), bool).at[0].set(True)
+    mask = np.zeros((4, 4), bool)
+    mask[0] = True
+    mask = jax.device_put(mask)
 
     def attention(q, k, mask):
         logits = q @ k.T
@@ -154,7 +163,8 @@ def test_a_python_number_beyond_float16_saturates_in_a_region_as_under_the_trans
     operation: ``-1e9`` became ``-inf`` there (a fully masked row NaN) and ``h + 7e4`` inf, where
     the transform saturates its float32 program's constant."""
     q, k = _rand(2, 4), _rand(3, 4, key=1)
-    mask = jnp.array([[True, True, False], [False, False, False]])  # row 1 fully masked
+    mask = jax.device_put(np.array([[True, True, False],
+                                    [False, False, False]]))  # row 1 fully masked
 
     def attention(q, k, fill):
         return jax.nn.softmax(jnp.where(mask, q @ k.T, fill), axis=-1)
@@ -166,7 +176,7 @@ def test_a_python_number_beyond_float16_saturates_in_a_region_as_under_the_trans
     for form in (region, jax.jit(region, static_argnums=(2, 3))):
         for fill, shift in ((-1e9, 7e4), (-1.0, 3.0), (-1e9, -7e4)):  # (a replay per value)
             probs, shifted = form(q, k, fill, shift)
-            reference = attention(q, k, fill)
+            reference = jax.jit(attention)(q, k, fill)
             np.testing.assert_allclose(probs, reference, atol=2e-3)
             expected = np.clip((q @ k.T) + shift, -65504, 65504)
             assert shifted.dtype == F16
@@ -185,7 +195,7 @@ def test_an_additive_mask_taken_for_a_bias_is_clipped_not_inf():
     def attention(q, k, mask):
         return jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k) + mask, axis=-1)
 
-    q = jnp.linspace(-1, 1, 2 * 4 * 8).reshape(2, 4, 8)
+    q = jax.device_put(np.linspace(-1, 1, 2 * 4 * 8, dtype=np.float32).reshape(2, 4, 8))
 
     def region(q, mask):
         with jamp.autocast(dtype=F16):
@@ -196,7 +206,9 @@ def test_an_additive_mask_taken_for_a_bias_is_clipped_not_inf():
     for form in forms:
         for out in form(q, mask):
             np.testing.assert_allclose(out[:, 3], 0.25, rtol=1e-3)
-    inf_mask = jnp.asarray(mask).at[0, 0].set(-jnp.inf)
+    inf_mask = mask.copy()
+    inf_mask[0, 0] = -np.inf
+    inf_mask = jax.device_put(inf_mask)
     out = jamp.autocast_transform(lambda q, m: jnp.einsum("bqd,bkd->bqk", q, q) + m,
                                   dtype=F16)(q, inf_mask)
     assert out.dtype == F16 and bool(jnp.isneginf(out[:, 0, 0]).all())
@@ -363,16 +375,19 @@ def test_custom_jvp_rule_exceptions_propagate_unchanged():
 
 def test_scatters_equalize_operands_and_rebuild_their_combiner():
     x = _rand(4, 4)
-    f = jamp.autocast_transform(lambda x: (
-        (x @ x).at[0].add(1.0),          # weak scalar update adapts: bf16
-        (x @ x).at[0].set(x[0]),         # f32 update: promoted to f32
-        (x @ x).at[:, 1].max(x[0]),
-        (x @ x).at[0].apply(jnp.sin),    # user combiner: traced dtypes
-    ))
+
+    def scatters(x):
+        return (
+            (x @ x).at[0].add(1.0),          # weak scalar update adapts: bf16
+            (x @ x).at[0].set(x[0]),         # f32 update: promoted to f32
+            (x @ x).at[:, 1].max(x[0]),
+            (x @ x).at[0].apply(jnp.sin),    # user combiner: traced dtypes
+        )
+
+    f = jamp.autocast_transform(scatters)
     outs = f(x)
     assert [o.dtype for o in outs] == [BF16, F32, F32, F32]
-    ref = (x @ x).at[0].add(1.0), (x @ x).at[0].set(x[0]), (x @ x).at[:, 1].max(x[0]), \
-        (x @ x).at[0].apply(jnp.sin)
+    ref = jax.jit(scatters)(x)
     for got, want in zip(outs, ref):
         np.testing.assert_allclose(got.astype(F32), want, rtol=2e-2, atol=2e-2)
     jax.jit(f)(x)  # lowers (a combiner traced for float32 would not)
@@ -384,7 +399,7 @@ def test_a_scatter_into_a_fresh_buffer_keeps_the_buffers_dtype_in_both_forms():
     as JAX's ``.at`` and the region form keep it (the transform made it bfloat16, and 256
     duplicates of an index summed in bfloat16)."""
     x, w = _rand(256, 8), _rand(8, 8)
-    idx = jnp.zeros(256, jnp.int32)
+    idx = jax.device_put(np.zeros(256, np.int32))
 
     def f(x, w):
         return jnp.zeros((4, 8)).at[idx].add(x @ w), jnp.zeros_like(x).at[idx].set(x @ w)
@@ -393,7 +408,7 @@ def test_a_scatter_into_a_fresh_buffer_keeps_the_buffers_dtype_in_both_forms():
         with jamp.autocast():
             return f(x, w)
 
-    want = f(x, w)
+    want = jax.jit(f)(x, w)
     for form in (jamp.autocast_transform(f), in_region, jax.jit(in_region)):
         summed, stored = form(x, w)
         assert (summed.dtype, stored.dtype) == (F32, F32), form
@@ -454,7 +469,8 @@ def test_common_ops_rewrite_without_warnings_and_match(name, fn):
         warnings.simplefilter("error")
         got = jamp.autocast_transform(fn)(x)
         jitted = jax.jit(jamp.autocast_transform(fn))(x)
-    for g, j, w in zip(jax.tree.leaves(got), jax.tree.leaves(jitted), jax.tree.leaves(fn(x))):
+    want = jax.jit(fn)(x)
+    for g, j, w in zip(jax.tree.leaves(got), jax.tree.leaves(jitted), jax.tree.leaves(want)):
         assert g.dtype == j.dtype
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
                                    rtol=5e-2, atol=5e-2)
@@ -466,7 +482,7 @@ def test_bias_add_after_matmul_or_conv_is_part_of_the_lower_op():
         x = _rand(*shape)
         params = module.init(jax.random.PRNGKey(0), x)
         assert jamp.autocast_transform(module.apply)(params, x).dtype == BF16
-        hand = module.clone(dtype=BF16).apply(params, x)
+        hand = jax.jit(module.clone(dtype=BF16).apply)(params, x)
         np.testing.assert_allclose(jamp.autocast_transform(module.apply)(params, x).astype(F32),
                                    hand.astype(F32), rtol=2e-2, atol=2e-2)
     # A full-size float32 operand is not a bias: it still promotes, whatever its rank.
@@ -555,7 +571,7 @@ def test_dense_output_dtype_is_independent_of_batch_shape(batch, features, out):
     params = dense.init(KEY, x)
     y = jamp.autocast_transform(dense.apply)(params, x)
     assert y.dtype == BF16 and y.shape == (*batch, out)
-    hand = dense.clone(dtype=BF16).apply(params, x)
+    hand = jax.jit(dense.clone(dtype=BF16).apply)(params, x)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(hand, np.float32),
                                rtol=2e-2, atol=2e-2)
 

@@ -58,8 +58,27 @@ def converts_to(jaxpr: Any, dtype: Any) -> list[Any]:
             if np.dtype(e.params["new_dtype"]) == np.dtype(dtype)]
 
 
+# Test data is drawn and cast on the host and transferred: jax.random and eager casts would each
+# compile a program per shape and dtype.
+def host_rand(key: int, shape: tuple[int, ...] = (2, 2)) -> np.ndarray:
+    """Uniform [0, 1) float32 values."""
+    return np.random.default_rng(key).random(shape, dtype=np.float32)
+
+
 def rand(key: int, shape: tuple[int, ...] = (2, 2), dtype: Any = jnp.float32) -> jax.Array:
-    return jax.random.uniform(jax.random.PRNGKey(key), shape, jnp.float32).astype(dtype)
+    return jax.device_put(host_rand(key, shape).astype(dtype))
+
+
+def host_cast(tree: Any, dtype: Any) -> Any:
+    """Every leaf cast to ``dtype`` on the host (round to nearest even, as XLA casts)."""
+    return jax.tree.map(lambda x: jax.device_put(np.asarray(x).astype(dtype)), tree)
+
+
+def with_first(a: jax.Array, first: float) -> jax.Array:
+    """``a.at[0, 0].set(first)``, built on the host."""
+    host = np.array(a)
+    host[0, 0] = first
+    return jax.device_put(host)
 
 
 @pytest.fixture
@@ -70,7 +89,7 @@ def abcd() -> tuple[jax.Array, ...]:
 
 @pytest.fixture
 def abcd_f16(abcd: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-    return tuple(x.astype(F16) for x in abcd)
+    return host_cast(abcd, F16)
 
 
 # ==============================================================================================
@@ -223,7 +242,7 @@ def test_duplicate_inputs(abcd):
 # ports test_fp32_policy: log of a low-precision input runs in float32.
 @pytest.mark.parametrize("in_dtype", [F16, BF16], ids=_id)
 def test_fp32_policy(abcd, in_dtype):
-    a = abcd[0].astype(in_dtype)
+    a = host_cast(abcd[0], in_dtype)
     result = transform(jnp.log)(a)
     assert result.dtype == F32
     chex.assert_trees_all_close(result, jnp.log(a.astype(F32)))
@@ -277,7 +296,8 @@ def test_softmax_dtype_policy(abcd_f16):
 
     x, y, z, w = transform(fn)(a, b, c, d)
     assert dtypes((x, y, z, w)) == (F32, F32, F32, F16)
-    chex.assert_trees_all_close(x, jax.nn.softmax(a.astype(F32), axis=0), rtol=1e-2, atol=1e-3)
+    reference = jax.jit(lambda a: jax.nn.softmax(a.astype(F32), axis=0))(a)
+    chex.assert_trees_all_close(x, reference, rtol=1e-2, atol=1e-3)
 
 
 # ports test_fp32_set_opt_dtype_policy (the torch.float64 argument) and ..._policy_fp64
@@ -298,7 +318,7 @@ def test_softmax_dtype_policy_fp64(abcd):
 @pytest.mark.parametrize("first", [0.9, 0.1])
 def test_control_flow(abcd, first):
     a, b, c, d = abcd
-    a = a.at[0, 0].set(first)
+    a = with_first(a, first)
 
     def fn(a, b, c, d):
         e, x = lax.cond(a[0, 0] > 0.5, lambda: (a @ b, 1), lambda: (c @ d, 2))
@@ -316,7 +336,7 @@ def test_control_flow(abcd, first):
 @pytest.mark.parametrize("first", [0.9, 0.1])
 def test_divergent_types(abcd, first):
     a, b, c, d = abcd
-    a = a.at[0, 0].set(first)
+    a = with_first(a, first)
 
     def fn(a, b, c, d):
         def then(ops):
@@ -341,7 +361,7 @@ def test_divergent_types(abcd, first):
 @pytest.mark.parametrize("first", [0.9, 0.1])
 def test_divergent_autocast(abcd, first):
     a, b, c, d = abcd
-    a = a.at[0, 0].set(first)
+    a = with_first(a, first)
     autocast_on, autocast_off = jamp.autocast(enabled=True), jamp.autocast(enabled=False)
 
     def fn(a, b, c, d):
@@ -593,9 +613,9 @@ def test_script_module():
     # torch's Linear under autocast returns float16; the Flax layer must return the compute dtype,
     # exactly as nn.Dense(dtype=bfloat16) does.
     assert result.dtype == BF16
-    reference = nn.Dense(3, dtype=jnp.bfloat16).apply(
+    reference = jax.jit(lambda params, x: nn.Dense(3, dtype=jnp.bfloat16).apply(
         {"params": params["params"]["Dense_0"]},
-        x.astype(BF16) @ params["params"]["weight"].astype(BF16).T)
+        x.astype(BF16) @ params["params"]["weight"].astype(BF16).T))(params, x)
     chex.assert_trees_all_close(result.astype(F32), reference.astype(F32), **LOW_TOL)
 
 
@@ -724,7 +744,7 @@ def test_autocast_autodiff():
 
     grad_fn = jax.value_and_grad(transform(t), argnums=(0, 1))
     eager, jitted = grad_fn(t0, t1), jax.jit(grad_fn)(t0, t1)
-    expected = jax.value_and_grad(reference, argnums=(0, 1))(t0, t1)
+    expected = jax.jit(jax.value_and_grad(reference, argnums=(0, 1)))(t0, t1)
     assert dtypes(eager) == dtypes(jitted) == (F32, (F32, F32))
     # XLA may fuse away the bf16 rounding between ops under jit: agreement to bf16 precision.
     chex.assert_trees_all_close(eager, jitted, rtol=1e-2, atol=1e-2)
@@ -869,23 +889,23 @@ MODELS = {
     pytest.param(name, marks=pytest.mark.slow) if name == "mnist" else name for name in MODELS])
 def test_autocast_jit_trace_model(name):
     cls, kwargs, shape = MODELS[name]
-    x = jax.random.normal(jax.random.PRNGKey(0), shape)
+    x = jax.device_put(np.random.default_rng(0).standard_normal(shape, dtype=np.float32))
     variables = cls(**kwargs).init(jax.random.PRNGKey(1), x)
     apply = transform(cls(**kwargs).apply)
     eager, traced = apply(variables, x), jax.jit(apply)(variables, x)
     assert eager.dtype == traced.dtype
     # (jit fuses ops and may skip intermediate bf16 roundings: agreement to bf16 precision)
     chex.assert_trees_all_close(traced, eager, rtol=2e-2, atol=2e-2)
-    by_hand = cls(dtype=jnp.bfloat16, **kwargs).apply(variables, x)
+    by_hand = jax.jit(cls(dtype=jnp.bfloat16, **kwargs).apply)(variables, x)
     chex.assert_trees_all_close(eager.astype(F32), by_hand.astype(F32), rtol=5e-2, atol=5e-2)
-    full = cls(**kwargs).apply(variables, x)
+    full = jax.jit(cls(**kwargs).apply)(variables, x)
     chex.assert_trees_all_close(eager.astype(F32), full, rtol=1e-1, atol=1e-1)
 
 
 # ports test_nhwc_autocast_jit_trace_model: the layout does not change dtypes or values.
 def test_nhwc_and_nchw_autocast():
-    x_nchw = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 16, 16))
-    w_oihw = jax.random.normal(jax.random.PRNGKey(1), (8, 3, 3, 3))
+    x_nchw = np.random.default_rng(0).standard_normal((2, 3, 16, 16), dtype=np.float32)
+    w_oihw = np.random.default_rng(1).standard_normal((8, 3, 3, 3), dtype=np.float32)
 
     def nchw(x, w):
         return lax.conv_general_dilated(x, w, (1, 1), "SAME",
@@ -895,8 +915,9 @@ def test_nhwc_and_nchw_autocast():
         return lax.conv_general_dilated(x, w, (1, 1), "SAME",
                                         dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
-    a = jax.jit(transform(nchw))(x_nchw, w_oihw)
-    b = jax.jit(transform(nhwc))(x_nchw.transpose(0, 2, 3, 1), w_oihw.transpose(2, 3, 1, 0))
+    a = jax.jit(transform(nchw))(jax.device_put(x_nchw), jax.device_put(w_oihw))
+    b = jax.jit(transform(nhwc))(jax.device_put(x_nchw.transpose(0, 2, 3, 1)),
+                                 jax.device_put(w_oihw.transpose(2, 3, 1, 0)))
     assert a.dtype == b.dtype == BF16
     chex.assert_trees_all_close(a.transpose(0, 2, 3, 1).astype(F32), b.astype(F32),
                                 rtol=1e-2, atol=1e-2)
@@ -926,7 +947,7 @@ def test_script_autocast_is_enabled():
             return jax.nn.relu(x)
         return jnp.sin(x)
 
-    x = rand(0, (4, 4)) - 0.5
+    x = jax.device_put(host_rand(0, (4, 4)) - np.float32(0.5))
     chex.assert_trees_all_close(transform(fn)(x), jax.nn.relu(x))
     chex.assert_trees_all_close(jax.jit(transform(fn))(x), jax.nn.relu(x))
     chex.assert_trees_all_close(fn(x), jnp.sin(x))
@@ -989,7 +1010,7 @@ UPCASTING_REDUCTIONS = {
                          [(BF16, BF16), (F16, F16), (BF16, F16), (F32, BF16)], ids=_id)
 @pytest.mark.parametrize("name", FP32_OPS)
 def test_autocast_fp32_ops(name, in_dtype, compute):
-    x = (rand(0, (4, 4)) * 0.8 + 0.1).astype(in_dtype)  # in (0.1, 0.9): inside every domain
+    x = host_cast(host_rand(0, (4, 4)) * 0.8 + 0.1, in_dtype)  # in (0.1, 0.9): inside every domain
     op = FP32_OPS[name]
     result = transform(op, dtype=compute)(x)
     assert result.dtype == F32
@@ -999,17 +1020,17 @@ def test_autocast_fp32_ops(name, in_dtype, compute):
 @pytest.mark.parametrize("name", UPCASTING_REDUCTIONS)
 def test_autocast_upcasting_reductions(name):
     op = UPCASTING_REDUCTIONS[name]
-    x = rand(0, (4, 4)) * 0.8 + 0.1
-    eye = jnp.eye(4)
+    x = host_cast(host_rand(0, (4, 4)) * 0.8 + 0.1, F32)
+    eye = jax.device_put(np.eye(4, dtype=np.float32))
     fed_by_matmul = transform(lambda x, eye: op(x @ eye))
     assert fed_by_matmul(x, eye).dtype == F32  # torch: sum(mm(a, b)) is float32
     jaxpr = jax.make_jaxpr(fed_by_matmul)(x, eye)
     reductions = [e for e in iter_eqns(jaxpr) if e.primitive.name in ("reduce_sum", "reduce_prod")]
     assert reductions and all(e.invars[0].aval.dtype == F32 for e in reductions)
-    low = x.astype(BF16)
+    low = host_cast(x, BF16)
     result = transform(op)(low)
     assert result.dtype == BF16  # the program's own downcast is kept
-    chex.assert_trees_all_close(result.astype(F32), op(low.astype(F32)), rtol=2e-2, atol=1e-2)
+    chex.assert_trees_all_close(result.astype(F32), op(host_cast(low, F32)), rtol=2e-2, atol=1e-2)
 
 
 _dense = nn.Dense(6)
@@ -1053,10 +1074,10 @@ LOWER_OPS = {
 @pytest.mark.parametrize("name", LOWER_OPS)
 def test_autocast_lower_ops(name, in_dtype, compute):
     op, args = LOWER_OPS[name]()
-    args = jax.tree.map(lambda a: a.astype(in_dtype), args)
+    args = host_cast(args, in_dtype)
     result = transform(op, dtype=compute)(*args)
     assert result.dtype == compute
-    f32_args = jax.tree.map(lambda a: a.astype(F32), args)
+    f32_args = host_cast(args, F32)
     chex.assert_trees_all_close(result.astype(F32), op(*f32_args), rtol=5e-2, atol=1e-1)
 
 

@@ -10,9 +10,11 @@ from tests.jaxpr_utils import eqns_named
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 POLICY = jamp.Policy(jnp.float16)
-# float16 logits of +-40,000: x - max(x) is -80,000, past float16's 65,504.
-LOGITS = jnp.array([[40000.0, -40000.0, 1.0, 2.0], [-40000.0, 40000.0, 2.0, 3.0]], jnp.float16)
-LABELS = jnp.array([1, 0])
+# float16 logits of +-40,000: x - max(x) is -80,000, past float16's 65,504. (Built on the host and
+# transferred: jnp.array would compile a cast.)
+LOGITS = jax.device_put(np.array([[40000.0, -40000.0, 1.0, 2.0], [-40000.0, 40000.0, 2.0, 3.0]],
+                                 np.float16))
+LABELS = jax.device_put(np.array([1, 0], np.int32))
 
 
 def int_labels(logits):
@@ -57,8 +59,8 @@ def test_float16_logits_of_40000_give_a_finite_loss(loss, form):
 
 @pytest.mark.parametrize("form", ["transform", "region"])
 def test_loss_and_grads_finite_when_a_float16_matmul_makes_the_logits(form):
-    w = jnp.array([[40000.0, -40000.0, 1.0, 2.0]])
-    x = jnp.array([[1.0], [-1.0]])
+    w = jax.device_put(np.array([[40000.0, -40000.0, 1.0, 2.0]], np.float32))
+    x = jax.device_put(np.array([[1.0], [-1.0]], np.float32))
 
     def loss(w, x):
         return jnp.mean(by_hand(x @ w))
@@ -76,7 +78,8 @@ def test_loss_and_grads_finite_when_a_float16_matmul_makes_the_logits(form):
                                        lambda x: jax.nn.logsumexp(x, axis=-1)],
                          ids=["softmax", "log_softmax", "logsumexp"])
 def test_the_shift_and_exp_run_in_float32_and_explain_says_why(composite):
-    x = jnp.linspace(-3.0, 3.0, 8, dtype=jnp.float32).reshape(2, 4)
+    host_x = np.linspace(-3.0, 3.0, 8, dtype=np.float32).reshape(2, 4)
+    x = jax.device_put(host_x)
     fn = lambda x: composite(x.astype(jnp.float16))
     report = jamp.explain(fn, x, policy=POLICY)
     assert report.float32_reasons[("sub", "softmax shift (x - max(x) before exp)")] == 1
@@ -84,8 +87,8 @@ def test_the_shift_and_exp_run_in_float32_and_explain_says_why(composite):
     with jamp.autocast(jnp.float16):
         out = fn(x)
     assert out.dtype == F32
-    np.testing.assert_allclose(out, composite(x.astype(jnp.float16).astype(jnp.float32)),
-                               rtol=1e-6, atol=1e-6)
+    reference = jax.jit(composite)(jax.device_put(host_x.astype(np.float16).astype(np.float32)))
+    np.testing.assert_allclose(out, reference, rtol=1e-6, atol=1e-6)
 
 
 def test_a_rank_one_log_softmax_is_caught_too():
@@ -98,8 +101,8 @@ def test_a_rank_one_log_softmax_is_caught_too():
 
 
 def test_other_subtractions_keep_the_promote_table():
-    x = jnp.ones((2, 4), jnp.float16)
-    y = jnp.ones((2, 1), jnp.float16)
+    x = jax.device_put(np.ones((2, 4), np.float16))
+    y = jax.device_put(np.ones((2, 1), np.float16))
     assert jamp.autocast_transform(lambda x, y: jnp.exp(x - y), POLICY)(x, y).dtype == F32
     report = jamp.explain(lambda x, y: jnp.exp(x - y), x, y, policy=POLICY)
     assert report.ops["sub"] == {"float16": 1}
