@@ -51,9 +51,13 @@ def _backward_products(fn, *args):
     return found
 
 
-_DENSE = ({"w": jnp.ones((4, 3)) * 0.5}, jnp.linspace(-1, 1, 8 * 4).reshape(8, 4))
-_CONV = ({"w": jnp.linspace(-1, 1, 3 * 3 * 2 * 4).reshape(3, 3, 2, 4)},
-         jnp.linspace(-1, 1, 2 * 5 * 5 * 4).reshape(2, 5, 5, 4))
+def _linspace(*shape):
+    """-1 to 1 over ``shape``, built on the host and transferred (jnp.linspace compiles)."""
+    return jax.device_put(np.linspace(-1, 1, np.prod(shape), dtype=np.float32).reshape(shape))
+
+
+_DENSE = ({"w": jax.device_put(np.full((4, 3), 0.5, np.float32))}, _linspace(8, 4))
+_CONV = ({"w": _linspace(3, 3, 2, 4)}, _linspace(2, 5, 5, 4))
 
 
 @pytest.mark.parametrize("loss, args", [(_loss, _DENSE), (_conv_loss, _CONV)],
@@ -65,7 +69,7 @@ def test_backward_products_accumulate_in_reduce_dtype(loss, args):
     assert [out for _, out in plain] == ["bfloat16"] * 3
     assert [out for _, out in wide] == ["bfloat16", "float32", "float32"]
     assert all(ops == ("bfloat16", "bfloat16") for ops, _ in wide)  # 16-bit operands still
-    exact = grad(loss)(*args)
+    exact = jax.jit(grad(loss))(*args)  # (eagerly: a program per operation)
     grads = grad(jamp.autocast_transform(loss, REDUCE_F32))(*args)
     chex.assert_trees_all_equal_dtypes(grads, exact)
     chex.assert_trees_all_close(grads, exact, rtol=5e-2, atol=5e-3)
@@ -91,7 +95,7 @@ def test_region_float8_scan_and_transform_of_grad():
     def scanned(ws, x):
         return jnp.mean(jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0] ** 2)
 
-    ws = jnp.ones((2, 4, 4)) * 0.3
+    ws = jax.device_put(np.full((2, 4, 4), 0.3, np.float32))
     for fn in (grad(jamp.autocast_transform(scanned, REDUCE_F32)),
                jamp.autocast_transform(grad(scanned), REDUCE_F32)):
         wide = _backward_products(fn, ws, x)

@@ -37,7 +37,9 @@ def _raising_apply(variables, x):
     return _raising_loss(variables["w"], x)
 
 
-_W, _X = jnp.ones((3, 3)), jnp.ones((2, 3))
+# Built on the host and transferred: jnp.ones would compile a program per shape.
+_W = jax.device_put(np.ones((3, 3), np.float32))
+_X = jax.device_put(np.ones((2, 3), np.float32))
 
 
 @pytest.mark.parametrize("call", [
@@ -87,8 +89,8 @@ class _Mlp(nn.Module):
 
 @pytest.fixture(scope="module")
 def mlp():
-    x = jnp.ones((2, 3))
-    return _Mlp(), _Mlp().init(jax.random.key(0), x), x
+    # One compiled init: an eager one compiles each of its operations.
+    return _Mlp(), jax.jit(_Mlp().init)(jax.random.key(0), _X), _X
 
 
 @pytest.mark.parametrize("weights, got, fix", [
@@ -260,7 +262,7 @@ def test_find_nonfinite_max_remedies_takes_numpy_ints_and_zero():
 def test_freeze_with_a_policy_rule_that_matches_nothing_warns_at_the_users_call():
     """The warning pointed at tracing/freeze.py and named its inner ``flat_fn``."""
     model = nn.Dense(4)
-    variables = model.init(jax.random.PRNGKey(0), _X)
+    variables = jax.jit(model.init)(jax.random.PRNGKey(0), _X)
     policy = jamp.Policy(rules=(("*no_such_scope*", None),))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

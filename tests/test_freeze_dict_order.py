@@ -5,6 +5,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import tracing
@@ -29,11 +30,13 @@ def ordered_fn(variables, feats):
     return {"z": x, "a": [x * 2, {"y": x + 1, "b": x - 1}]}
 
 
+# Built on the host and transferred: jnp.array and eager operations compile programs of their own.
 VARIABLES = {
-    "second": jnp.array([[1.0, 2.0], [3.0, 4.0]]) / 5,
-    "first": jnp.array([[1.0, -1.0], [0.5, 2.0]]),
+    "second": jax.device_put(np.array([[1.0, 2.0], [3.0, 4.0]], np.float32) / np.float32(5)),
+    "first": jax.device_put(np.array([[1.0, -1.0], [0.5, 2.0]], np.float32)),
 }
-FEATS = {"z": jnp.array([[1.0]]), "a": jnp.array([[3.0]])}
+FEATS = {"z": jax.device_put(np.array([[1.0]], np.float32)),
+         "a": jax.device_put(np.array([[3.0]], np.float32))}
 
 
 def test_freeze_sees_input_and_variable_dicts_in_the_callers_order():
@@ -73,8 +76,8 @@ def test_linen_model_outputs_keep_their_order_frozen_and_loaded():
             h = nn.Dense(2)(x)
             return {"z": h, "a": h * 2, "m": {"y": h, "b": h}}
 
-    model, x = Heads(), jnp.ones((2, 3))
-    variables = model.init(jax.random.key(0), x)
+    model, x = Heads(), jax.device_put(np.ones((2, 3), np.float32))
+    variables = jax.jit(model.init)(jax.random.key(0), x)  # (eagerly: a program per operation)
     want = model.apply(variables, x)
     frozen = tracing.freeze(model, variables, x)
     for got in (frozen(x), tracing.load(frozen.export())(x)):

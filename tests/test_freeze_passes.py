@@ -23,8 +23,14 @@ def run(closed, *args):
     return compat.eval_jaxpr(jaxpr, consts, args)
 
 
+# Test data is built on the host and transferred (jax.device_put): jnp.ones, jnp.arange and
+# jax.random would each compile a program per shape; references are one jit, not op by op.
+def ones(*shape):
+    return jax.device_put(np.ones(shape, np.float32))
+
+
 def test_fold_constants_binds_the_leading_inputs():
-    w, x = jnp.arange(6.0).reshape(3, 2), jnp.ones((4, 3))
+    w, x = jax.device_put(np.arange(6, dtype=np.float32).reshape(3, 2)), ones(4, 3)
     closed = jax.make_jaxpr(lambda w, x: x @ (w * 2))(w, x)
     folded = fold_constants(closed, [w])
     compat.check_closed_jaxpr(folded)
@@ -40,12 +46,12 @@ def test_values_made_from_scalars_are_not_stored():
     def f(s, x):
         return x + jnp.zeros((256, 256)) + jnp.arange(256.0) * s
 
-    closed = jax.make_jaxpr(f)(jnp.asarray(2.0), jnp.ones((256, 256)))
+    x = ones(256, 256)
+    closed = jax.make_jaxpr(f)(jnp.asarray(2.0), x)
     folded = fold_constants(closed, [jnp.asarray(2.0)])
     _, consts = compat.open_and_consts(folded)
     assert all(np.size(c) <= 256 for c in consts), [np.shape(c) for c in consts]
-    x = jnp.ones((256, 256))
-    chex.assert_trees_all_close(run(folded, x)[0], f(2.0, x))
+    chex.assert_trees_all_close(run(folded, x)[0], jax.jit(f)(2.0, x))
 
 
 def test_a_mask_or_identity_made_of_iotas_is_re_emitted_and_a_product_of_them_folded():
@@ -58,12 +64,12 @@ def test_a_mask_or_identity_made_of_iotas_is_re_emitted_and_a_product_of_them_fo
         causal = jnp.where(jnp.tril(jnp.ones((t, t), bool)), x * s, -1e9)
         return causal + jnp.eye(t) * s, jnp.eye(t) @ jnp.eye(t)
 
-    s, x = jnp.asarray(2.0), jnp.ones((t, t))
+    s, x = jnp.asarray(2.0), ones(t, t)
     folded = fold_constants(jax.make_jaxpr(f)(s, x), [s])
     _, consts = compat.open_and_consts(folded)
     stored = [np.shape(c) for c in consts if np.size(c) > 1]
     assert stored == [(t, t)], stored  # the matmul's result only
-    chex.assert_trees_all_close(tuple(run(folded, x)), f(s, x))
+    chex.assert_trees_all_close(tuple(run(folded, x)), jax.jit(f)(s, x))
 
 
 @pytest.mark.parametrize("numpy", [False, True])
@@ -71,14 +77,14 @@ def test_a_view_of_a_stored_constant_is_re_emitted_not_stored_again(numpy):
     """A table read by a gather and, transposed, by a matmul (a tied embedding) is stored once:
     the transpose (and a reshape of it) stays in the program. A transpose of a constant that
     nothing else reads is folded, as before (a kernel must stay a constant to be quantized)."""
-    table = jax.random.normal(jax.random.key(0), (50, 8))
-    table = np.asarray(table) if numpy else table
+    table = np.random.default_rng(0).standard_normal((50, 8), dtype=np.float32)
+    table = table if numpy else jax.device_put(table)
 
     def f(table, ids, h):
         split = jnp.einsum("bij,ijv->bv", h.reshape(3, 2, 4), table.T.reshape(2, 4, 50))
         return table[ids], h @ table.T, split
 
-    args = (jnp.array([1, 3]), jnp.ones((3, 8)))
+    args = (jax.device_put(np.array([1, 3], np.int32)), ones(3, 8))
     folded = fold_constants(jax.make_jaxpr(f)(table, *args), [table])
     _, consts = compat.open_and_consts(folded)
     assert [np.shape(c) for c in consts if np.size(c) > 1] == [(50, 8)]
@@ -91,10 +97,11 @@ def test_a_view_of_a_stored_constant_is_re_emitted_not_stored_again(numpy):
 
 def test_fold_batchnorm_general_affine_chains():
     """c - y, division and negation fold too; the conv's NCHW feature axis is found."""
-    k = jax.random.split(jax.random.key(0), 3)
-    kernel = jax.random.normal(k[0], (6, 2, 3, 3))
-    a, b = jax.random.uniform(k[1], (1, 6, 1, 1), minval=0.5), jax.random.normal(k[2], (1, 6, 1, 1))
-    x = jax.random.normal(jax.random.key(1), (2, 2, 8, 8))
+    rng = np.random.default_rng(0)
+    kernel = jax.device_put(rng.standard_normal((6, 2, 3, 3), dtype=np.float32))
+    a = jax.device_put(rng.uniform(0.5, 1.0, (1, 6, 1, 1)).astype(np.float32))
+    b = jax.device_put(rng.standard_normal((1, 6, 1, 1), dtype=np.float32))
+    x = jax.device_put(rng.standard_normal((2, 2, 8, 8), dtype=np.float32))
 
     def f(x):
         y = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME",
@@ -105,12 +112,12 @@ def test_fold_batchnorm_general_affine_chains():
     folded = fold_batchnorm(closed)
     compat.check_closed_jaxpr(folded)
     assert counts(folded) == collections.Counter({"conv_general_dilated": 1, "add": 1})
-    chex.assert_trees_all_close(run(folded, x)[0], f(x), atol=1e-4, rtol=1e-4)
+    chex.assert_trees_all_close(run(folded, x)[0], jax.jit(f)(x), atol=1e-4, rtol=1e-4)
 
 
 def test_fold_batchnorm_leaves_what_it_cannot_fold():
-    kernel = jnp.ones((3, 4))
-    x = jnp.ones((2, 3))
+    kernel = ones(3, 4)
+    x = ones(2, 3)
 
     def casts_only(x):  # a round trip through bfloat16 is not affine: keep it
         return (x @ kernel).astype(jnp.bfloat16).astype(jnp.float32)
@@ -129,7 +136,7 @@ def test_dce_keeps_inputs_and_effects():
         jax.debug.callback(lambda v: None, x)
         return x * 2
 
-    closed = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones(2))
+    closed = jax.make_jaxpr(f)(ones(3), ones(2))
     out = dce(closed)
     compat.check_closed_jaxpr(out)
     c = counts(out)

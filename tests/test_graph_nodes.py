@@ -15,6 +15,10 @@ F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 CAST_INPUTS = [jamp.Policy(cast_inputs=True), jamp.Policy(jnp.float16, cast_inputs=True)]
 
 
+def _ones(*shape):
+    return jax.device_put(np.ones(shape, np.float32))  # jnp.ones compiles per shape
+
+
 def _name(policy):
     return f"{policy.compute_dtype.name}{'-cast_inputs' if policy.cast_inputs else ''}"
 
@@ -23,7 +27,7 @@ def _name(policy):
 def test_cast_inputs_leaves_the_callers_module_alone(policy):
     model = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
     before = snapshot(nnx.state(model))
-    out = jamp.autocast_transform(lambda m, x: m(x), policy)(model, jnp.ones((2, 8)))
+    out = jamp.autocast_transform(lambda m, x: m(x), policy)(model, _ones(2, 8))
     assert out.dtype == policy.compute_dtype
     assert model.kernel.get_value().dtype == F32
     assert_unchanged(before, nnx.state(model))
@@ -35,9 +39,15 @@ def test_cast_inputs_leaves_a_split_state_alone(policy):
     graphdef, state = nnx.split(model)
     before = snapshot(state)
     fwd = jamp.autocast_transform(lambda s, x: nnx.merge(graphdef, s)(x), policy)
-    fwd(state, jnp.ones((2, 8)))
+    fwd(state, _ones(2, 8))
     assert_unchanged(before, state)
     assert_unchanged(before, nnx.state(model))
+
+
+def _normal(*shape, mean=0.0):
+    """Test data drawn on the host and transferred (jax.random compiles per shape)."""
+    x = np.random.default_rng(1).standard_normal(shape, dtype=np.float32) + np.float32(mean)
+    return jax.device_put(x)
 
 
 class _Net(nnx.Module):
@@ -54,7 +64,7 @@ def test_updated_batch_stats_come_back_in_their_dtype_and_params_stay(policy):
     model = _Net(nnx.Rngs(0))
     params_before = snapshot(nnx.state(model, nnx.Param))
     mean_before = np.asarray(model.bn.mean.get_value())
-    x = jax.random.normal(jax.random.key(1), (16, 4)) + 3.0
+    x = _normal(16, 4, mean=3.0)
     jamp.autocast_transform(lambda m, x: m(x), policy)(model, x)
     assert model.bn.mean.get_value().dtype == F32
     assert model.bn.var.get_value().dtype == F32
@@ -68,7 +78,7 @@ def test_split_states_differentiated_through_a_transformed_function(jit):
     # function assigned nothing (NNX refuses to mutate a Variable of an outer trace).
     model = _Net(nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    x = jax.random.normal(jax.random.key(1), (16, 4))
+    x = _normal(16, 4)
 
     def loss(params, rest, x):
         net = nnx.merge(graphdef, params, rest, copy=True)
@@ -76,7 +86,9 @@ def test_split_states_differentiated_through_a_transformed_function(jit):
 
     grad_fn = jax.value_and_grad(jamp.autocast_transform(loss), has_aux=True)
     (value, stats), grads = (jax.jit(grad_fn) if jit else grad_fn)(params, rest, x)
-    (want, want_stats), want_grads = jax.value_and_grad(loss, has_aux=True)(params, rest, x)
+    # (the reference in one compiled program: run eagerly, it compiles each of its operations)
+    (want, want_stats), want_grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(
+        params, rest, x)
     assert value.dtype == F32
     np.testing.assert_allclose(value, want, rtol=2e-2)
     for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -112,7 +124,7 @@ def test_a_call_creating_a_variable_writes_back_in_the_callers_dtypes(policy):
     kernel = np.asarray(model.linear.kernel.get_value())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # (flax 0.12: sow outside capture)
-        out = jamp.autocast_transform(lambda m, x: m(x), policy)(model, jnp.ones((2, 4)))
+        out = jamp.autocast_transform(lambda m, x: m(x), policy)(model, _ones(2, 4))
     np.testing.assert_array_equal(model.linear.kernel.get_value(), kernel)  # not assigned
     assert model.linear.kernel.get_value().dtype == F32
     assert model.bn.mean.get_value().dtype == F32  # assigned: in the caller's dtype
@@ -141,7 +153,7 @@ def test_an_assigned_variables_dtype_by_where_the_region_is(form):
     """docs/reference/dtypes.md's Regions row: a region around an ``nnx.jit`` call rewrites the
     jitted callee whole, whose outputs include the state, so an assigned Variable comes back
     16-bit; a region inside the function, or the transform, keeps the Variable's dtype."""
-    cell, x = _Cell(nnx.Rngs(0)), jnp.ones((2, 4))
+    cell, x = _Cell(nnx.Rngs(0)), _ones(2, 4)
     if form == "region around nnx.jit":
         with jamp.autocast():
             nnx.jit(lambda m, x: m(x))(cell, x)

@@ -1,5 +1,6 @@
 """Loss scales at the edges: complex gradients, a 16-bit loss and a scale its dtype rounds,
 a wrapped static scale's range check, and checkpoints through flax.serialization."""
+import functools
 import os
 import subprocess
 import sys
@@ -25,8 +26,9 @@ def _complex_loss(p):
 
 
 def test_complex_gradients_are_unscaled_like_real_ones():
-    params = {"c": jnp.array([1 + 1j, 2 - 1j], jnp.complex64), "r": jnp.array([1.0, 2.0])}
-    expected = jax.grad(_complex_loss)(params)
+    params = {"c": jax.device_put(np.array([1 + 1j, 2 - 1j], np.complex64)),
+              "r": jax.device_put(np.array([1.0, 2.0], np.float32))}
+    expected = jax.jit(jax.grad(_complex_loss))(params)  # (eagerly: a program per operation)
     _, grads, _, finite = jamp.scaled_value_and_grad(_complex_loss)(
         jamp.StaticLossScale(1024.0), params)
     assert bool(finite) and grads["c"].dtype == jnp.complex64
@@ -59,15 +61,25 @@ def _grown_dynamic_scale():
     return scale                                 # in float16
 
 
+_W = jax.device_put(np.array([1.0, -2.0, 0.5], np.float32))
+_X = jax.device_put(np.array([1.0, 0.25, -0.5], np.float32))  # x * scale fits float16
+
+
+@functools.cache
+def _reference_grad(dtype):
+    """One compiled program a dtype, shared by the scales (casts and products: exact, as eager)."""
+    return jax.jit(jax.grad(_loss_in(dtype)))
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("make", [lambda: jamp.StaticLossScale(3001.0),
                                   lambda: jamp.StaticLossScale(12345.0),
                                   _grown_dynamic_scale], ids=["3001", "12345", "dynamic_17496"])
 def test_gradients_of_a_16_bit_loss_are_divided_by_the_factor_it_was_multiplied_by(dtype, make):
     scale = make()
-    w, x = jnp.array([1.0, -2.0, 0.5]), jnp.array([1.0, 0.25, -0.5])  # x * scale fits float16
+    w, x = _W, _X
     assert float(scale.loss_scale.astype(dtype)) != float(scale.loss_scale)  # rounded in dtype
-    expected = jax.grad(_loss_in(dtype))(w, x)
+    expected = _reference_grad(dtype)(w, x)
     _, grads, _, finite = jax.jit(jamp.scaled_value_and_grad(_loss_in(dtype)))(scale, w, x)
     assert bool(finite) and grads.dtype == F32
     # unbiased: divided by the float32 scale, 3001 gave 1.0023x in bfloat16, 1.0003x in float16

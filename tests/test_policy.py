@@ -131,7 +131,8 @@ def test_known_primitives_come_from_the_running_jax():
     assert {"dot_general", "scatter-add", "exp", "integer_pow", "tanh", "cumsum"} <= names
     assert "scatter_add" not in names and "dot" not in names
     # every primitive in a real program is known, e.g. the ones jnp.linalg and scans produce
-    jaxpr = jax.make_jaxpr(lambda x: jax.lax.cumsum(jnp.linalg.cholesky(x @ x.T)))(jnp.eye(3))
+    jaxpr = jax.make_jaxpr(lambda x: jax.lax.cumsum(jnp.linalg.cholesky(x @ x.T)))(
+        jax.device_put(np.eye(3, dtype=np.float32)))  # (jnp.eye compiles)
     assert {str(e.primitive) for e in jaxpr.jaxpr.eqns} <= names
 
 
@@ -281,7 +282,8 @@ def _mlp(x, w):
             return x @ w
 
 
-X, W = jnp.ones((2, 4)), jnp.ones((4, 4))
+# Built on the host and transferred: jnp.ones compiles a program per shape.
+X, W = jax.device_put(np.ones((2, 4), np.float32)), jax.device_put(np.ones((4, 4), np.float32))
 
 
 def _unmatched_warnings(fn, policy, *args):
@@ -318,7 +320,7 @@ def test_case_and_linen_suffix_mistakes_get_a_specific_hint():
             return Head()(nn.Dense(4)(x))
 
     model = Model()
-    variables = model.init(jax.random.key(0), X)
+    variables = jax.jit(model.init)(jax.random.key(0), X)  # (eagerly: a program per operation)
     caught = _unmatched_warnings(model.apply, jamp.Policy(rules=(("*/Head", None),
                                                                  ("*/dense_0", None))),
                                  variables, X)

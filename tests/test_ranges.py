@@ -11,14 +11,28 @@ F16 = jamp.Policy(jnp.float16)
 F16_MAX = 65504.0
 
 
+# Inputs are built on the host and transferred: jnp.eye, jnp.ones and jnp.array compile
+# programs of their own.
+def _array(values):
+    return jax.device_put(np.asarray(values, np.float32))
+
+
+def _eye(n):
+    return _array(np.eye(n))
+
+
+def _ones(*shape):
+    return _array(np.ones(shape))
+
+
 def layer(w, x):
     with jax.named_scope("layer"):
         return x @ w
 
 
 def test_largest_magnitude_is_reported_as_a_fraction_of_the_dtype_max():
-    w = jnp.eye(4)
-    x = jnp.array([[1000.0, -32752.0, 3.0, 0.0]])           # exact in float16
+    w = _eye(4)
+    x = _array([[1000.0, -32752.0, 3.0, 0.0]])        # exact in float16
     ranges = jamp.value_ranges(layer, w, x, policy=F16)
     assert ranges.entries[0].max_abs == 32752.0       # the input's cast ties with the matmul
     top = next(e for e in ranges.entries if e.primitive == "dot_general")
@@ -30,7 +44,7 @@ def test_largest_magnitude_is_reported_as_a_fraction_of_the_dtype_max():
 
 
 def test_overflows_come_first_and_count_as_infinite():
-    w = jnp.eye(2)
+    w = _eye(2)
     def f(w, x):
         small = jnp.tanh(x @ w)
         with jax.named_scope("big"):
@@ -43,8 +57,8 @@ def test_overflows_come_first_and_count_as_infinite():
 
 
 def test_flush_to_zero_and_subnormal_shares_in_float16():
-    w = jnp.eye(4)
-    x = jnp.array([[1e-9, 2e-9, 1e-6, 1.0]])   # two flush to zero in float16, one is subnormal
+    w = _eye(4)
+    x = _array([[1e-9, 2e-9, 1e-6, 1.0]])   # two flush to zero in float16, one is subnormal
     ranges = jamp.value_ranges(layer, w, x)          # bfloat16 keeps all of them
     dot = next(e for e in ranges.entries if e.primitive == "dot_general")
     assert dot.dtype == "bfloat16"
@@ -56,11 +70,11 @@ def test_flush_to_zero_and_subnormal_shares_in_float16():
 def test_backward_underflow_says_a_loss_scale_matters():
     def loss(w, x):
         return 1e-9 * jnp.sum(jnp.tanh(x @ w))
-    ranges = jamp.value_ranges(loss, jnp.eye(3), jnp.ones((2, 3)), grad=True)
+    ranges = jamp.value_ranges(loss, _eye(3), _ones(2, 3), grad=True)
     backward = [e for e in ranges.underflows if e.backward_of]
     assert backward and backward[0].flush_share == 1.0
     assert "loss scale" in str(ranges)
-    forward_only = jamp.value_ranges(loss, jnp.eye(3), jnp.ones((2, 3)))
+    forward_only = jamp.value_ranges(loss, _eye(3), _ones(2, 3))
     assert not any(e.backward_of for e in forward_only.entries)
 
 
@@ -69,14 +83,14 @@ def test_loop_iterations_accumulate():
         def step(c, x):
             return c, x @ w
         return jax.lax.scan(step, 0.0, xs)[1]
-    xs = jnp.arange(1.0, 6.0).reshape(5, 1, 1) * jnp.ones((5, 1, 2))
-    dot = next(e for e in jamp.value_ranges(f, jnp.eye(2), xs, policy=F16).entries
+    xs = _array(np.arange(1.0, 6.0).reshape(5, 1, 1) * np.ones((5, 1, 2)))
+    dot = next(e for e in jamp.value_ranges(f, _eye(2), xs, policy=F16).entries
                if e.primitive == "dot_general")
     assert dot.max_abs == 5.0 and dot.nonzero == 10
 
 
 def test_no_16_bit_equations_under_a_float32_policy():
-    ranges = jamp.value_ranges(layer, jnp.eye(2), jnp.ones((1, 2)),
+    ranges = jamp.value_ranges(layer, _eye(2), _ones(1, 2),
                                policy=jamp.Policy(jnp.float32))
     assert ranges.entries == () and "none" in str(ranges)
 
@@ -91,7 +105,7 @@ def test_a_checked_program_is_traced_again_under_another_jax_trace_context():
         traced.append(jax.config.jax_default_matmul_precision)
         return x @ w
 
-    w, x = jnp.eye(4), jnp.ones((2, 4))
+    w, x = _eye(4), _ones(2, 4)
     jamp.value_ranges(f, w, x, policy=F16)
     jamp.value_ranges(f, w, x, policy=F16)
     assert len(traced) == 1  # kept
@@ -110,7 +124,7 @@ def test_a_program_with_a_prng_key_and_an_nnx_module_with_rng_state():
         keep = jax.random.bernoulli(jax.random.fold_in(key, 1), 0.9, x.shape)
         return jnp.mean((jnp.where(keep, x, 0) @ w) ** 2)
 
-    w, x = jnp.ones((8, 4)), jnp.ones((4, 8))
+    w, x = _ones(8, 4), _ones(4, 8)
     ranges = jamp.value_ranges(loss, w, x, jax.random.key(0), grad=True)
     assert "dot_general" in {entry.primitive for entry in ranges.entries}
 
@@ -128,12 +142,12 @@ def test_a_program_with_a_prng_key_and_an_nnx_module_with_rng_state():
     def mean_out(m, x):
         return jnp.mean(m(x))
 
-    assert jamp.find_nonfinite(mean_out, model, jnp.ones((4, 3)), grad=True) is None
-    ranges = jamp.value_ranges(mean_out, model, jnp.ones((4, 3)), grad=True)
+    assert jamp.find_nonfinite(mean_out, model, _ones(4, 3), grad=True) is None
+    ranges = jamp.value_ranges(mean_out, model, _ones(4, 3), grad=True)
     assert any(entry.backward_of for entry in ranges.entries)  # the backward pass, checked
     assert_unchanged(before, nnx.state(model))  # left as it was
     with pytest.raises(TypeError, match=r"got DiffState.*RNG counters get no gradient"):
-        jamp.value_ranges(mean_out, model, jnp.ones((4, 3)), grad=nnx.DiffState(0, nnx.Param))
+        jamp.value_ranges(mean_out, model, _ones(4, 3), grad=nnx.DiffState(0, nnx.Param))
 
 
 def test_equations_that_only_move_values_are_not_listed_with_a_range_of_zero():

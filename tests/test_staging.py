@@ -42,11 +42,20 @@ class Block(nn.Module):
         return jnp.mean(nn.relu(y), axis=(1, 2))
 
 
+@functools.cache
+def _variables_and_input():
+    """Shared by the tests (one compiled init; an eager one compiles each of its operations)."""
+    x = jax.device_put(np.random.default_rng(0).normal(size=(2, 6, 16)).astype(np.float32))
+    return jax.jit(Block().init)(jax.random.PRNGKey(0), x), x
+
+
 def _model():
-    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 6, 16)), jnp.float32)
-    model = Block()
-    variables = model.init(jax.random.PRNGKey(0), x)
-    return (lambda v, x: model.apply(v, x)), (variables, x)
+    model = Block()  # a new function each call: JAX's and jamp's caches start afresh
+    return (lambda v, x: model.apply(v, x)), _variables_and_input()
+
+
+def _ones(*shape):
+    return jax.device_put(np.ones(shape, np.float32))  # jnp.ones compiles per shape
 
 
 def _both(make_program):
@@ -84,7 +93,7 @@ def test_a_jitted_train_step_lowers_to_the_same_module():
 
 
 def test_the_callers_name_scopes_prefix_the_staged_equations():
-    w = jnp.ones((4, 4))
+    w = _ones(4, 4)
 
     def f(x):
         with jax.named_scope("inner"):
@@ -95,7 +104,7 @@ def test_the_callers_name_scopes_prefix_the_staged_equations():
             with jax.named_scope("outer"):
                 return jamp.autocast_transform(f)(x)
 
-        return program_record(jax.make_jaxpr(outer)(jnp.ones((2, 4))))
+        return program_record(jax.make_jaxpr(outer)(_ones(2, 4)))
 
     staged, bound = _both(record)
     assert staged == bound
@@ -107,7 +116,7 @@ def test_the_callers_name_scopes_prefix_the_staged_equations():
 def test_equations_under_xla_metadata_keep_their_context(where):
     """An equation traced under another context than the caller's (here XLA metadata set inside
     the function, or around the call) gets the context binding gives it."""
-    w = jnp.ones((4, 4))
+    w = _ones(4, 4)
 
     def f(x):
         with set_xla_metadata(fusion="a") if where == "inside" else contextlib.nullcontext():
@@ -119,7 +128,7 @@ def test_equations_under_xla_metadata_keep_their_context(where):
             with set_xla_metadata(stage="b") if where == "outside" else contextlib.nullcontext():
                 return jamp.autocast_transform(f)(x)
 
-        return program_record(jax.make_jaxpr(call)(jnp.ones((2, 4))))
+        return program_record(jax.make_jaxpr(call)(_ones(2, 4)))
 
     staged, bound = _both(record)
     assert staged == bound
@@ -183,7 +192,7 @@ def test_the_rewrite_of_a_dense_stack_binds_nothing_itself():
     """Tracing the transformed function binds what tracing the function binds (its own trace);
     the rewrite then stages every equation and cast, binding none (with staging off it binds
     one per equation and cast: the check can fail)."""
-    args = ([jnp.full((8, 8), 0.1 * i) for i in range(3)], jnp.ones((2, 8)))
+    args = ([jnp.full((8, 8), 0.1 * i) for i in range(3)], _ones(2, 8))
 
     def f(ws, x):
         for w in ws:
@@ -234,7 +243,7 @@ def test_a_region_stages_everything_it_passes_on():
     (inlined as JAX's staging rule inlines them) straight into the program being built: none
     reaches JAX's program trace through a bind (with staging off, every operation, cast and
     jnp call does: the check can fail)."""
-    args = ([jnp.full((8, 8), 0.1 * i) for i in range(3)], jnp.ones((2, 8)))
+    args = ([jnp.full((8, 8), 0.1 * i) for i in range(3)], _ones(2, 8))
 
     def f(ws, x):
         for w in ws:
@@ -273,7 +282,7 @@ def test_a_regions_inlined_calls_keep_their_scopes_and_contexts():
             y = jnp.tanh(x @ w) * 2.0
         return y + jnp.float32(1.0) * 0.5
 
-    args = (jnp.ones((2, 8)), jnp.ones((8, 8)))
+    args = (_ones(2, 8), _ones(8, 8))
     with set_xla_metadata(stage="traced"):
         jax.make_jaxpr(scaled_tanh)(*args)  # (the callee's jaxpr, cached under the metadata)
 

@@ -10,8 +10,9 @@ import pytest
 import jamp
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
-W = jnp.eye(4) * 0.5
+# Built on the host and transferred: jnp.linspace and jnp.eye compile programs of their own.
+X = jax.device_put(np.linspace(-1.0, 1.0, 12, dtype=np.float32).reshape(3, 4))
+W = jax.device_put(np.eye(4, dtype=np.float32) * np.float32(0.5))
 
 
 def _powers(x, n, w=W):

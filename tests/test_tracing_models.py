@@ -110,7 +110,9 @@ def bf16_params(width=32, depth=3):
 
 
 def images(batch):
-    return jax.random.normal(jax.random.key(batch), (batch, 8, 8, 3))
+    # drawn on the host and transferred: jax.random compiles a program per shape
+    rng = np.random.default_rng(batch)
+    return jax.device_put(rng.standard_normal((batch, 8, 8, 3), dtype=np.float32))
 
 
 def tokens(batch, length):
@@ -217,8 +219,8 @@ def test_export_round_trips_logically_partitioned_params():
 def test_export_round_trips_a_logically_partitioned_dense_layer():
     dense = nn.Dense(3, kernel_init=nn.with_logical_partitioning(
         nn.initializers.lecun_normal(), ("embed", "mlp")))
-    x = jnp.ones((2, 4))
-    variables = dense.init(KEY, x)
+    x = jax.device_put(np.ones((2, 4), np.float32))  # (jnp.ones compiles)
+    variables = jax.jit(dense.init)(KEY, x)  # one program: eagerly, one per operation
     assert isinstance(variables["params"]["kernel"], nn.LogicallyPartitioned)
     loaded = tracing.load(tracing.trace(dense.apply, (variables, x), check_trace=False).export())
     new = jax.tree.map(lambda v: v * 0.5, variables)

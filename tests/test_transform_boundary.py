@@ -11,7 +11,15 @@ import pytest
 import jamp
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-X = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+
+
+# Test data is built on the host and transferred: jnp.linspace and jnp.ones compile per shape.
+def _linspace(start, stop, shape):
+    return jax.device_put(np.linspace(start, stop, np.prod(shape), dtype=np.float32).reshape(shape))
+
+
+X = _linspace(-1.0, 1.0, (3, 4))
+ONES = jax.device_put(np.ones((3, 3), np.float32))
 
 
 def _line_of(fn):
@@ -72,13 +80,13 @@ def test_tracer_error_with_an_nnx_module_names_the_users_function():
 def test_a_dtype_where_a_policy_is_expected_means_policy_of_that_dtype(policy):
     f = jamp.autocast_transform(lambda a: a @ a, policy)
     assert f.policy == jamp.Policy(F16)
-    assert f(X[:, :3] if False else jnp.ones((3, 3))).dtype == F16
+    assert f(X[:, :3] if False else ONES).dtype == F16
 
 
 def test_dtype_overrides_the_policys_compute_dtype_and_keeps_the_rest():
     f = jamp.autocast_transform(lambda a: (a @ a, a), jamp.Policy(output_dtype=F32), dtype=F16)
     assert f.policy == jamp.Policy(F16, output_dtype=F32)
-    assert [o.dtype for o in f(jnp.ones((3, 3)))] == [F32, F32]
+    assert [o.dtype for o in f(ONES)] == [F32, F32]
 
 
 def test_the_compute_dtype_given_twice_is_an_error():
@@ -88,7 +96,7 @@ def test_the_compute_dtype_given_twice_is_an_error():
 
 @pytest.mark.parametrize("policy, error, message", [
     ({"compute_dtype": BF16}, TypeError, r"got dict \{'compute_dtype'"),
-    (jnp.ones(3), TypeError, r"got ArrayImpl"),
+    (jax.device_put(np.ones(3, np.float32)), TypeError, r"got ArrayImpl"),
     (3, TypeError, r"got int 3"),
     (jnp.int32, ValueError, r"compute_dtype must be a floating dtype"),
     (jnp.float64, ValueError, r"compute_dtype must be bfloat16, float16, float32 or float8_e4m3fn"),
@@ -101,11 +109,11 @@ def test_anything_else_is_rejected_saying_what_is_accepted(policy, error, messag
 
 
 def test_autocast_jaxpr_and_explain_accept_a_dtype_too():
-    closed = jax.make_jaxpr(lambda a: a @ a)(jnp.ones((3, 3)))
+    closed = jax.make_jaxpr(lambda a: a @ a)(ONES)
     assert jamp.autocast_jaxpr(closed, F16).out_avals[0].dtype == F16
     with pytest.raises(TypeError, match=r"autocast_jaxpr: policy must be a jamp.Policy"):
         jamp.autocast_jaxpr(closed, [F16])
-    report = jamp.explain(lambda a: a @ a, jnp.ones((3, 3)), policy=F16)
+    report = jamp.explain(lambda a: a @ a, ONES, policy=F16)
     assert report.policy == jamp.Policy(F16)
 
 
@@ -232,7 +240,7 @@ def test_transform_a_function_snippet_runs():
 
 def test_freeze_accepts_a_dtype_as_its_policy_and_rejects_nonsense():
     tracing = pytest.importorskip("tracing")
-    w = jnp.linspace(-1.0, 1.0, 16).reshape(4, 4)
+    w = _linspace(-1.0, 1.0, (4, 4))
 
     def apply(variables, x):
         return x @ variables["w"]
@@ -248,7 +256,7 @@ def test_a_reference_view_argument_is_written_through_as_under_jax_jit():
     # autocast_transform flattened its arguments with JAX's public pytree registry, where a view
     # of a reference (ref.at[...]) is a leaf: it refused it as "neither an array nor a hashable
     # static value", where jax.jit accepts it (JAX's state_test, transform form).
-    w = jnp.linspace(-0.5, 0.5, 16).reshape(4, 4)
+    w = _linspace(-0.5, 0.5, (4, 4))
 
     def write_rows(view, x):
         view[...] = jnp.tanh(x @ w)

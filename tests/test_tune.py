@@ -163,7 +163,7 @@ class Net(nn.Module):
 def test_nested_linen_scopes_get_rules_and_a_lowered_parent_keeps_a_hot_child_float32():
     model = Net()
     x = jax.random.normal(jax.random.key(1), (8, 16))
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)  # (eagerly: a program per operation)
     loss = lambda variables, x: jnp.mean(model.apply(variables, x) ** 2)
     kernel = variables["params"]["block"]["hot"]["proj"]["kernel"]
     variables["params"]["block"]["hot"]["proj"]["kernel"] = kernel * 1e3
