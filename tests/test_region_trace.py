@@ -825,7 +825,7 @@ def test_eager_loop_reuses_the_rewritten_jitted_callee():
 
     for _ in range(3):
         with jamp.autocast():
-            step(X, W)
+            assert step(X, W).dtype == jnp.bfloat16  # the rewritten callee each time
     assert len(calls) <= 2  # traced for the region once, not once per entry
 
 

@@ -1148,11 +1148,21 @@ def test_autocast_promote_ops_with_python_scalar(name):
 # torch_expect_builtin_promote: comparisons give bool, computed in the widest operand's dtype.
 @pytest.mark.parametrize("op", [jnp.less, jnp.greater_equal, jnp.equal, jnp.not_equal])
 def test_autocast_builtin_promote_comparisons(op):
-    a, b, c = rand(0, (4, 4)), rand(1, (4, 4)), rand(2, (4, 4))
+    a, b = rand(0, (4, 4)), rand(1, (4, 4))
+
+    def by_hand(a, b):  # the product autocast computes
+        return (a.astype(BF16) @ b.astype(BF16)).astype(F32)
+
+    # c holds the bfloat16 product or the float32 one in a checkerboard, so that the comparison's
+    # answer tells which product ran (a random c equals neither: equal and not_equal told
+    # nothing). The reference is the hand-written program compiled whole, as the transform's is:
+    # XLA may keep the bfloat16 product's excess precision inside it.
+    c = jnp.where(np.indices((4, 4)).sum(0) % 2 == 0, jax.jit(by_hand)(a, b), a @ b)
+    expected = jax.jit(lambda a, b, c: op(by_hand(a, b), c))(a, b, c)
+    assert not np.array_equal(expected, jax.jit(lambda a, b, c: op(a @ b, c))(a, b, c))
     result = transform(lambda a, b, c: op(a @ b, c))(a, b, c)
     assert result.dtype == np.dtype(bool)
-    e = (a.astype(BF16) @ b.astype(BF16)).astype(F32)
-    np.testing.assert_array_equal(result, op(e, c))
+    np.testing.assert_array_equal(result, expected)
 
 
 # ports test_autocast_disabled_with_fp32_dtype: a disabled region may name float32.
