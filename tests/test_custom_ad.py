@@ -9,16 +9,10 @@ from jax.custom_derivatives import SymbolicZero, zero_from_primal
 
 import jamp
 from jamp import _compat as compat
+from tests.host_data import normal as _normal
 from tests.jaxpr_utils import eqns_named, in_region, operand_dtypes
 
 BF16, F32 = jnp.bfloat16, jnp.float32
-
-
-def _normal(key, shape, scale=1.0):
-    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
-    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
-    draw = np.random.default_rng(key).standard_normal(shape, np.float32)
-    return jax.device_put((scale * draw).astype(np.float32))
 
 
 W = _normal(0, (8, 8), 0.3)

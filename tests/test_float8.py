@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jamp
+from tests.host_data import normal
 from tests.hypothesis_profiles import examples
 from tests.jaxpr_utils import eqns_named, iter_eqns
 
@@ -39,13 +40,6 @@ def ref_fp8_matmul(x, w, x_fmt=E4M3, w_fmt=E4M3):
     acc = jax.lax.dot_general(jax.device_put(qx), jax.device_put(qw), DOT,
                               preferred_element_type=jnp.float32)
     return np.asarray(acc) * (sx * sw)
-
-
-def normal(seed, shape, scale=1.0):
-    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
-    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
-    draw = np.random.default_rng(seed).standard_normal(shape, np.float32)
-    return jax.device_put((scale * draw).astype(np.float32))
 
 
 def converts_to(jaxpr, dtype):

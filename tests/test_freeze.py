@@ -27,6 +27,7 @@ from flax import nnx
 import jamp
 import tracing
 from jamp import _compat as compat
+from tests.host_data import normal, uniform
 from tests.jaxpr_utils import iter_eqns
 from tracing.passes import RANDOM_PRIMITIVES
 
@@ -49,17 +50,6 @@ def checked(frozen: tracing.FrozenFunction) -> tracing.FrozenFunction:
 
 def as_f32(tree):
     return jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), tree)
-
-
-def uniform(seed, shape, low=0.0, high=1.0):
-    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
-    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
-    return jax.device_put(np.random.default_rng(seed).uniform(low, high, shape).astype(np.float32))
-
-
-def normal(seed, shape, scale=1.0):
-    draw = np.random.default_rng(seed).standard_normal(shape, np.float32)
-    return jax.device_put((scale * draw).astype(np.float32))
 
 
 def randomize_batchnorm(variables, seed):

@@ -25,6 +25,7 @@ from flax import nnx
 import jamp
 import tracing
 from jamp import _compat as compat
+from tests.host_data import normal
 
 qw = importlib.import_module("tracing.passes.quantize_weights")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -39,12 +40,6 @@ class MLP(nn.Module):
         x = nn.relu(nn.Dense(256, name="body")(x))
         x = nn.relu(nn.Dense(256, name="mid")(x))
         return nn.Dense(10, name="head")(x)
-
-
-def normal(seed, shape):
-    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
-    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
-    return jax.device_put(np.random.default_rng(seed).standard_normal(shape, np.float32))
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from flax import nnx
 
 import jamp
 import tracing
+from tests.host_data import normal
 
 
 class CNN(nn.Module):
@@ -26,12 +27,6 @@ class CNN(nn.Module):
         x = nn.relu(nn.BatchNorm(use_running_average=True)(x))
         x = x.reshape((x.shape[0], -1))  # the batch size is a parameter of this reshape
         return nn.Dense(10)(x)
-
-
-def normal(seed, shape):
-    """Test data drawn with numpy and transferred (jax.device_put compiles nothing, where
-    jnp.asarray or jax.random compile a program for each shape): a float32 jax.Array."""
-    return jax.device_put(np.random.default_rng(seed).standard_normal(shape, np.float32))
 
 
 X = normal(1, (4, 12, 12, 1))
