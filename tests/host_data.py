@@ -12,3 +12,7 @@ def normal(seed, shape, scale=1.0):
 
 def uniform(seed, shape, low=0.0, high=1.0):
     return jax.device_put(np.random.default_rng(seed).uniform(low, high, shape).astype(np.float32))
+
+
+def ones(*shape):
+    return jax.device_put(np.ones(shape, np.float32))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jamp import _compat as compat
+from tests.host_data import ones
 from tests.jaxpr_utils import iter_eqns
 from tracing.passes import dce, fold_batchnorm, fold_constants
 
@@ -25,10 +26,6 @@ def run(closed, *args):
 
 # Test data is built on the host and transferred (jax.device_put): jnp.ones, jnp.arange and
 # jax.random would each compile a program per shape; references are one jit, not op by op.
-def ones(*shape):
-    return jax.device_put(np.ones(shape, np.float32))
-
-
 def test_fold_constants_binds_the_leading_inputs():
     w, x = jax.device_put(np.arange(6, dtype=np.float32).reshape(3, 2)), ones(4, 3)
     closed = jax.make_jaxpr(lambda w, x: x @ (w * 2))(w, x)

@@ -7,16 +7,13 @@ import numpy as np
 import pytest
 
 import jamp
+from tests.host_data import ones as _ones
 from tests.unchanged import assert_unchanged, snapshot
 
 nnx = pytest.importorskip("flax.nnx")
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
 CAST_INPUTS = [jamp.Policy(cast_inputs=True), jamp.Policy(jnp.float16, cast_inputs=True)]
-
-
-def _ones(*shape):
-    return jax.device_put(np.ones(shape, np.float32))  # jnp.ones compiles per shape
 
 
 def _name(policy):

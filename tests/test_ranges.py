@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import jamp
+from tests.host_data import ones as _ones
 from tests.unchanged import assert_unchanged, snapshot
 
 F16 = jamp.Policy(jnp.float16)
@@ -19,10 +20,6 @@ def _array(values):
 
 def _eye(n):
     return _array(np.eye(n))
-
-
-def _ones(*shape):
-    return _array(np.ones(shape))
 
 
 def layer(w, x):

@@ -24,6 +24,7 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 import jamp
 from jamp import _compat as compat
+from tests.host_data import ones as _ones
 from tests.jaxpr_utils import bound_only, fresh, fresh_region_caches, program_record
 
 
@@ -52,10 +53,6 @@ def _variables_and_input():
 def _model():
     model = Block()  # a new function each call: JAX's and jamp's caches start afresh
     return (lambda v, x: model.apply(v, x)), _variables_and_input()
-
-
-def _ones(*shape):
-    return jax.device_put(np.ones(shape, np.float32))  # jnp.ones compiles per shape
 
 
 def _both(make_program):
