@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import jamp
 from tests.jaxpr_utils import eqns_named, in_region, operand_dtypes
@@ -108,6 +109,31 @@ def test_remat_saves_matmul_residuals_in_compute_dtype():
     _, vjp = jax.vjp(lambda w1, w2: f(w1, w2, XS), w1, w2)
     saved_dots = [leaf for leaf in jax.tree.leaves(vjp) if leaf.shape == (6, 16)]
     assert len(saved_dots) == 2 and all(leaf.dtype == BF16 for leaf in saved_dots)
+
+
+@pytest.mark.parametrize("form", ["transform", "region", "region inside the checkpoint"])
+def test_a_remat_policy_by_name_saves_the_named_value_in_compute_dtype(form):
+    """``save_only_these_names`` with ``checkpoint_name`` (how LLM training code picks what a
+    checkpointed block keeps): the named activation is still saved, in the dtype the policy ran
+    it in, and an unnamed one is still recomputed, in both forms."""
+    rng = np.random.default_rng(2)
+    w1 = jax.device_put(rng.standard_normal((8, 16), dtype=np.float32) * np.float32(0.3))
+    w2 = jax.device_put(rng.standard_normal((16, 12), dtype=np.float32) * np.float32(0.3))
+
+    def block(w1, w2, x):
+        h = checkpoint_name(jnp.tanh(x @ w1), "h")  # (6, 16): saved
+        g = checkpoint_name(h @ w2, "g")  # (6, 12): recomputed
+        return jnp.sum(jnp.sin(g) ** 2)
+
+    policy = jax.checkpoint_policies.save_only_these_names("h")
+    checkpointed = {
+        "transform": jamp.autocast_transform(jax.checkpoint(block, policy=policy)),
+        "region": in_region(jax.checkpoint(block, policy=policy)),
+        "region inside the checkpoint": jax.checkpoint(in_region(block), policy=policy),
+    }[form]
+    _, vjp = jax.vjp(lambda w1, w2: checkpointed(w1, w2, XS), w1, w2)
+    saved = [leaf for leaf in jax.tree.leaves(vjp) if leaf.shape in ((6, 16), (6, 12))]
+    assert [(leaf.shape, leaf.dtype) for leaf in saved] == [((6, 16), BF16)]
 
 
 def test_grad_of_checkpointed_vmapped_scan_is_rewritten_on_every_jax_version():
