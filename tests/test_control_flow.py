@@ -111,7 +111,8 @@ def test_remat_saves_matmul_residuals_in_compute_dtype():
     assert len(saved_dots) == 2 and all(leaf.dtype == BF16 for leaf in saved_dots)
 
 
-@pytest.mark.parametrize("form", ["transform", "region", "region inside the checkpoint"])
+@pytest.mark.parametrize("form", ["transform", "transform inside the checkpoint", "region",
+                                  "region inside the checkpoint"])
 def test_a_remat_policy_by_name_saves_the_named_value_in_compute_dtype(form):
     """``save_only_these_names`` with ``checkpoint_name`` (how LLM training code picks what a
     checkpointed block keeps): the named activation is still saved, in the dtype the policy ran
@@ -128,6 +129,9 @@ def test_a_remat_policy_by_name_saves_the_named_value_in_compute_dtype(form):
     policy = jax.checkpoint_policies.save_only_these_names("h")
     checkpointed = {
         "transform": jamp.autocast_transform(jax.checkpoint(block, policy=policy)),
+        "transform inside the checkpoint": jax.checkpoint(
+            jamp.autocast_transform(block), policy=policy
+        ),
         "region": in_region(jax.checkpoint(block, policy=policy)),
         "region inside the checkpoint": jax.checkpoint(in_region(block), policy=policy),
     }[form]
