@@ -12,6 +12,7 @@ import pytest
 import jamp
 from jamp import collectives, hlo
 from tests.check_modules import run_check_module
+from tests.host_data import linspace
 from tests.jaxpr_utils import eqns_named
 
 F32, BF16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16)
@@ -51,13 +52,9 @@ def _backward_products(fn, *args):
     return found
 
 
-def _linspace(*shape):
-    """-1 to 1 over ``shape``, built on the host and transferred (jnp.linspace compiles)."""
-    return jax.device_put(np.linspace(-1, 1, np.prod(shape), dtype=np.float32).reshape(shape))
-
-
-_DENSE = ({"w": jax.device_put(np.full((4, 3), 0.5, np.float32))}, _linspace(8, 4))
-_CONV = ({"w": _linspace(3, 3, 2, 4)}, _linspace(2, 5, 5, 4))
+# Built on the host and transferred (tests/host_data.py): jnp.linspace compiles.
+_DENSE = ({"w": jax.device_put(np.full((4, 3), 0.5, np.float32))}, linspace(-1, 1, 8, 4))
+_CONV = ({"w": linspace(-1, 1, 3, 3, 2, 4)}, linspace(-1, 1, 2, 5, 5, 4))
 
 
 @pytest.mark.parametrize("loss, args", [(_loss, _DENSE), (_conv_loss, _CONV)],

@@ -18,6 +18,7 @@ import pytest
 import jamp
 import tracing
 from jamp import optim
+from tests.host_data import ones
 from tests.user_frames import assert_only_user_frames
 
 BF16 = jnp.bfloat16
@@ -38,8 +39,7 @@ def _raising_apply(variables, x):
 
 
 # Built on the host and transferred: jnp.ones would compile a program per shape.
-_W = jax.device_put(np.ones((3, 3), np.float32))
-_X = jax.device_put(np.ones((2, 3), np.float32))
+_W, _X = ones(3, 3), ones(2, 3)
 
 
 @pytest.mark.parametrize("call", [

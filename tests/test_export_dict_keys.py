@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import tracing
+from tests.host_data import ones
 
 # Built on the host and transferred: jnp.arange and jnp.ones compile programs of their own.
 X = jax.device_put(np.arange(6, dtype=np.float32).reshape(2, 3))
@@ -63,7 +64,7 @@ def test_nnx_state_of_an_nnx_list_exports_as_an_input_and_as_an_output():
 def test_freezing_an_nnx_list_model_and_its_polymorphic_export():
     model = Stack(nnx.Rngs(0))
     served = tracing.load(tracing.freeze(model, None, X).export(polymorphic_shapes="b, 3"))
-    x5 = jax.device_put(np.ones((5, 3), np.float32))
+    x5 = ones(5, 3)
     chex.assert_trees_all_close(served(x5), model(x5), atol=1e-6)
 
 

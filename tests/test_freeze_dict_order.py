@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import tracing
+from tests.host_data import ones
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 
@@ -76,7 +77,7 @@ def test_linen_model_outputs_keep_their_order_frozen_and_loaded():
             h = nn.Dense(2)(x)
             return {"z": h, "a": h * 2, "m": {"y": h, "b": h}}
 
-    model, x = Heads(), jax.device_put(np.ones((2, 3), np.float32))
+    model, x = Heads(), ones(2, 3)
     variables = jax.jit(model.init)(jax.random.key(0), x)  # (eagerly: a program per operation)
     want = model.apply(variables, x)
     frozen = tracing.freeze(model, variables, x)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jamp
+from tests.host_data import normal
 from tests.host_data import ones as _ones
 from tests.unchanged import assert_unchanged, snapshot
 
@@ -41,12 +42,6 @@ def test_cast_inputs_leaves_a_split_state_alone(policy):
     assert_unchanged(before, nnx.state(model))
 
 
-def _normal(*shape, mean=0.0):
-    """Test data drawn on the host and transferred (jax.random compiles per shape)."""
-    x = np.random.default_rng(1).standard_normal(shape, dtype=np.float32) + np.float32(mean)
-    return jax.device_put(x)
-
-
 class _Net(nnx.Module):
     def __init__(self, rngs):
         self.linear = nnx.Linear(4, 4, rngs=rngs)
@@ -61,7 +56,7 @@ def test_updated_batch_stats_come_back_in_their_dtype_and_params_stay(policy):
     model = _Net(nnx.Rngs(0))
     params_before = snapshot(nnx.state(model, nnx.Param))
     mean_before = np.asarray(model.bn.mean.get_value())
-    x = _normal(16, 4, mean=3.0)
+    x = normal(1, (16, 4), mean=3.0)
     jamp.autocast_transform(lambda m, x: m(x), policy)(model, x)
     assert model.bn.mean.get_value().dtype == F32
     assert model.bn.var.get_value().dtype == F32
@@ -75,7 +70,7 @@ def test_split_states_differentiated_through_a_transformed_function(jit):
     # function assigned nothing (NNX refuses to mutate a Variable of an outer trace).
     model = _Net(nnx.Rngs(0))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    x = _normal(16, 4)
+    x = normal(1, (16, 4))
 
     def loss(params, rest, x):
         net = nnx.merge(graphdef, params, rest, copy=True)

@@ -10,6 +10,7 @@ import pytest
 
 import jamp
 from jamp.policy import FP32, LOWER, PROMOTE, RegionState
+from tests.host_data import ones
 
 
 def test_defaults_follow_the_design_tables():
@@ -283,7 +284,7 @@ def _mlp(x, w):
 
 
 # Built on the host and transferred: jnp.ones compiles a program per shape.
-X, W = jax.device_put(np.ones((2, 4), np.float32)), jax.device_put(np.ones((4, 4), np.float32))
+X, W = ones(2, 4), ones(4, 4)
 
 
 def _unmatched_warnings(fn, policy, *args):

@@ -7,13 +7,10 @@ import numpy as np
 import pytest
 
 import tracing
+from tests.host_data import ones
 
-
-# Inputs are built on the host and transferred: jnp.ones compiles a program per shape and dtype.
-def ones(shape, dtype=np.float32):
-    return jax.device_put(np.ones(shape, dtype))
-
-
+# Inputs are built on the host and transferred (tests/host_data.py): jnp.ones compiles a program
+# per shape and dtype.
 X = ones(3)
 
 
@@ -55,7 +52,7 @@ def test_a_function_that_writes_the_global_array_it_reads_is_a_differing_constan
 
 def test_a_polymorphic_export_after_a_global_setting_changed_names_the_constant():
     config = {"temperature": 1.0}
-    x = ones((4, 3))
+    x = ones(4, 3)
     traced = tracing.trace(lambda v: v / config["temperature"], (x,))
     config["temperature"] = 10.0
     with pytest.raises(tracing.TracingCheckError,
@@ -70,7 +67,7 @@ def test_a_polymorphic_export_after_a_global_setting_changed_names_the_constant(
 def test_an_nnx_module_updated_after_tracing_exports_the_state_it_was_traced_with():
     from flax import nnx
 
-    x = ones((4, 3))
+    x = ones(4, 3)
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     traced = tracing.trace(model, (x,))
     expected = model(x)
@@ -120,13 +117,13 @@ def test_the_output_check_at_shape_dtype_structs_compares_drawn_values():
 @pytest.mark.parametrize("example, other", [(2.0, jnp.float32(3.0)), (jnp.float32(2.0), 3.0),
                                             (2, np.int32(3))])
 def test_a_check_input_typed_unlike_the_example_scalar_is_refused_naming_it(example, other):
-    x = ones((4, 3))
+    x = ones(4, 3)
     with pytest.raises(TypeError, match=r"check_inputs\[0\]: inputs\[1\] is .*Make them agree"):
         tracing.check_trace(lambda v, s: v * s, (x, example), check_inputs=[(x, other)])
 
 
 def test_a_call_typed_unlike_the_traced_scalar_is_refused_where_it_would_change_the_dtype():
-    x = ones((2,), jnp.bfloat16)
+    x = ones(2, dtype=jnp.bfloat16)
     scale = lambda v, s: v * s  # noqa: E731
     weak = tracing.trace(scale, (x, 2.0))
     assert weak(x, 3.0).dtype == scale(x, 3.0).dtype == jnp.bfloat16
@@ -221,7 +218,7 @@ def test_a_captured_key_drawn_inside_a_flax_layer_is_reported_at_the_users_line(
         def __call__(self, x):
             return nn.Dropout(0.5, deterministic=False)(x)  # the user's line of the draw
 
-    net, x = Net(), ones((2, 4))
+    net, x = Net(), ones(2, 4)
     with pytest.warns(tracing.TracerWarning, match="PRNG key") as caught:
         tracing.trace(lambda x: net.apply({}, x, rngs={"dropout": key}), (x,))
     where = str(caught[0].message).split(" drawn from at ")[1]

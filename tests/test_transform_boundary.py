@@ -9,17 +9,13 @@ import numpy as np
 import pytest
 
 import jamp
+from tests.host_data import linspace, ones
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-
-
-# Test data is built on the host and transferred: jnp.linspace and jnp.ones compile per shape.
-def _linspace(start, stop, shape):
-    return jax.device_put(np.linspace(start, stop, np.prod(shape), dtype=np.float32).reshape(shape))
-
-
-X = _linspace(-1.0, 1.0, (3, 4))
-ONES = jax.device_put(np.ones((3, 3), np.float32))
+# Test data is built on the host and transferred (tests/host_data.py): jnp.linspace and jnp.ones
+# compile per shape.
+X = linspace(-1.0, 1.0, 3, 4)
+ONES = ones(3, 3)
 
 
 def _line_of(fn):
@@ -96,7 +92,7 @@ def test_the_compute_dtype_given_twice_is_an_error():
 
 @pytest.mark.parametrize("policy, error, message", [
     ({"compute_dtype": BF16}, TypeError, r"got dict \{'compute_dtype'"),
-    (jax.device_put(np.ones(3, np.float32)), TypeError, r"got ArrayImpl"),
+    (ones(3), TypeError, r"got ArrayImpl"),
     (3, TypeError, r"got int 3"),
     (jnp.int32, ValueError, r"compute_dtype must be a floating dtype"),
     (jnp.float64, ValueError, r"compute_dtype must be bfloat16, float16, float32 or float8_e4m3fn"),
@@ -240,7 +236,7 @@ def test_transform_a_function_snippet_runs():
 
 def test_freeze_accepts_a_dtype_as_its_policy_and_rejects_nonsense():
     tracing = pytest.importorskip("tracing")
-    w = _linspace(-1.0, 1.0, (4, 4))
+    w = linspace(-1.0, 1.0, 4, 4)
 
     def apply(variables, x):
         return x @ variables["w"]
@@ -256,7 +252,7 @@ def test_a_reference_view_argument_is_written_through_as_under_jax_jit():
     # autocast_transform flattened its arguments with JAX's public pytree registry, where a view
     # of a reference (ref.at[...]) is a leaf: it refused it as "neither an array nor a hashable
     # static value", where jax.jit accepts it (JAX's state_test, transform form).
-    w = _linspace(-0.5, 0.5, (4, 4))
+    w = linspace(-0.5, 0.5, 4, 4)
 
     def write_rows(view, x):
         view[...] = jnp.tanh(x @ w)
