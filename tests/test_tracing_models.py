@@ -14,6 +14,7 @@ from flax import nnx
 
 import jamp
 import tracing
+from tests.host_data import normal
 from tests.test_tracing import recorded_tracer_warnings
 
 KEY = jax.random.key(0)
@@ -110,9 +111,7 @@ def bf16_params(width=32, depth=3):
 
 
 def images(batch):
-    # drawn on the host and transferred: jax.random compiles a program per shape
-    rng = np.random.default_rng(batch)
-    return jax.device_put(rng.standard_normal((batch, 8, 8, 3), dtype=np.float32))
+    return normal(batch, (batch, 8, 8, 3))  # (tests/host_data.py: jax.random compiles per shape)
 
 
 def tokens(batch, length):
