@@ -1037,15 +1037,17 @@ def _adds_broadcast_dims(name: str, before: Any, after: Any) -> bool:
 def lower_rule(step: Step) -> Sequence[Any]:
     """Matmul/conv: floating operands and output in the compute dtype.
 
-    Where autocast is off (a region, a rule) or float64 is involved, the op runs in the dtypes its
-    operands arrive in, made to agree, and returns the wider of that and its traced output type:
+    Where autocast is off (a region, a rule) or a float64 or complex operand is involved (the
+    product is computed in that type: narrowing its other operands would only round them), the
+    op runs in the dtypes its operands arrive in, made to agree, and returns the wider of that
+    and its traced output type:
     a ``@jamp.autocast(cast_inputs=jnp.float32)`` function given bfloat16 returns float32, and a
     value traced as float32 keeps returning float32 (``x.astype(jnp.float32)`` of a float32 value
     leaves nothing in the program, so the traced type is all that records it).
     """
     floating = step.floating()
     avals = step.avals()
-    if not step.state.enabled or not floating or any(avals[i].dtype == F64 for i in floating):
+    if not step.state.enabled or not floating or any(_computes_wide(a) for a in avals):
         args = step.with_cast(equalize_targets(step))
         arrived = [compat.aval_of(args[i]).dtype for i in floating]
         traced = step.params.get("preferred_element_type")
@@ -1067,6 +1069,12 @@ def lower_rule(step: Step) -> Sequence[Any]:
     dtype = step.state.value_dtype
     args = step.with_cast({i: dtype for i in floating})
     return bind_lower(step, args, **_output_type(step, step.policy.accumulate_for(dtype)))
+
+
+def _computes_wide(aval: Any) -> bool:
+    """A float64 or complex operand: a matmul or convolution with one computes in its type."""
+    dtype = getattr(aval, "dtype", None)
+    return dtype is not None and (dtype == F64 or getattr(dtype, "kind", None) == "c")
 
 
 def algorithm_operand_dtypes(precision: Any) -> tuple[np.dtype, ...] | None:

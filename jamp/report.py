@@ -179,6 +179,8 @@ def _compute_dtype(step: Step) -> np.dtype:
     if step.flop_dtype is not None:
         return step.flop_dtype
     operands = [compat.aval_of(a).dtype for a in step.bound_args[:2]]
+    if any(d.kind == "c" for d in operands):  # (a complex operand: the product is complex)
+        return np.dtype(jnp.result_type(*operands))
     floating = [d for d in operands if is_float(d)]
     if floating:
         return np.dtype(jnp.result_type(*floating))

@@ -111,6 +111,28 @@ def test_float64_is_never_narrowed():
         assert mixed(jnp.ones((4, 4), F32), x).dtype == jnp.float64
 
 
+def test_a_complex_product_keeps_its_real_operand_in_both_forms():
+    # JAX multiplies complex64 by float32 as it is (no promotion in the program), in complex64:
+    # the real operand narrowed to the compute dtype would only be rounded, as with float64.
+    x = jax.device_put((_host_rand(4, 4) + 1j * _host_rand(4, 4, key=1)).astype(np.complex64))
+    w = jax.device_put(np.full((4, 4), 1.001, np.float32))  # (no bfloat16 value)
+
+    def f(x, w):
+        return x @ w, jnp.einsum("ij,jk->ik", w, x), jnp.abs(x) @ w
+
+    expected = f(x, w)
+    for form in (jamp.autocast_transform(f), in_region(f)):
+        assert operand_dtypes(jax.make_jaxpr(form)(x, w), "dot_general") == [
+            ("complex64", "float32"), ("float32", "complex64"), ("bfloat16", "bfloat16")]
+        for run in (form, jax.jit(form)):
+            got = run(x, w)
+            assert [o.dtype for o in got] == [jnp.complex64, jnp.complex64, BF16]
+            for g, e in zip(got[:2], expected[:2]):
+                np.testing.assert_allclose(g, e, rtol=1e-6)
+    flops = jamp.explain(f, x, w).flops
+    assert set(flops) == {"complex64", "bfloat16"} and flops["complex64"] == 2 * flops["bfloat16"]
+
+
 def test_promote_runs_in_widest_and_scalars_adapt():
     a, b, c, d = (_rand(4, 4, key=k) for k in range(4))
     f = jamp.autocast_transform(lambda a, b, c, d: ((e := a @ b), e + 0.1 * c * d))
