@@ -1629,6 +1629,24 @@ def is_inline_jit(primitive: Any, params: dict[str, Any]) -> bool:
     return primitive.name in ("jit", "pjit") and bool(params.get("inline"))
 
 
+# Where jax.random's samplers live (jax/_src/random/core.py on jax 0.10 and 0.12; a module of
+# its own before): every sampler is a jit of a function defined there.
+_SAMPLER_SOURCES = (
+    os.sep + os.path.join("jax", "_src", "random") + os.sep,
+    os.sep + os.path.join("jax", "_src", "random.py"),
+)
+
+
+def calls_a_sampler(params: dict[str, Any]) -> bool:
+    """Whether a jit call's callee is one of ``jax.random``'s samplers (``normal``,
+    ``truncated_normal``, ``uniform``, ``orthogonal``..., which ``jax.nn.initializers`` and
+    Flax's initializers call), by the file its jaxpr was traced from."""
+    closed = params.get("jaxpr")
+    info = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
+    source = getattr(info, "func_src_info", None)
+    return isinstance(source, str) and any(part in source for part in _SAMPLER_SOURCES)
+
+
 def abstract_outputs(primitive: Any, avals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
     """The output avals ``primitive`` gives for operand avals ``avals``."""
     out, _ = primitive.abstract_eval(*avals, **params)

@@ -366,7 +366,15 @@ def _hint_key(hint: Hint | None) -> Any:
 
 # ("lowered" is set in a region only: a body JAX traced with a value the region made 16-bit holds
 # jnp's float32 promotions of it, which the rules then read through, as at the call site.)
-TAGS = ("scalar_like", "lower_outputs", "expanded", "input_view", "cotangent", "lowered")
+TAGS = (
+    "scalar_like",
+    "lower_outputs",
+    "expanded",
+    "input_view",
+    "cotangent",
+    "lowered",
+    "samples",
+)
 INPUT = Hint(tags=frozenset({"input_view"}))  # a function input (a parameter, a batch)
 
 # The cache key's last part for a callee's first rewrite at given types (Rewriter.rewrite_closed).
@@ -429,6 +437,9 @@ class Env:
         # because of the policy, and jnp's float32 promotions of them (-> the 16-bit value).
         self.lowered: set[Any] = set()
         self.upcast_of: dict[Any, Any] = {}
+        # Samples: what jax.random's samplers returned, and what was computed from those and
+        # constants alone (jax.nn.initializers' scaling): they stay in the dtype asked for.
+        self.samples: set[Any] = set()
         # ... and those promotions by (16-bit value, dtype), which later ones reuse (region_trace)
         self.promotions: dict[tuple[Any, np.dtype], Any] = {}
         # What a registered tracker (``register_tracker``) learned about values, by tracker name:
@@ -939,6 +950,10 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     name, env = step.eqn.primitive.name, step.env
     for tracker in TRACKERS:
         tracker(step, outs)
+    if (name in _CALLS and compat.calls_a_sampler(step.params)) or (
+        from_samples(step) and step.policy.category(name) != "lower"  # (a matmul: the model's)
+    ):
+        env.samples.update(v for v in step.eqn.outvars if is_float(getattr(v.aval, "dtype", np.int32)))
     if step.rewriter.region:
         _track_lowered(step, outs)
     if step.policy.category(name) == "lower" and step.state.enabled:
@@ -978,6 +993,7 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
 
 
 SIXTEEN_BIT = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
+_CALLS = frozenset({"jit", "pjit"})
 
 
 def _track_lowered(step: Step, outs: Sequence[Any]) -> None:
@@ -1171,6 +1187,8 @@ def fp32_rule(step: Step) -> Sequence[Any]:
     targets = {i: F32 for i in step.floating() if avals[i].dtype not in (F32, F64)}
     if any(avals[i].dtype == F64 for i in step.floating()):
         return equalize_rule(step)
+    if from_samples(step):  # (an initializer's erf_inv of a uniform sample: jax 0.12's normal)
+        return default_rule(step)
     outs = step.bind(step.with_cast(targets))
     if state.keep_compute_dtype and in_compute_dtype(step):
         with compat.equation_context(step.eqn):
@@ -1179,6 +1197,21 @@ def fp32_rule(step: Step) -> Sequence[Any]:
                 for x in outs
             ]
     return outs
+
+
+def from_samples(step: Step) -> bool:
+    """Whether the floating operands are samples (``Env.samples``) and constants, one at least
+    a sample: a sampler's arithmetic, which runs in the dtype the sample was asked in."""
+    env, sample = step.env, False
+    if not env.samples:
+        return False
+    for i in step.floating():
+        atom = step.eqn.invars[i]
+        if isinstance(atom, compat.Var) and atom in env.samples:
+            sample = True
+        elif not (isinstance(atom, compat.Literal) or env.source(atom) is not None):
+            return False
+    return sample
 
 
 def is_scalar_like(step: Step, i: int) -> bool:

@@ -120,7 +120,7 @@ _DECISIONS: dict[Policy, dict] = {}
 _DECISIONS_KEPT = 8192  # per state; a table past it starts again (new shapes every call)
 # What a region knows about a value that the rules read, as RegionEnv sets (see Env): the
 # tags of a decision's or an inline call's key, as bits (RegionEnv.tag_bits).
-_DECISION_TAGS = ("lower_outputs", "expanded", "input_view", "scalar_like", "lowered")
+_DECISION_TAGS = ("lower_outputs", "expanded", "input_view", "scalar_like", "lowered", "samples")
 _TAG_BITS = tuple(1 << k for k in range(len(_DECISION_TAGS)))
 
 
@@ -327,13 +327,14 @@ class RegionEnv(Env):
 
     def tag_bits(self, var: Any) -> int:
         """The tags of ``var`` as bits (``_TAG_BITS``, in the order of ``tag_sets``)."""
-        lower_outputs, expanded, input_view, scalar_like, lowered = self.tag_sets
+        lower_outputs, expanded, input_view, scalar_like, lowered, samples = self.tag_sets
         return (
             (var in lower_outputs)
             | (var in expanded) << 1
             | (var in input_view) << 2
             | (var in scalar_like) << 3
             | (var in lowered) << 4
+            | (var in samples) << 5
         )
 
     def add_tags(self, var: Any, bits: int) -> None:
@@ -885,6 +886,8 @@ class RegionTrace(compat.Trace):
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
+        if compat.calls_a_sampler(params):  # jax.random's: as it is, a sample (rules/calls.py)
+            return self._sampled(compat.bind_on(self.parent, primitive, args, params))
         state = self.rewriter.current_state()
         eager = compat.is_eager(self.parent)
         call = (primitive, params) if eager and compat.jit_sets_call(params) else None
@@ -922,6 +925,17 @@ class RegionTrace(compat.Trace):
             return self._walk(params["jaxpr"], args, failed)
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
+
+    def _sampled(self, outs: Sequence[Any]) -> Sequence[Any]:
+        """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``)."""
+        env = self.env
+        for value in outs:
+            aval = compat.aval_of(value)
+            if is_float(getattr(aval, "dtype", np.int32)):
+                var = _variable_for(value, aval)
+                env.remember(value, var)
+                env.samples.add(var)
+        return outs
 
     def _forget_donated(self, args: Sequence[Any], donated: Sequence[bool]) -> None:
         """After a user's jit donated operands: the values known from them (a view of a weak

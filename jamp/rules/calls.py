@@ -40,7 +40,12 @@ def jit_rule(step: Step) -> Sequence[Any]:
 
     A ``@jamp.autocast(cast_inputs=dtype)`` function arrives as a jit named after the dtype: inside
     an enabled region its floating (non-float64) inputs are cast first (torch's custom_fwd).
+    ``jax.random``'s samplers run as traced: a sample comes in the dtype it was asked for, as
+    torch's factory functions give it under autocast (``jax.random.normal(key, shape,
+    jnp.bfloat16)``, a Flax layer's ``param_dtype`` initialized under the policy).
     """
+    if compat.calls_a_sampler(step.params):
+        return keep_traced_rule(step)
     args = step.args
     hints: list[Hint | None] = list(step.hints())
     dtype = cast_inputs_dtype(step.params.get("name", ""))
