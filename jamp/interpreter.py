@@ -953,7 +953,8 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     if (name in _CALLS and compat.calls_a_sampler(step.params)) or (
         from_samples(step) and step.policy.category(name) != "lower"  # (a matmul: the model's)
     ):
-        env.samples.update(v for v in step.eqn.outvars if is_float(getattr(v.aval, "dtype", np.int32)))
+        outvars = step.eqn.outvars
+        env.samples.update(v for v in outvars if is_float(getattr(v.aval, "dtype", np.int32)))
     if step.rewriter.region:
         _track_lowered(step, outs)
     if step.policy.category(name) == "lower" and step.state.enabled:

@@ -926,7 +926,7 @@ class RegionTrace(compat.Trace):
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 
-    def _sampled(self, outs: Sequence[Any]) -> Sequence[Any]:
+    def _sampled(self, outs: list[Any]) -> list[Any]:
         """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``)."""
         env = self.env
         for value in outs:
