@@ -1629,12 +1629,9 @@ def is_inline_jit(primitive: Any, params: dict[str, Any]) -> bool:
     return primitive.name in ("jit", "pjit") and bool(params.get("inline"))
 
 
-# Where jax.random's samplers live (jax/_src/random/core.py on jax 0.10 and 0.12; a module of
-# its own before): every sampler is a jit of a function defined there.
-_SAMPLER_SOURCES = (
-    os.sep + os.path.join("jax", "_src", "random") + os.sep,
-    os.sep + os.path.join("jax", "_src", "random.py"),
-)
+# Where jax.random's samplers live (jax/_src/random/core.py on jax 0.10 and 0.12; random.py
+# before): every sampler is a jit of a function defined there.
+_SAMPLER_SOURCE = os.sep + os.path.join("jax", "_src", "random")
 
 
 def calls_a_sampler(params: dict[str, Any]) -> bool:
@@ -1644,7 +1641,7 @@ def calls_a_sampler(params: dict[str, Any]) -> bool:
     closed = params.get("jaxpr")
     info = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
     source = getattr(info, "func_src_info", None)
-    return isinstance(source, str) and any(part in source for part in _SAMPLER_SOURCES)
+    return isinstance(source, str) and _SAMPLER_SOURCE in source
 
 
 def abstract_outputs(primitive: Any, avals: Sequence[Any], params: dict[str, Any]) -> list[Any]:

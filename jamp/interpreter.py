@@ -951,8 +951,8 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     for tracker in TRACKERS:
         tracker(step, outs)
     if (name in _CALLS and compat.calls_a_sampler(step.params)) or (
-        from_samples(step) and step.policy.category(name) != "lower"  # (a matmul: the model's)
-    ):
+        env.samples and from_samples(step) and step.policy.category(name) != "lower"
+    ):  # (a matmul of samples is the model's)
         outvars = step.eqn.outvars
         env.samples.update(v for v in outvars if is_float(getattr(v.aval, "dtype", np.int32)))
     if step.rewriter.region:
