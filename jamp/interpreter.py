@@ -970,6 +970,10 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     var_in = atom if isinstance(atom, compat.Var) else None
     # A convert to the dtype a value already has only drops its weak type (jnp.full does this).
     same_value = name == "convert_element_type" and step.params["new_dtype"] == atom.aval.dtype
+    if name == "convert_element_type" and var_in in env.input_view and _widens(atom.aval, step):
+        # a 16-bit parameter promoted (Flax's promote_dtype of a bfloat16 bias, a bfloat16
+        # checkpoint run by float32 code) is the parameter still: a bias add takes it as a bias
+        env.input_view.add(out_var)
     if name in SHAPE_ONLY or same_value:
         if not atom.aval.shape or var_in in env.scalar_like:
             env.scalar_like.add(out_var)
@@ -991,6 +995,12 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     elif name == "convert_element_type" and not source.steps:
         converted = saturating_cast(source.base, step.params["new_dtype"], source.bound)
         env.known[out_var] = dataclasses.replace(source, base=converted)
+
+
+def _widens(aval: Any, step: Step) -> bool:
+    """Whether a convert (``step``) of a value of type ``aval`` widens one float to another."""
+    new = np.dtype(step.params["new_dtype"])
+    return is_float(aval.dtype) and is_float(new) and new.itemsize > aval.dtype.itemsize
 
 
 SIXTEEN_BIT = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})

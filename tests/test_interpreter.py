@@ -556,6 +556,29 @@ def test_a_parameter_joined_to_a_computed_value_is_no_bias(form):
     assert out.dtype == F32
 
 
+@pytest.mark.parametrize("form", ["transform", "region"])
+def test_a_16_bit_checkpoint_run_by_float32_code_keeps_its_bias_add_in_the_compute_dtype(form):
+    """bfloat16 parameters (``param_dtype=``, or a checkpoint cast to save memory) in a float32
+    model: Flax promotes the bias to float32 before the add, and the promoted bias was no
+    parameter to the bias-add rule, so every layer returned float32, where the same layer with
+    float32 parameters (and torch's linear of bfloat16 weights) returns the compute dtype."""
+    import flax.linen as nn
+    for module, shape in (
+        (nn.Dense(6, param_dtype=BF16), (3, 4)),
+        (nn.Conv(4, (3, 3), param_dtype=BF16), (1, 6, 6, 3)),
+    ):
+        x = _rand(*shape)
+        params = module.init(jax.random.PRNGKey(0), x)
+        if form == "transform":
+            out = jamp.autocast_transform(module.apply)(params, x)
+        else:
+            with jamp.autocast():
+                out = module.apply(params, x)
+        assert out.dtype == BF16
+        hand = module.clone(dtype=BF16).apply(params, x)
+        np.testing.assert_allclose(out.astype(F32), hand.astype(F32), rtol=2e-2, atol=2e-2)
+
+
 def test_optimized_lstm_cell_gates_run_in_bfloat16():
     import flax.linen as nn
     cell = nn.OptimizedLSTMCell(16)
