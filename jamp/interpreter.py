@@ -950,7 +950,11 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     name, env = step.eqn.primitive.name, step.env
     for tracker in TRACKERS:
         tracker(step, outs)
-    if (name in _CALLS and compat.calls_a_sampler(step.params)) or (
+    if (
+        name in _CALLS
+        and compat.calls_a_sampler(step.params)
+        and from_samples(step, none_needed=True)
+    ) or (
         env.samples and from_samples(step) and step.policy.category(name) != "lower"
     ):  # (a matmul of samples is the model's)
         outvars = step.eqn.outvars
@@ -1210,11 +1214,12 @@ def fp32_rule(step: Step) -> Sequence[Any]:
     return outs
 
 
-def from_samples(step: Step) -> bool:
+def from_samples(step: Step, none_needed: bool = False) -> bool:
     """Whether the floating operands are samples (``Env.samples``) and constants, one at least
-    a sample: a sampler's arithmetic, which runs in the dtype the sample was asked in."""
-    env, sample = step.env, False
-    if not env.samples:
+    a sample (none needed: a sampler's operands): a sampler's arithmetic, which runs in the
+    dtype the sample was asked in. A model value among them (``permutation(key, h)``) is not."""
+    env, sample = step.env, none_needed
+    if not (env.samples or none_needed):
         return False
     for i in step.floating():
         atom = step.eqn.invars[i]

@@ -887,7 +887,7 @@ class RegionTrace(compat.Trace):
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
         if compat.calls_a_sampler(params):  # jax.random's: as it is, a sample (rules/calls.py)
-            return self._sampled(compat.bind_on(self.parent, primitive, args, params))
+            return self._sampled(args, compat.bind_on(self.parent, primitive, args, params))
         state = self.rewriter.current_state()
         eager = compat.is_eager(self.parent)
         call = (primitive, params) if eager and compat.jit_sets_call(params) else None
@@ -926,9 +926,19 @@ class RegionTrace(compat.Trace):
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
 
-    def _sampled(self, outs: list[Any]) -> list[Any]:
-        """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``)."""
+    def _sampled(self, args: Sequence[Any], outs: list[Any]) -> list[Any]:
+        """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``) where its
+        floating operands are samples and constants (not ``permutation(key, h)`` of a model
+        value ``h``: interpreter.from_samples)."""
         env = self.env
+        for value in args:
+            if not is_float(getattr(compat.aval_of(value), "dtype", np.int32)):
+                continue
+            var = env._seen(value)  # (None: a value the region did not see, a constant or not)
+            if not (
+                is_known_value(value) if var is None else var in env.samples or var in env.known
+            ):
+                return outs  # (a model value drawn from: no sample)
         for value in outs:
             aval = compat.aval_of(value)
             if is_float(getattr(aval, "dtype", np.int32)):

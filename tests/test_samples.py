@@ -91,8 +91,9 @@ def test_a_sample_meeting_a_model_value_follows_the_policy():
             jnp.exp(h + noise),  # a model value: fp32 table
             noise @ w,  # a matmul: the compute dtype
             jnp.exp(jax.random.normal(key, h.shape)),  # float32, as asked
+            jnp.exp(jax.random.uniform(key, h.shape, BF16, h, h + 1)),  # around a model value
         )
 
     for name, form, _ in forms(f):
         got = form(KEY, x, w)
-        assert [g.dtype for g in got] == [BF16, F32, BF16, F32], name
+        assert [g.dtype for g in got] == [BF16, F32, BF16, F32, F32], name
