@@ -148,6 +148,8 @@ class Report:
 
 
 _MATMUL_LIKE = frozenset({"dot_general", "conv_general_dilated", "ragged_dot_general"})
+# How a jax.random sampler's call is named in ``Report.ops`` (``jax.random truncated_normal``).
+SAMPLER_PREFIX = "jax.random "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +239,10 @@ class Recorder:
 
     def equation(self, step: Step, outs: list[Any]) -> None:
         name = step.eqn.primitive.name
-        if has_subprograms(step.params):
+        if name in ("jit", "pjit") and compat.calls_a_sampler(step.params):
+            # (run as traced, not rewritten: counted as one operation in the dtype it drew)
+            name = SAMPLER_PREFIX + step.params.get("name", "?").lstrip("_")
+        elif has_subprograms(step.params):
             self.calls[name] += 1
             return
         if not outs:
@@ -264,6 +269,8 @@ class Recorder:
 
     def _why_wide(self, step: Step, dtype: Any) -> str:
         name = step.eqn.primitive.name
+        if name in ("jit", "pjit"):  # (equation: only a sampler's call is counted)
+            return "drawn as asked"
         category = self.policy.category(name)
         if np.dtype(dtype) == F64 or any(
             compat.aval_of(a).dtype == F64 for a in step.args if hasattr(compat.aval_of(a), "dtype")

@@ -97,3 +97,15 @@ def test_a_sample_meeting_a_model_value_follows_the_policy():
     for name, form, _ in forms(f):
         got = form(KEY, x, w)
         assert [g.dtype for g in got] == [BF16, F32, BF16, F32, F32], name
+
+
+def test_explain_counts_a_draw_as_one_operation_in_the_dtype_it_drew():
+    def f(key):
+        return jax.random.normal(key, (3,)), jax.random.truncated_normal(key, -2, 2, (3,), BF16)
+
+    report = jamp.explain(f, KEY)
+    assert report.ops["jax.random normal"] == {"float32": 1}
+    assert report.ops["jax.random truncated_normal"] == {"bfloat16": 1}
+    assert report.float32_reasons[("jax.random normal", "drawn as asked")] == 1
+    assert "jit" not in report.calls  # (run as traced: no body rewritten)
+    assert "jax.random truncated_normal" in str(report)
