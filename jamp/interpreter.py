@@ -1217,7 +1217,8 @@ def fp32_rule(step: Step) -> Sequence[Any]:
 def from_samples(step: Step, none_needed: bool = False) -> bool:
     """Whether the floating operands are samples (``Env.samples``) and constants, one at least
     a sample (none needed: a sampler's operands): a sampler's arithmetic, which runs in the
-    dtype the sample was asked in. A model value among them (``permutation(key, h)``) is not."""
+    dtype the sample was asked in. A model value among them (``uniform(key, s, d, h, h + 1)``)
+    is not."""
     env, sample = step.env, none_needed
     if not (env.samples or none_needed):
         return False

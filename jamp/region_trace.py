@@ -928,8 +928,8 @@ class RegionTrace(compat.Trace):
 
     def _sampled(self, args: Sequence[Any], outs: list[Any]) -> list[Any]:
         """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``) where its
-        floating operands are samples and constants (not ``permutation(key, h)`` of a model
-        value ``h``: interpreter.from_samples)."""
+        floating operands are samples and constants (not a draw around a model value ``h``,
+        ``uniform(key, s, d, h, h + 1)``: interpreter.from_samples)."""
         env = self.env
         for value in args:
             if not is_float(getattr(compat.aval_of(value), "dtype", np.int32)):
