@@ -36,13 +36,7 @@ def samplers(key, dtype):
         jax.random.normal(key, (3, 4), dtype),
         jax.random.truncated_normal(key, -2.0, 2.0, (3, 4), dtype),
         jax.random.uniform(key, (3, 4), dtype, minval=-1.0),
-        jax.random.gamma(key, 2.0, (3, 4), dtype),
-        jax.random.laplace(key, (3, 4), dtype),
-        jax.random.gumbel(key, (3, 4), dtype),
-        jax.random.exponential(key, (3, 4), dtype),
-        jax.random.cauchy(key, (3, 4), dtype),
-        jax.random.logistic(key, (3, 4), dtype),
-        jax.random.beta(key, 2.0, 3.0, (3, 4), dtype),
+        jax.random.laplace(key, (3, 4), dtype),  # (log1p; gumbel, gamma, beta... alike)
         inits.variance_scaling(1.0, "fan_in", "normal", out_axis=0)(key, (3, 4), dtype),
         inits.lecun_normal()(key, (3, 4), dtype),
         inits.glorot_uniform()(key, (3, 4), dtype),
@@ -50,7 +44,7 @@ def samplers(key, dtype):
     )
 
 
-@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("dtype", [BF16, pytest.param(F16, marks=pytest.mark.slow)])
 def test_a_sample_comes_in_the_dtype_asked_for_as_plain_jax_draws_it(dtype):
     # (op by op as plain JAX runs it op by op: compiled, XLA may reassociate a constant product)
     plain = {"eager": samplers(KEY, dtype), "jit": jax.jit(samplers, static_argnums=1)(KEY, dtype)}
