@@ -886,7 +886,8 @@ class RegionTrace(compat.Trace):
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
-        if compat.calls_a_sampler(params):  # jax.random's: as it is, a sample (rules/calls.py)
+        if compat.calls_a_sampler(params):  # jax.random's: as traced, a sample (rules/calls.py)
+            args = self._as_traced(args, params["jaxpr"])
             return self._sampled(args, compat.bind_on(self.parent, primitive, args, params))
         state = self.rewriter.current_state()
         eager = compat.is_eager(self.parent)
@@ -925,6 +926,18 @@ class RegionTrace(compat.Trace):
             return self._walk(params["jaxpr"], args, failed)
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
+
+    def _as_traced(self, args: Sequence[Any], closed: Any) -> Sequence[Any]:
+        """``args`` of a call to ``closed`` in the types it was traced with: a callee walked
+        here (a user's jit on jax 0.12) may hand it a value the policy made 16-bit."""
+        traced = [getattr(v.aval, "dtype", None) for v in compat.open_and_consts(closed)[0].invars]
+        if all(getattr(compat.aval_of(a), "dtype", None) == t for a, t in zip(args, traced)):
+            return args
+        with compat.set_current_trace(self.parent):
+            return [
+                a if getattr(compat.aval_of(a), "dtype", None) == t else compat.convert_now(a, t)
+                for a, t in zip(args, traced)
+            ]
 
     def _sampled(self, args: Sequence[Any], outs: list[Any]) -> list[Any]:
         """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``) where its

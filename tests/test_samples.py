@@ -103,3 +103,19 @@ def test_explain_counts_a_draw_as_one_operation_in_the_dtype_it_drew():
     assert report.float32_reasons[("jax.random normal", "drawn as asked")] == 1
     assert "jit" not in report.calls  # (run as traced: no body rewritten)
     assert "jax.random truncated_normal" in str(report)
+
+
+def test_a_draw_inside_a_jitted_function_takes_the_types_it_was_traced_with():
+    """On jax 0.12 a region walks a user's jit op by op: the sampler in it met the matmul's
+    16-bit output where it was traced with float32, and bound as traced it was an ill-typed
+    program (XLA refused it)."""
+
+    @jax.jit
+    def layer(key, x, w):
+        h = x @ w
+        return jax.random.uniform(key, h.shape, minval=h, maxval=h + 1)
+
+    x, w = jnp.ones((2, 4)), jnp.full((4, 4), 0.5)  # (h = 2 in any dtype)
+    for name, form, _ in forms(layer):
+        out = form(KEY, x, w)
+        assert out.dtype == F32 and bool(((out >= 2) & (out <= 3)).all()), name
