@@ -975,9 +975,12 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     # A convert to the dtype a value already has only drops its weak type (jnp.full does this).
     same_value = name == "convert_element_type" and step.params["new_dtype"] == atom.aval.dtype
     if name == "convert_element_type" and var_in in env.input_view and _widens(atom.aval, step):
-        # a 16-bit parameter promoted (Flax's promote_dtype of a bfloat16 bias, a bfloat16
-        # checkpoint run by float32 code) is the parameter still: a bias add takes it as a bias
-        env.input_view.add(out_var)
+        # a 16-bit parameter promoted (Flax's promote_dtype of a bfloat16 bias, jnp's of Haiku's
+        # broadcast one: a bfloat16 checkpoint run by float32 code) is the parameter still, as
+        # broadcast as before: a bias add takes it as a bias
+        for tag in (env.input_view, env.expanded, env.scalar_like):
+            if var_in in tag:
+                tag.add(out_var)
     if name in SHAPE_ONLY or same_value:
         if not atom.aval.shape or var_in in env.scalar_like:
             env.scalar_like.add(out_var)

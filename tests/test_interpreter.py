@@ -578,6 +578,18 @@ def test_a_16_bit_checkpoint_run_by_float32_code_keeps_its_bias_add_in_the_compu
         hand = module.clone(dtype=BF16).apply(params, x)
         np.testing.assert_allclose(out.astype(F32), hand.astype(F32), rtol=2e-2, atol=2e-2)
 
+    def haiku_linear(w, b, x):  # (hk.Linear: the bias broadcast first, then jnp promotes it)
+        out = jnp.dot(x, w)
+        return out + jnp.broadcast_to(b, out.shape)
+
+    w, b, x = _rand(4, 6, dtype=BF16), _rand(6, dtype=BF16, key=1), _rand(3, 4, key=2)
+    assert in_form(haiku_linear, form)(w, b, x).dtype == BF16
+
+
+def in_form(fn, form):
+    """``fn`` under ``autocast_transform`` or in a region (``form``)."""
+    return jamp.autocast_transform(fn) if form == "transform" else in_region(fn)
+
 
 def test_optimized_lstm_cell_gates_run_in_bfloat16():
     import flax.linen as nn
