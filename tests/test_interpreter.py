@@ -556,6 +556,11 @@ def test_a_parameter_joined_to_a_computed_value_is_no_bias(form):
     assert out.dtype == F32
 
 
+def in_form(fn, form):
+    """``fn`` under ``autocast_transform`` or in a region (``form``)."""
+    return jamp.autocast_transform(fn) if form == "transform" else in_region(fn)
+
+
 @pytest.mark.parametrize("form", ["transform", "region"])
 def test_a_16_bit_checkpoint_run_by_float32_code_keeps_its_bias_add_in_the_compute_dtype(form):
     """bfloat16 parameters (``param_dtype=``, or a checkpoint cast to save memory) in a float32
@@ -569,11 +574,7 @@ def test_a_16_bit_checkpoint_run_by_float32_code_keeps_its_bias_add_in_the_compu
     ):
         x = _rand(*shape)
         params = module.init(jax.random.PRNGKey(0), x)
-        if form == "transform":
-            out = jamp.autocast_transform(module.apply)(params, x)
-        else:
-            with jamp.autocast():
-                out = module.apply(params, x)
+        out = in_form(module.apply, form)(params, x)
         assert out.dtype == BF16
         hand = module.clone(dtype=BF16).apply(params, x)
         np.testing.assert_allclose(out.astype(F32), hand.astype(F32), rtol=2e-2, atol=2e-2)
@@ -584,11 +585,6 @@ def test_a_16_bit_checkpoint_run_by_float32_code_keeps_its_bias_add_in_the_compu
 
     w, b, x = _rand(4, 6, dtype=BF16), _rand(6, dtype=BF16, key=1), _rand(3, 4, key=2)
     assert in_form(haiku_linear, form)(w, b, x).dtype == BF16
-
-
-def in_form(fn, form):
-    """``fn`` under ``autocast_transform`` or in a region (``form``)."""
-    return jamp.autocast_transform(fn) if form == "transform" else in_region(fn)
 
 
 def test_optimized_lstm_cell_gates_run_in_bfloat16():
