@@ -79,6 +79,7 @@ from .interpreter import (
     SCALED_FORMATS,
     ConstSource,
     Env,
+    Hint,
     Rewriter,
     Step,
     carries_programs,
@@ -122,6 +123,7 @@ _DECISIONS_KEPT = 8192  # per state; a table past it starts again (new shapes ev
 # tags of a decision's or an inline call's key, as bits (RegionEnv.tag_bits).
 _DECISION_TAGS = ("lower_outputs", "expanded", "input_view", "scalar_like", "lowered", "samples")
 _TAG_BITS = tuple(1 << k for k in range(len(_DECISION_TAGS)))
+_LOWERED = Hint(tags=frozenset({"lowered"}))  # (an operand the policy made 16-bit)
 
 
 def active() -> bool:
@@ -1366,8 +1368,15 @@ class RegionTrace(compat.Trace):
             closed = self._staged_jaxpr(primitive, subfuns, args, params)
             jaxpr, consts = compat.open_and_consts(closed)
             state = self.rewriter.current_state()
+            # (which operands the policy made 16-bit: custom_ad.py gives their cotangents
+            # their dtype, as where the transform casts them)
+            lowered = self.env.lowered
+            hints = [
+                _LOWERED if (var := self.env._seen(a)) is not None and var in lowered else None
+                for a in args
+            ]
             with compat.staged_once(subfuns), compat.set_current_trace(self.parent):
-                return self.rewriter.child(state).run(jaxpr, consts, list(args))
+                return self.rewriter.child(state).run(jaxpr, consts, list(args), hints)
         except _NEEDS_VALUES:
             if compat.under_staging():
                 raise

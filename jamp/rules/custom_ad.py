@@ -300,6 +300,9 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
     original = _original(step)
     traced = [v.aval for v in step.eqn.invars]
     in_dtypes = [a.dtype for a in step.avals()]
+    # In a region an operand the policy made 16-bit arrives traced in that dtype (region_trace
+    # tags it "lowered"): jamp cast it all the same
+    policy_made = [step.has_tag(i, "lowered") for i in range(len(step.eqn.invars))]
     ct_avals = [compat.cotangent_aval(v.aval) for v in step.eqn.outvars]
     rewriter = step.rewriter.child(primal_state)
     eqn = step.eqn  # the rules below must not hold `step` (its operands are tracers)
@@ -423,8 +426,13 @@ def custom_vjp_rule(step: Step) -> Sequence[Any]:
         # Where jamp left an input's dtype alone, its cotangent keeps the dtype the user's bwd
         # gives it (JAX lets a bwd return float32 for a bfloat16 input: "excess precision"),
         # also where a wider cotangent reached the bwd than its output's dtype; where jamp cast
-        # the input, the cotangent takes the input's dtype.
-        kept = [(d, d == t.dtype) for d, t, p in zip(in_dtypes, traced, backward.perturbed) if p]
+        # the input, the cotangent takes the input's dtype (a wider one would reach the
+        # transpose of what made the input, a checkpoint's, which JAX cannot run on it).
+        kept = [
+            (d, d == t.dtype and not made)
+            for d, t, made, p in zip(in_dtypes, traced, policy_made, backward.perturbed)
+            if p
+        ]
         ct_dtypes = [
             _wider(v.aval.dtype, compat.aval_of(out).dtype) if same else d
             for (d, same), v, out in zip(kept, backward.closed.outvars, outs)
