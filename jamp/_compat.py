@@ -1634,10 +1634,12 @@ def is_inline_jit(primitive: Any, params: dict[str, Any]) -> bool:
 _SAMPLER_SOURCE = os.sep + os.path.join("jax", "_src", "random")
 
 
-def calls_a_sampler(params: dict[str, Any]) -> bool:
+def calls_a_sampler(primitive: Any, params: dict[str, Any]) -> bool:
     """Whether a jit call's callee is one of ``jax.random``'s samplers (``normal``,
     ``truncated_normal``, ``uniform``, ``orthogonal``..., which ``jax.nn.initializers`` and
     Flax's initializers call), by the file its jaxpr was traced from."""
+    if primitive.name not in ("jit", "pjit"):
+        return False
     closed = params.get("jaxpr")
     info = getattr(getattr(closed, "jaxpr", closed), "debug_info", None)
     source = getattr(info, "func_src_info", None)

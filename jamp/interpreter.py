@@ -951,8 +951,7 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
     for tracker in TRACKERS:
         tracker(step, outs)
     if (
-        name in _CALLS
-        and compat.calls_a_sampler(step.params)
+        compat.calls_a_sampler(step.eqn.primitive, step.params)
         and from_samples(step, none_needed=True)
     ) or (
         env.samples and from_samples(step) and step.policy.category(name) != "lower"
@@ -1011,7 +1010,6 @@ def _widens(aval: Any, step: Step) -> bool:
 
 
 SIXTEEN_BIT = frozenset({np.dtype(jnp.bfloat16), np.dtype(jnp.float16)})
-_CALLS = frozenset({"jit", "pjit"})
 
 
 def _track_lowered(step: Step, outs: Sequence[Any]) -> None:

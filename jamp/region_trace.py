@@ -888,8 +888,9 @@ class RegionTrace(compat.Trace):
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
-        if compat.calls_a_sampler(params):  # jax.random's: as traced, a sample (rules/calls.py)
-            args = self._as_traced(args, params["jaxpr"])
+        if compat.calls_a_sampler(primitive, params):  # as traced, a sample (rules/calls.py)
+            # (walking a user's jit on jax 0.12, an operand may be one the policy made 16-bit)
+            args = self._agreeing(primitive, args)
             return self._sampled(args, compat.bind_on(self.parent, primitive, args, params))
         state = self.rewriter.current_state()
         eager = compat.is_eager(self.parent)
@@ -928,18 +929,6 @@ class RegionTrace(compat.Trace):
             return self._walk(params["jaxpr"], args, failed)
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
-
-    def _as_traced(self, args: Sequence[Any], closed: Any) -> Sequence[Any]:
-        """``args`` of a call to ``closed`` in the types it was traced with: a callee walked
-        here (a user's jit on jax 0.12) may hand it a value the policy made 16-bit."""
-        traced = [getattr(v.aval, "dtype", None) for v in compat.open_and_consts(closed)[0].invars]
-        if all(getattr(compat.aval_of(a), "dtype", None) == t for a, t in zip(args, traced)):
-            return args
-        with compat.set_current_trace(self.parent):
-            return [
-                a if getattr(compat.aval_of(a), "dtype", None) == t else compat.convert_now(a, t)
-                for a, t in zip(args, traced)
-            ]
 
     def _sampled(self, args: Sequence[Any], outs: list[Any]) -> list[Any]:
         """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``) where its
@@ -1301,11 +1290,12 @@ class RegionTrace(compat.Trace):
         return self._staged(primitive, (fun, fwd, bwd), args, params)
 
     def _agreeing(self, primitive: Any, args: Sequence[Any]) -> Sequence[Any]:
-        """A custom-derivative call met walking a callee (a ``jnp`` function) takes its operands
-        in the dtypes the callee traced it with: its body and its derivative rules are programs
-        JAX traced at those types (a square the region recomputed in float32 for a sum, beside
-        the 16-bit value it was traced with, failed in the body's ``lax.max``, or in the JVP
-        rule's ``lax.eq`` under ``jax.grad``)."""
+        """A custom-derivative call (or a ``jax.random`` sampler's jit) met walking a callee (a
+        ``jnp`` function, a user's jit on jax 0.12) takes its operands in the dtypes the callee
+        traced it with: its body and its derivative rules are programs JAX traced at those
+        types (a square the region recomputed in float32 for a sum, beside the 16-bit value it
+        was traced with, failed in the body's ``lax.max``, or in the JVP rule's ``lax.eq``
+        under ``jax.grad``)."""
         walked = compat.walked_equation(primitive, len(args))
         if walked is None:
             return args

@@ -239,7 +239,7 @@ class Recorder:
 
     def equation(self, step: Step, outs: list[Any]) -> None:
         name = step.eqn.primitive.name
-        if name in ("jit", "pjit") and compat.calls_a_sampler(step.params):
+        if compat.calls_a_sampler(step.eqn.primitive, step.params):
             # (run as traced, not rewritten: counted as one operation in the dtype it drew)
             name = SAMPLER_PREFIX + step.params.get("name", "?").lstrip("_")
         elif has_subprograms(step.params):
@@ -269,7 +269,7 @@ class Recorder:
 
     def _why_wide(self, step: Step, dtype: Any) -> str:
         name = step.eqn.primitive.name
-        if name in ("jit", "pjit"):  # (equation: only a sampler's call is counted)
+        if compat.calls_a_sampler(step.eqn.primitive, step.params):
             return "drawn as asked"
         category = self.policy.category(name)
         if np.dtype(dtype) == F64 or any(

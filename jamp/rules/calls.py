@@ -44,7 +44,7 @@ def jit_rule(step: Step) -> Sequence[Any]:
     torch's factory functions give it under autocast (``jax.random.normal(key, shape,
     jnp.bfloat16)``, a Flax layer's ``param_dtype`` initialized under the policy).
     """
-    if compat.calls_a_sampler(step.params):
+    if compat.calls_a_sampler(step.eqn.primitive, step.params):
         return keep_traced_rule(step)
     args = step.args
     hints: list[Hint | None] = list(step.hints())
