@@ -437,6 +437,29 @@ def test_a_scatter_into_a_fresh_buffer_keeps_the_buffers_dtype_in_both_forms():
         np.testing.assert_allclose(summed, want[0], rtol=2e-2, atol=0.05)
 
 
+def test_a_scatter_of_typed_prng_keys_runs_as_traced_in_both_forms():
+    """``keys.at[i].set(key)`` of typed keys (``jax.random.key``): a scatter of an extended
+    dtype, which no policy casts. The transform's scatter rule asked numpy for the keys' dtype
+    and raised "Cannot interpret 'key<fry>' as a data type" (JAX's random_test under an
+    identity policy); it now runs as traced, as the region form did, eager and jitted."""
+    keys, key = jax.random.split(jax.random.key(123), 3), jax.random.key(7)
+
+    def set_keys(keys, key):
+        return keys.at[0].set(key), keys.at[np.array([False, True, True])].set(key)
+
+    def in_region(keys, key):
+        with jamp.autocast():
+            return set_keys(keys, key)
+
+    want = [jax.random.key_data(k) for k in set_keys(keys, key)]
+    transformed = jamp.autocast_transform(set_keys)
+    for form in (transformed, jax.jit(transformed), in_region, jax.jit(in_region)):
+        got = form(keys, key)
+        assert [k.dtype for k in got] == [keys.dtype, keys.dtype], form
+        for k, w in zip(got, want):
+            np.testing.assert_array_equal(jax.random.key_data(k), w)
+
+
 def test_a_float32_contraction_of_16_bit_operands_differs_between_the_forms_as_documented():
     """docs/reference/dtypes.md, "Regions": a region sees bfloat16 operands with
     ``preferred_element_type=float32`` and keeps the request; the transform sees float32

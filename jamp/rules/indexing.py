@@ -32,6 +32,8 @@ def scatter_rule(step: Step) -> Sequence[Any]:
     name, params = step.eqn.primitive.name, step.params
     if name == "scatter" and params.get("update_jaxpr") is not None:
         return keep_traced_rule(step)  # x.at[i].apply(f): the combiner is user code
+    if not step.floating():
+        return keep_traced_rule(step)  # integers, booleans, typed PRNG keys: nothing to cast
     # The buffer is the result's storage: a broadcast scalar (jnp.zeros(...).at[i].add(u)),
     # which elsewhere adapts, keeps its dtype as JAX's ``.at`` does, and narrower updates are
     # widened to it (torch's scatter_add promotes): duplicates accumulate in the buffer's dtype,
