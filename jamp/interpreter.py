@@ -1189,6 +1189,26 @@ def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
     return {"preferred_element_type": traced if explicit else np.dtype(dtype)}
 
 
+# Reductions that jnp runs in a 16-bit dtype only where ``dtype=`` names it (``jnp.sum``,
+# ``prod``, ``mean``: it converts a 16-bit input up to float32 first otherwise): torch's ``sum``
+# and ``prod`` keep a dtype given to them under autocast (its fp32_append_dtype ops), so do
+# these. (jnp's ``cumsum`` and ``cumprod`` run a 16-bit input in its dtype with no ``dtype=``:
+# there the program does not say whether one was named, and the fp32 table decides.)
+DTYPE_NAMING_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
+
+
+def reduces_in_the_dtype_asked(step: Step) -> bool:
+    """``jnp.sum(x, dtype=jnp.bfloat16)`` (``prod``, ``mean``, ``nansum``...): a reduction
+    that ``jnp`` traced on a 16-bit operand, which it does only where ``dtype=`` names the
+    16-bit dtype. A ``lax.reduce_sum`` of a 16-bit value traced elsewhere (your code, a
+    transpose of a broadcast) names nothing: it runs in float32 as the fp32 table says."""
+    return (
+        step.eqn.primitive.name in DTYPE_NAMING_REDUCTIONS
+        and getattr(step.program_aval(0), "dtype", None) in SIXTEEN_BIT
+        and compat.traced_in_jnp_reduction(step.eqn)
+    )
+
+
 def fp32_rule(step: Step) -> Sequence[Any]:
     """Numerically sensitive op: floating operands in float32 (float64 stays float64).
 
@@ -1205,6 +1225,9 @@ def fp32_rule(step: Step) -> Sequence[Any]:
         return equalize_rule(step)
     if from_samples(step):  # (an initializer's erf_inv of a uniform sample: jax 0.12's normal)
         return default_rule(step)
+    if reduces_in_the_dtype_asked(step):  # (its operand may arrive without jnp's cast to it)
+        asked = step.program_aval(0).dtype
+        return step.bind(step.with_cast({0: asked} if avals[0].dtype != asked else {}))
     outs = step.bind(step.with_cast(targets))
     if state.keep_compute_dtype and in_compute_dtype(step):
         with compat.equation_context(step.eqn):

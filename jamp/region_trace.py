@@ -74,9 +74,11 @@ from .interpreter import (
     ACCUMULATING,
     ANY_VALUE,
     CLIPPED,
+    DTYPE_NAMING_REDUCTIONS,
     F32,
     HOST_VALUES,
     SCALED_FORMATS,
+    SIXTEEN_BIT,
     ConstSource,
     Env,
     Hint,
@@ -667,7 +669,7 @@ class RegionTrace(compat.Trace):
         if not programs:
             decisions, key = (
                 self._decisions(state),
-                _decision_key(env, primitive, params, invars, avals),
+                _decision_key(env, primitive, params, invars, avals, program_avals),
             )
             if key is not None and program_avals is not None:
                 key = (*key, tuple(program_avals))
@@ -1560,16 +1562,22 @@ def _casts_inputs(params: dict) -> bool:
 
 
 def _decision_key(
-    env: RegionEnv, primitive: Any, params: dict, invars: list, avals: list
+    env: RegionEnv,
+    primitive: Any,
+    params: dict,
+    invars: list,
+    avals: list,
+    program_avals: list | None = None,
 ) -> tuple | None:
     """Everything a rule reads of one operation: the primitive, its parameters, per operand its
     type as traced (the variable's) and as it arrives and its tags, and which operands are the
-    same value, and what else the rule reads (``_READS_MORE``). None where an operand carries
-    more than tags (``_tag_bits``)."""
+    same value, and what else the rule reads (``_READS_MORE``; ``program_avals``: the operands'
+    types in a callee's jaxpr the region walks, else None). None where an operand carries more
+    than tags (``_tag_bits``)."""
     key: list[Any] = [primitive, tuple(params.items())]
     reads_more = _READS_MORE.get(primitive.name)
     if reads_more is not None:
-        key.append(reads_more(params, avals))
+        key.append(reads_more(params, avals, program_avals))
     parts = env.key_parts
     for var, aval in zip(invars, avals):
         bits = parts.get(var, _UNSEEN)
@@ -1591,7 +1599,7 @@ def _decision_key(
 _UNSEEN = object()
 
 
-def _convert_reads_more(params: dict, avals: list) -> tuple | None:
+def _convert_reads_more(params: dict, avals: list, program_avals: list | None) -> tuple | None:
     """What ``convert_rule`` reads besides the operation: for a floating value converted to
     another floating dtype, whether it was traced inside jnp's contractions (there the convert
     ending one is left out), for a float32 value converted to 16 bits, inside jnp's reductions
@@ -1607,10 +1615,22 @@ def _convert_reads_more(params: dict, avals: list) -> tuple | None:
     return (reduction, origin.in_jnp_contraction, promotion)
 
 
+def _reduction_reads_more(params: dict, avals: list, program_avals: list | None) -> bool | None:
+    """What ``fp32_rule`` reads of a reduction besides the operation: for a 16-bit operand in
+    the program, whether jnp traced it, which it does only where ``dtype=`` names that dtype
+    (``interpreter.reduces_in_the_dtype_asked``); nothing (None) otherwise."""
+    program = avals if program_avals is None else program_avals
+    if getattr(program[0], "dtype", None) not in SIXTEEN_BIT:
+        return None
+    return compat.current_convert_origin().in_jnp_reduction
+
+
 # What a rule reads of an operation besides its primitive, parameters and operands, by primitive:
-# (parameters, arriving types) -> a part of the decision's key, read where the operation is bound.
-_READS_MORE: dict[str, Callable[[dict, list], Any]] = {
+# (parameters, arriving types, types in a walked callee's jaxpr or None) -> a part of the
+# decision's key, read where the operation is bound.
+_READS_MORE: dict[str, Callable[[dict, list, list | None], Any]] = {
     "convert_element_type": _convert_reads_more,
+    **dict.fromkeys(DTYPE_NAMING_REDUCTIONS, _reduction_reads_more),
 }
 
 

@@ -300,6 +300,41 @@ def test_softmax_dtype_policy(abcd_f16):
     chex.assert_trees_all_close(x, reference, rtol=1e-2, atol=1e-3)
 
 
+# torch's fp32_append_dtype ops (sum, prod, ...) keep a dtype= given to them under autocast and
+# compute in float32 otherwise. jnp.sum, prod and mean take a dtype= too, and reduce in a 16-bit
+# one only where it is named: both forms keep it, eager and jitted. A reduction naming no dtype
+# (of a value the policy made 16-bit, lax.reduce_sum of a 16-bit value, inside a user's jit too,
+# whose decision a region must not share with jnp's; jnp.cumsum) runs in float32, as before.
+@pytest.mark.parametrize("form", ["transform", "jitted transform", "region", "jitted region"])
+def test_a_reduction_keeps_the_16_bit_dtype_named_for_it(form):
+    x = jax.device_put(0.5 + host_rand(7, (4, 8)))  # [0.5, 1.5): products stay in range
+    w = jax.device_put(host_rand(8, (8, 8)))
+    reduce_in_a_jit = jax.jit(lambda v: lax.reduce_sum(v, (0, 1)))
+
+    def fn(x, w):
+        h, x16 = x @ w, x.astype(jnp.bfloat16)
+        named = (jnp.sum(x, dtype=BF16), jnp.prod(x, axis=0, dtype=F16),
+                 jnp.mean(x, axis=1, dtype=BF16), jnp.nansum(x, axis=0, dtype=F16),
+                 jnp.sum(x16, dtype=BF16))
+        unnamed = (jnp.sum(h), jnp.cumsum(h, axis=1), lax.reduce_sum(x16, (0, 1)),
+                   reduce_in_a_jit(x16))
+        return named, unnamed, jnp.sum(x16, dtype=BF16)  # (after the jit's: not its decision)
+
+    def in_region(x, w):
+        with jamp.autocast():
+            return fn(x, w)
+
+    run = {"transform": transform(fn), "jitted transform": jax.jit(transform(fn)),
+           "region": in_region, "jitted region": jax.jit(in_region)}[form]
+    named, unnamed, again = run(x, w)
+    assert dtypes(named) == (BF16, F16, BF16, F16, BF16)
+    assert dtypes(unnamed) == (F32,) * 4 and again.dtype == BF16
+    want, _, _ = jax.jit(fn)(x, w)  # plain JAX: the same reductions, in the dtypes named
+    chex.assert_trees_all_close(named, want, rtol=1e-2)
+    exact = np.sum(np.asarray(x.astype(jnp.bfloat16), np.float32))
+    np.testing.assert_allclose(unnamed[2:], [exact, exact], rtol=1e-5)  # summed in float32
+
+
 # ports test_fp32_set_opt_dtype_policy (the torch.float64 argument) and ..._policy_fp64
 def test_softmax_dtype_policy_fp64(abcd):
     with jax.enable_x64(True):
