@@ -1197,6 +1197,13 @@ def _output_type(step: Step, dtype: Any) -> dict[str, Any]:
 DTYPE_NAMING_REDUCTIONS = frozenset({"reduce_sum", "reduce_prod"})
 
 
+def reduction_may_name_its_dtype(program_aval: Any) -> bool:
+    """Whether ``reduces_in_the_dtype_asked`` reads where a reduction was traced (not only its
+    operand and parameters): its operand is 16-bit in the program. A region keys such a
+    reduction's decision by where it was traced as well (region_trace._READS_MORE)."""
+    return getattr(program_aval, "dtype", None) in SIXTEEN_BIT
+
+
 def reduces_in_the_dtype_asked(step: Step) -> bool:
     """``jnp.sum(x, dtype=jnp.bfloat16)`` (``prod``, ``mean``, ``nansum``...): a reduction
     that ``jnp`` traced on a 16-bit operand, which it does only where ``dtype=`` names the
@@ -1204,7 +1211,7 @@ def reduces_in_the_dtype_asked(step: Step) -> bool:
     transpose of a broadcast) names nothing: it runs in float32 as the fp32 table says."""
     return (
         step.eqn.primitive.name in DTYPE_NAMING_REDUCTIONS
-        and getattr(step.program_aval(0), "dtype", None) in SIXTEEN_BIT
+        and reduction_may_name_its_dtype(step.program_aval(0))
         and compat.traced_in_jnp_reduction(step.eqn)
     )
 

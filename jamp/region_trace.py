@@ -78,7 +78,6 @@ from .interpreter import (
     F32,
     HOST_VALUES,
     SCALED_FORMATS,
-    SIXTEEN_BIT,
     ConstSource,
     Env,
     Hint,
@@ -90,6 +89,7 @@ from .interpreter import (
     convert_may_round_a_reduction,
     is_float,
     is_known_value,
+    reduction_may_name_its_dtype,
     saturating_cast,
     track_derived,
     widest,
@@ -1620,7 +1620,7 @@ def _reduction_reads_more(params: dict, avals: list, program_avals: list | None)
     the program, whether jnp traced it, which it does only where ``dtype=`` names that dtype
     (``interpreter.reduces_in_the_dtype_asked``); nothing (None) otherwise."""
     program = avals if program_avals is None else program_avals
-    if getattr(program[0], "dtype", None) not in SIXTEEN_BIT:
+    if not reduction_may_name_its_dtype(program[0]):
         return None
     return compat.current_convert_origin().in_jnp_reduction
 
