@@ -52,6 +52,54 @@ def _set_compile_flags(fast_loop: bool) -> None:
     os.environ["JAMP_TESTS_XLA_FLAGS"] = " ".join(chosen)
 
 
+# JAX's persistent compilation cache (jax.config's jax_compilation_cache_dir), every program
+# cached: nearly half of the fast loop's time is XLA compiling ~8,700 programs (the rest of the
+# compile work, lowering to MLIR, JAX does before it can look a program up), and the same programs
+# come back on every run of an unchanged test (hypothesis is derandomized here). A second run took
+# the fast loop on jax 0.10 from 289 to 198 s; a fresh clone's first run fills the cache at no
+# cost to its own time (benchmarks/README.md, issue 33's thirty-second pass). Keys hold the
+# program, the XLA flags and jaxlib's version, so both JAX versions share the folders. An entry is
+# the executable XLA would build again: the tests judge what programs compute, and count
+# compilations by JAX's backend-compile event, which a cache hit records too
+# (tests/jaxpr_utils.count_compiles). Each test process has a folder of its own (an xdist
+# worker's name): JAX writes an entry in place, unlocked, so a process reading an entry another
+# is writing would find it damaged (JAX then warns and compiles); its eviction (a size limit)
+# locks, but scans the whole folder at every write, which took the fast loop past 7 minutes. A
+# test's own processes use its folder while it waits on them (tests/test_distributed.py, whose
+# processes run together, turns the cache off for them). JAX_COMPILATION_CACHE_DIR given by the
+# caller wins; JAMP_TESTS_COMPILATION_CACHE names another folder, or is ``off``.
+CACHE_VARIABLE = "JAMP_TESTS_COMPILATION_CACHE"
+CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+_DEFAULT_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              ".cache", "jax-compilation")
+
+
+def compilation_cache_environment(environ=os.environ) -> dict[str, str]:
+    """The JAX_* variables that turn the persistent compilation cache on for this test process
+    (none where the caller chose a cache, or ``off``)."""
+    chosen = environ.get(CACHE_VARIABLE, "")
+    if chosen == "off" or "JAX_COMPILATION_CACHE_DIR" in environ:
+        return {}
+    folder = os.path.join(chosen or _DEFAULT_CACHE, environ.get("PYTEST_XDIST_WORKER", "main"))
+    wanted = dict(zip(CACHE_VARIABLES, (folder, "0", "0")))
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
+def _use_compilation_cache(config) -> None:
+    if getattr(config.option, "numprocesses", None):
+        return  # an xdist controller: its workers compile, each choosing its folder
+    chosen = compilation_cache_environment()
+    # The processes tests start inherit these, and JAX reads them at import; a plugin
+    # (jaxtyping's) has imported JAX in this process already, so its options are set too.
+    os.environ.update(chosen)
+    jax = sys.modules.get("jax")
+    for name, value in chosen.items() if jax is not None else ():
+        option = name.lower()
+        current = getattr(jax.config, option)
+        jax.config.update(option, value if current is None else type(current)(value))
+
+
 try:
     from hypothesis import settings
 
@@ -76,6 +124,7 @@ def pytest_configure(config):
     # Runs before test modules are imported, so their @settings see the profile loaded here.
     fast_loop = uses_fast_loop_settings(config.option.markexpr or "")
     _set_compile_flags(fast_loop)
+    _use_compilation_cache(config)
     if settings is not None:
         default = "fast" if fast_loop else "ci"
         settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default))

@@ -19,6 +19,8 @@ import chex
 import numpy as np
 import pytest
 
+from tests.conftest import CACHE_VARIABLES
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TIMEOUT_S = 240  # all three processes: about 15 s on an idle machine; the rest for a busy one
 
@@ -34,6 +36,10 @@ def child_env():
     # The workers set their own device counts; a count forced by the caller would fight them.
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\d+", "",
                               env.get("XLA_FLAGS", ""))
+    # Processes started together compile the same programs at once, and JAX writes a persistent
+    # compilation cache's entry in place, unlocked (tests/conftest.py): none for them.
+    for name in CACHE_VARIABLES:
+        env.pop(name, None)
     return env
 
 

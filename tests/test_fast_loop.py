@@ -7,7 +7,7 @@ import os
 import pytest
 from hypothesis import settings
 
-from tests.conftest import uses_fast_loop_settings
+from tests.conftest import CACHE_VARIABLE, compilation_cache_environment, uses_fast_loop_settings
 from tests.hypothesis_profiles import FAST_EXAMPLES, examples
 
 
@@ -37,3 +37,32 @@ def test_the_settings_follow_the_mark_expression_unless_the_variable_chooses(mar
 def test_an_unknown_settings_name_is_refused_naming_the_variable():
     with pytest.raises(pytest.UsageError, match="JAMP_TESTS_SETTINGS='quick'"):
         uses_fast_loop_settings("not slow", {"JAMP_TESTS_SETTINGS": "quick"})
+
+
+def test_the_persistent_compilation_cache_is_on_unless_the_caller_chose_one_or_off():
+    default = compilation_cache_environment({})
+    assert default["JAX_COMPILATION_CACHE_DIR"].endswith(
+        os.path.join(".cache", "jax-compilation", "main"))
+    assert default["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"  # every program
+    # each xdist worker a folder of its own: JAX writes an entry unlocked, in place
+    worker = compilation_cache_environment({"PYTEST_XDIST_WORKER": "gw1"})
+    assert worker["JAX_COMPILATION_CACHE_DIR"].endswith(os.path.join("jax-compilation", "gw1"))
+    elsewhere = compilation_cache_environment({CACHE_VARIABLE: "/tmp/elsewhere"})
+    assert elsewhere["JAX_COMPILATION_CACHE_DIR"] == os.path.join("/tmp/elsewhere", "main")
+    assert compilation_cache_environment({CACHE_VARIABLE: "off"}) == {}
+    assert compilation_cache_environment({"JAX_COMPILATION_CACHE_DIR": "/mine"}) == {}
+    # a threshold the caller set is theirs
+    kept = compilation_cache_environment({"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "1"})
+    assert "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in kept
+
+
+def test_this_run_compiles_with_the_cache_its_environment_chose():
+    """The variables are set before JAX compiles (pytest_configure), and JAX reads them."""
+    import jax
+
+    assert jax.config.jax_compilation_cache_dir == os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if os.environ.get(CACHE_VARIABLE) != "off":
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        assert jax.config.jax_compilation_cache_dir.endswith(worker)
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == float(
+            os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])

@@ -638,7 +638,25 @@ def test_trace_inside_jit_is_a_clear_error():
         jax.vmap(lambda x: tracing.check_trace(jnp.sin, (np.ones(4, np.float32),)) or x)(X)
 
 
-def test_damaged_blob_is_a_clear_value_error_without_mlir_noise(capfd):
+@pytest.fixture
+def no_persistent_compilation_cache():
+    """JAX's persistent compilation cache off for the test (tests/conftest.py turns it on): XLA
+    writes an executable's source file names into a cache entry as protobuf strings, so a blob
+    whose damage lands in a file name, which loads and runs, prints protobuf's invalid-UTF-8
+    errors to stderr as its entry is written and read (jaxlib 0.10 and 0.12), noise that is
+    JAX's, not the loader's."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # (JAX decides once a process whether it uses the cache)
+    yield
+    jax.config.update("jax_enable_compilation_cache", before)
+    compilation_cache.reset_cache()
+
+
+def test_damaged_blob_is_a_clear_value_error_without_mlir_noise(capfd,
+                                                                no_persistent_compilation_cache):
     blob = bytearray(tracing.trace(lambda x: jnp.sin(x) @ x.T, (X,)).export())
     capfd.readouterr()
     failures = 0
