@@ -86,10 +86,15 @@ def compilation_cache_environment(environ=os.environ) -> dict[str, str]:
     return {name: value for name, value in wanted.items() if name not in environ}
 
 
+# What this test process set (read by tests/test_fast_loop.py).
+compilation_cache_chosen: dict[str, str] = {}
+
+
 def _use_compilation_cache(config) -> None:
     if getattr(config.option, "numprocesses", None):
         return  # an xdist controller: its workers compile, each choosing its folder
     chosen = compilation_cache_environment()
+    compilation_cache_chosen.update(chosen)
     # The processes tests start inherit these, and JAX reads them at import; a plugin
     # (jaxtyping's) has imported JAX in this process already, so its options are set too.
     os.environ.update(chosen)
