@@ -5,8 +5,9 @@ lowering it to MLIR, XLA's compilation (which includes a lookup in the persisten
 cache), and each hit of that cache. This plugin adds up those durations and counts in every test
 process (each xdist worker hands its totals to the controller when it ends) and prints them after
 the run, with the programs (by the name JAX compiles them under: ``jit_<function>``, or the
-primitive of an eager operation) whose lowering and compiling took longest in all. Issue 33's thirty-second pass used it to find that XLA's compilations and the lowering
-before them took ~70% of the fast loop's test time.
+primitive of an eager operation) whose lowering and compiling took longest in all. Issue 33's
+thirty-second pass used it to find that XLA's compilations and the lowering before them took ~70%
+of the fast loop's test time.
 
 Usage (from the repository root; any pytest arguments)::
 
