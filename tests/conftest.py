@@ -7,6 +7,7 @@ expression: ``full`` keeps the full suite's settings (compile flags, example cou
 deselects slow tests, ``fast`` gives the fast loop's to a run that does not.
 """
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,34 +57,82 @@ def _set_compile_flags(fast_loop: bool) -> None:
 # cached: nearly half of the fast loop's time is XLA compiling ~8,700 programs (the rest of the
 # compile work, lowering to MLIR, JAX does before it can look a program up), and the same programs
 # come back on every run of an unchanged test (hypothesis is derandomized here). A second run took
-# the fast loop on jax 0.10 from 289 to 198 s; a fresh clone's first run fills the cache at no
-# cost to its own time (benchmarks/README.md, issue 33's thirty-second pass). Keys hold the
-# program, the XLA flags and jaxlib's version, so both JAX versions share the folders. An entry is
-# the executable XLA would build again: the tests judge what programs compute, and count
-# compilations by JAX's backend-compile event, which a cache hit records too
-# (tests/jaxpr_utils.count_compiles). Each test process has a folder of its own (an xdist
-# worker's name): JAX writes an entry in place, unlocked, so a process reading an entry another
-# is writing would find it damaged (JAX then warns and compiles); its eviction (a size limit)
-# locks, but scans the whole folder at every write, which took the fast loop past 7 minutes. A
-# test's own processes use its folder while it waits on them (tests/test_distributed.py, whose
-# processes run together, turns the cache off for them). JAX_COMPILATION_CACHE_DIR given by the
-# caller wins; JAMP_TESTS_COMPILATION_CACHE names another folder, or is ``off``.
+# the fast loop on jax 0.10 from 240 to 156 s, 99.5% of its programs found in the cache; a fresh
+# clone's first run fills it at no cost to its own time (benchmarks/README.md, issue 33's
+# thirty-second pass). Keys hold the program, the XLA flags and jaxlib's version, so both JAX
+# versions share the folders. An entry is the executable XLA would build again: the tests judge
+# what programs compute, and count compilations by JAX's backend-compile event, which a cache hit
+# records too (tests/jaxpr_utils.count_compiles).
+# Each test process writes a folder of its own (an xdist worker's name): JAX writes an entry in
+# place, unlocked, so a process reading an entry another is writing would find it damaged (JAX
+# then warns and compiles); its eviction (a size limit) locks, but scans the whole folder at every
+# write, which took the fast loop past 7 minutes. Which tests a worker runs changes from run to
+# run, so before the workers start, the run's first process links every entry of any folder into
+# each worker's (share_compilation_cache_entries): JAX never rewrites an entry, so a linked file
+# is only ever read; past 1 GiB in all it starts over. A test's own processes use its folder
+# while it waits on them (tests/test_distributed.py, whose processes run together, turns the
+# cache off for them).
+# JAX_COMPILATION_CACHE_DIR given by the caller wins; JAMP_TESTS_COMPILATION_CACHE names another
+# folder, or is ``off``.
 CACHE_VARIABLE = "JAMP_TESTS_COMPILATION_CACHE"
+# (The last: no XLA GPU autotuning cache, which JAX otherwise puts in a folder inside the cache's
+# and jaxlib 0.10 hashes that folder's path into every key: each worker's folder gave its own
+# keys, and an entry made on one worker was never found on another.)
 CACHE_VARIABLES = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+                   "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES")
 _DEFAULT_CACHE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                               ".cache", "jax-compilation")
+_ENTRY_SUFFIX = "-cache"  # (JAX's file cache: <key>-cache)
+# Nothing evicts an entry (JAX's eviction scans its folder at every write, above), so past this
+# size the cache starts over: a full CI run on both versions leaves ~200 MB.
+_CACHE_MOST_BYTES = 1 << 30
+
+
+def compilation_cache_root(environ=os.environ) -> str | None:
+    """The folder whose subfolders the tests' processes cache in; None where the caller chose
+    a cache of their own, or ``off``."""
+    chosen = environ.get(CACHE_VARIABLE, "")
+    if chosen == "off" or "JAX_COMPILATION_CACHE_DIR" in environ:
+        return None
+    return chosen or _DEFAULT_CACHE
 
 
 def compilation_cache_environment(environ=os.environ) -> dict[str, str]:
     """The JAX_* variables that turn the persistent compilation cache on for this test process
     (none where the caller chose a cache, or ``off``)."""
-    chosen = environ.get(CACHE_VARIABLE, "")
-    if chosen == "off" or "JAX_COMPILATION_CACHE_DIR" in environ:
+    root = compilation_cache_root(environ)
+    if root is None:
         return {}
-    folder = os.path.join(chosen or _DEFAULT_CACHE, environ.get("PYTEST_XDIST_WORKER", "main"))
-    wanted = dict(zip(CACHE_VARIABLES, (folder, "0", "0")))
+    folder = os.path.join(root, environ.get("PYTEST_XDIST_WORKER", "main"))
+    wanted = dict(zip(CACHE_VARIABLES, (folder, "0", "0", "none")))
     return {name: value for name, value in wanted.items() if name not in environ}
+
+
+def share_compilation_cache_entries(root: str, folders: list[str],
+                                    most_bytes: int = _CACHE_MOST_BYTES) -> None:
+    """Every entry any folder under ``root`` holds, linked into each of ``folders`` (names under
+    ``root``) that lacks it; past ``most_bytes`` of entries in all, the cache starts over."""
+    entries: dict[str, str] = {}
+    for folder in sorted(os.scandir(root), key=lambda f: f.name) if os.path.isdir(root) else ():
+        for entry in os.scandir(folder.path) if folder.is_dir() else ():
+            if entry.name.endswith(_ENTRY_SUFFIX):
+                entries.setdefault(entry.name, entry.path)
+    if sum(os.stat(path).st_size for path in entries.values()) > most_bytes:
+        shutil.rmtree(root, ignore_errors=True)  # (programs of tests since changed, mostly)
+        entries = {}
+    for name in folders:
+        folder = os.path.join(root, name)
+        os.makedirs(folder, exist_ok=True)
+        present = set(os.listdir(folder))
+        for entry_name, source in entries.items():
+            if entry_name not in present:
+                try:
+                    os.link(source, os.path.join(folder, entry_name))
+                except FileExistsError:  # (another test run, at the same moment)
+                    pass
+                except OSError:  # a filesystem without hard links: each folder keeps its own
+                    return
 
 
 # What this test process set (read by tests/test_fast_loop.py).
@@ -91,8 +140,14 @@ compilation_cache_chosen: dict[str, str] = {}
 
 
 def _use_compilation_cache(config) -> None:
-    if getattr(config.option, "numprocesses", None):
-        return  # an xdist controller: its workers compile, each choosing its folder
+    root = compilation_cache_root()
+    if root is None or "PYTEST_XDIST_WORKER" in os.environ:
+        pass  # off, or a worker: the run's first process has shared the entries
+    elif getattr(config.option, "numprocesses", None):  # an xdist controller; it compiles nothing
+        share_compilation_cache_entries(root, [f"gw{i}" for i in range(len(config.option.tx))])
+        return
+    else:
+        share_compilation_cache_entries(root, ["main"])
     chosen = compilation_cache_environment()
     compilation_cache_chosen.update(chosen)
     # The processes tests start inherit these, and JAX reads them at import; a plugin

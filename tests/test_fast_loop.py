@@ -7,7 +7,13 @@ import os
 import pytest
 from hypothesis import settings
 
-from tests.conftest import CACHE_VARIABLE, compilation_cache_environment, uses_fast_loop_settings
+import tests.conftest
+from tests.conftest import (
+    CACHE_VARIABLE,
+    compilation_cache_environment,
+    share_compilation_cache_entries,
+    uses_fast_loop_settings,
+)
 from tests.hypothesis_profiles import FAST_EXAMPLES, examples
 
 
@@ -60,8 +66,6 @@ def test_this_run_compiles_with_the_cache_its_environment_chose():
     """The variables are set before JAX compiles (pytest_configure), and JAX reads them."""
     import jax
 
-    import tests.conftest
-
     chosen = tests.conftest.compilation_cache_chosen
     assert bool(chosen) is (os.environ.get(CACHE_VARIABLE) != "off"
                             and jax.config.jax_compilation_cache_dir == chosen.get(
@@ -72,3 +76,58 @@ def test_this_run_compiles_with_the_cache_its_environment_chose():
     if chosen:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         assert os.path.basename(chosen["JAX_COMPILATION_CACHE_DIR"]) == worker
+
+
+def test_every_folder_a_run_uses_gets_every_entry_any_folder_holds_as_a_link(tmp_path):
+    """An xdist worker runs other tests from one run to the next: before the workers start, each
+    worker's folder gets (links to) what every folder has cached, and keeps what it had."""
+    for folder, entries in {"gw0": ["a-cache", "b-cache"], "gw1": ["b-cache", "c-cache"],
+                            "main": ["d-cache", "notes.txt"]}.items():
+        (tmp_path / folder).mkdir()
+        for entry in entries:
+            (tmp_path / folder / entry).write_text(f"{folder}/{entry}")
+    share_compilation_cache_entries(str(tmp_path), ["gw0", "gw1", "gw2"])
+    for folder in ("gw0", "gw1", "gw2"):
+        cached = sorted(path.name for path in (tmp_path / folder).iterdir())
+        assert cached == ["a-cache", "b-cache", "c-cache", "d-cache"]
+        assert (tmp_path / folder / "d-cache").samefile(tmp_path / "main" / "d-cache")
+    assert (tmp_path / "gw1" / "b-cache").read_text() == "gw1/b-cache"  # its own, kept
+    assert sorted(path.name for path in (tmp_path / "main").iterdir()) == ["d-cache", "notes.txt"]
+    share_compilation_cache_entries(str(tmp_path / "none yet"), ["gw0"])  # a fresh clone
+    assert not any((tmp_path / "none yet" / "gw0").iterdir())
+
+
+def test_past_its_size_the_cache_starts_over(tmp_path):
+    for folder in ("gw0", "gw1"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / f"{folder}-cache").write_bytes(bytes(600))
+    share_compilation_cache_entries(str(tmp_path), ["gw0", "gw1"], most_bytes=1000)
+    assert [path.name for path in (tmp_path / "gw1").iterdir()] == []  # emptied, then made
+    (tmp_path / "gw0" / "new-cache").write_bytes(bytes(600))
+    share_compilation_cache_entries(str(tmp_path), ["gw0", "gw1"], most_bytes=1000)
+    assert [path.name for path in (tmp_path / "gw1").iterdir()] == ["new-cache"]
+
+
+def test_a_program_cached_from_two_folders_has_one_key(tmp_path):
+    """What one xdist worker cached, another finds (the entries are shared between their folders
+    before a run): the key must not depend on the folder, as jaxlib 0.10's did through XLA's GPU
+    autotuning cache, which JAX puts inside the folder unless told not to."""
+    import jax
+    import numpy as np
+    from jax.experimental.compilation_cache import compilation_cache
+
+    if not tests.conftest.compilation_cache_chosen:
+        pytest.skip(f"the tests' compilation cache is off ({CACHE_VARIABLE} or the caller's own)")
+    before = jax.config.jax_compilation_cache_dir
+    x = jax.device_put(np.ones((3, 5), np.float32))
+    keys = []
+    try:
+        for folder in ("gw0", "gw1"):
+            jax.config.update("jax_compilation_cache_dir", str(tmp_path / folder))
+            compilation_cache.reset_cache()
+            jax.jit(lambda a: a * 7 - 2)(x).block_until_ready()  # a new function: compiled again
+            keys.append(sorted(path.name for path in (tmp_path / folder).iterdir()))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+    assert keys[0] and keys[0] == keys[1]
