@@ -6,6 +6,7 @@ one named by ``HYPOTHESIS_PROFILE``. ``JAMP_TESTS_SETTINGS`` chooses instead of 
 expression: ``full`` keeps the full suite's settings (compile flags, example counts) in a run that
 deselects slow tests, ``fast`` gives the fast loop's to a run that does not.
 """
+import contextlib
 import os
 import shutil
 import subprocess
@@ -133,6 +134,26 @@ def share_compilation_cache_entries(root: str, folders: list[str],
                     pass
                 except OSError:  # a filesystem without hard links: each folder keeps its own
                     return
+
+
+@contextlib.contextmanager
+def compilation_cache_options(**options):
+    """JAX's compilation-cache options (``jax_compilation_cache_dir=...``) set for the block,
+    then restored; JAX decides once a process whether it uses the cache, so it is made to decide
+    again at both ends."""
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = {name: getattr(jax.config, name) for name in options}
+    for name, value in options.items():
+        jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
 
 
 # What this test process set (read by tests/test_fast_loop.py).

@@ -11,6 +11,7 @@ import tests.conftest
 from tests.conftest import (
     CACHE_VARIABLE,
     compilation_cache_environment,
+    compilation_cache_options,
     share_compilation_cache_entries,
     uses_fast_loop_settings,
 )
@@ -114,20 +115,13 @@ def test_a_program_cached_from_two_folders_has_one_key(tmp_path):
     autotuning cache, which JAX puts inside the folder unless told not to."""
     import jax
     import numpy as np
-    from jax.experimental.compilation_cache import compilation_cache
 
     if not tests.conftest.compilation_cache_chosen:
         pytest.skip(f"the tests' compilation cache is off ({CACHE_VARIABLE} or the caller's own)")
-    before = jax.config.jax_compilation_cache_dir
     x = jax.device_put(np.ones((3, 5), np.float32))
     keys = []
-    try:
-        for folder in ("gw0", "gw1"):
-            jax.config.update("jax_compilation_cache_dir", str(tmp_path / folder))
-            compilation_cache.reset_cache()
+    for folder in ("gw0", "gw1"):
+        with compilation_cache_options(jax_compilation_cache_dir=str(tmp_path / folder)):
             jax.jit(lambda a: a * 7 - 2)(x).block_until_ready()  # a new function: compiled again
-            keys.append(sorted(path.name for path in (tmp_path / folder).iterdir()))
-    finally:
-        jax.config.update("jax_compilation_cache_dir", before)
-        compilation_cache.reset_cache()
+        keys.append(sorted(path.name for path in (tmp_path / folder).iterdir()))
     assert keys[0] and keys[0] == keys[1]

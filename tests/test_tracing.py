@@ -13,6 +13,7 @@ import pytest
 
 import jamp
 import tracing
+from tests.conftest import compilation_cache_options
 from tracing import graph as graphs
 from tracing.trace import trace_once
 
@@ -645,14 +646,8 @@ def no_persistent_compilation_cache():
     whose damage lands in a file name, which loads and runs, prints protobuf's invalid-UTF-8
     errors to stderr as its entry is written and read (jaxlib 0.10 and 0.12), noise that is
     JAX's, not the loader's."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()  # (JAX decides once a process whether it uses the cache)
-    yield
-    jax.config.update("jax_enable_compilation_cache", before)
-    compilation_cache.reset_cache()
+    with compilation_cache_options(jax_enable_compilation_cache=False):
+        yield
 
 
 def test_damaged_blob_is_a_clear_value_error_without_mlir_noise(capfd,
