@@ -42,7 +42,11 @@ own work is a few percent of it).
 (``--cache-sim=yes --branch-sim=yes``): misses and mispredicted branches per side, and a rough
 cycle estimate (``CYCLE_WEIGHTS``), for asking whether a side's extra time beyond its extra
 instructions comes from the memory hierarchy or branches. A simulation of a simple machine, not
-this one's: it can rule a cause in, never out.
+this one's: it can rule a cause in, never out. ``--by-function N`` (two ``--sides``) then lists the
+N native functions (CPython's, JAX's C++; callgrind_annotate) where the second side misses the
+simulated last level most more often than the first: misses in CPython's evaluation loop are those
+of every Python function it runs, which callgrind cannot tell apart. ``--keep FOLDER`` keeps each
+side's callgrind output for reading it further.
 
 Needs valgrind (``apt-get install valgrind``); about a minute per side and size.
 
@@ -54,6 +58,8 @@ Usage::
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks 12 --sides "hand bf16" region --simulate-caches
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks 12 --sides "hand bf16" region \
         --simulate-caches --simulated-last-level 1048576,8,64
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/instructions.py --blocks 12 --sides "hand bf16" region \
+        --simulate-caches --simulated-last-level 1048576,8,64 --by-function 15
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ import argparse
 import concurrent.futures
 import gc
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -134,11 +141,12 @@ CYCLE_WEIGHTS = {"Ir": 1, "I1mr": 10, "D1mr": 10, "D1mw": 10, "ILmr": 100, "DLmr
 
 
 def count(kind: str, side: str, blocks: int, calls: int, simulate: bool = False,
-          last_level: str | None = None) -> dict:
+          last_level: str | None = None, keep: str | None = None) -> dict:
     """callgrind's event totals of ``calls`` calls of ``side`` in a new process: instructions
     (``Ir``), and with ``simulate`` its cache and branch-predictor simulation's reads, writes,
     misses and mispredictions (``--cache-sim=yes --branch-sim=yes``; ``last_level``:
-    valgrind's ``--LL=size,associativity,line`` for the simulated last level)."""
+    valgrind's ``--LL=size,associativity,line`` for the simulated last level; ``keep``: a folder
+    to copy callgrind's output into, for ``callgrind_annotate``)."""
     with tempfile.TemporaryDirectory() as signals:
         out = os.path.join(signals, "callgrind.out")
         simulation = ["--cache-sim=yes", "--branch-sim=yes"] if simulate else []
@@ -168,6 +176,10 @@ def count(kind: str, side: str, blocks: int, calls: int, simulate: bool = False,
         switch(False)
         open(os.path.join(signals, "stopped"), "w").close()
         process.communicate()
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            name = f"{kind}-{side}-{blocks}.callgrind".replace(" ", "_").replace(",", "")
+            shutil.copy(out, os.path.join(keep, name))
         with open(out) as f:
             lines = f.read().splitlines()
         events = next(line for line in lines if line.startswith("events:")).split()[1:]
@@ -176,10 +188,10 @@ def count(kind: str, side: str, blocks: int, calls: int, simulate: bool = False,
 
 
 def run_all(jobs: list[tuple[str, str, int]], calls: int, simulate: bool = False,
-            last_level: str | None = None) -> dict:
+            last_level: str | None = None, keep: str | None = None) -> dict:
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futures = {pool.submit(count, kind, side, blocks, calls, simulate, last_level):
+        futures = {pool.submit(count, kind, side, blocks, calls, simulate, last_level, keep):
                    (kind, side, blocks)
                    for kind, side, blocks in jobs}
         for future in concurrent.futures.as_completed(futures):
@@ -215,8 +227,18 @@ def main() -> None:
                         help="with --simulate-caches: the simulated last level (valgrind's "
                              "--LL; default: valgrind's guess for this CPU), e.g. 1048576,8,64 "
                              "for a core's second level")
+    parser.add_argument("--keep", metavar="FOLDER", default=None,
+                        help="copy each traced side's callgrind output into FOLDER, to read "
+                             "per function with callgrind_annotate")
+    parser.add_argument("--by-function", metavar="N", type=int, default=0,
+                        help="with --simulate-caches and two --sides: the N native functions "
+                             "(CPython's, JAX's C++) where the second side misses the last level "
+                             "most more often than the first (callgrind_annotate)")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)  # the counted process
     args = parser.parse_args()
+    if args.by_function and not (args.simulate_caches and len(args.sides) == 2):
+        parser.error("--by-function compares two sides' simulated misses: add "
+                     "--simulate-caches and name two --sides")
     if args.simulated_last_level and not args.simulate_caches:
         parser.error("--simulated-last-level sets the simulation's last level: add "
                      "--simulate-caches")
@@ -230,7 +252,10 @@ def main() -> None:
 
     started = time.perf_counter()
     jobs = [("trace", side, n) for n in args.blocks for side in args.sides]
-    results = run_all(jobs, args.calls, args.simulate_caches, args.simulated_last_level)
+    if args.by_function and args.keep is None:
+        args.keep = tempfile.mkdtemp(prefix="jamp-callgrind-")
+    results = run_all(jobs, args.calls, args.simulate_caches, args.simulated_last_level,
+                      args.keep)
     if args.eager:
         results.update(eager_calls(args.eager_calls, args.eager_modes))
     print(f"# jamp: instructions per side (callgrind)\n\n{environment()}\n")
@@ -261,6 +286,9 @@ def report_traces(results: dict, args: argparse.Namespace) -> None:
                   f"time: <= {goal}x)")
     if args.simulate_caches:
         report_simulation(results, args, sides, ratios)
+    if args.by_function:
+        for n in args.blocks:
+            report_by_function(args.keep, args.sides, n, args.calls, args.by_function)
 
 
 def estimated_cycles(events: dict[str, int]) -> float:
@@ -290,6 +318,92 @@ def report_simulation(results: dict, args: argparse.Namespace, sides: list[str],
                   for side in (a, b) for n in args.blocks}
         per_size = ", ".join(f"{cycles[a, n] / cycles[b, n]:.3f}x" for n in args.blocks)
         print(f"- {a} / {b} in estimated cycles: {per_size} (weights {CYCLE_WEIGHTS})")
+
+
+# The events compared per function: last-level misses (data reads, data writes, instruction
+# fetches) and instructions.
+_BY_FUNCTION_EVENTS = ("DLmr", "DLmw", "ILmr", "Ir")
+
+
+def misses_by_function(path: str) -> dict[str, list[int]]:
+    """Per native function (file:function, as callgrind_annotate names it, CPython's build folder
+    left out), its ``_BY_FUNCTION_EVENTS`` in a kept callgrind output."""
+    text = subprocess.run(
+        ["callgrind_annotate", f"--show={','.join(_BY_FUNCTION_EVENTS)}",
+         f"--sort={_BY_FUNCTION_EVENTS[0]}", "--threshold=100", path],
+        check=True, capture_output=True, text=True).stdout
+    count = r"([\d,]+|\.)\s+(?:\([^)]*\)\s+)?"
+    row = re.compile(r"\s*" + count * len(_BY_FUNCTION_EVENTS) + r"(\S.*)$")
+    functions: dict[str, list[int]] = {}
+    for line in text.splitlines():
+        match = row.match(line)
+        if match is None or "PROGRAM TOTALS" in line:
+            continue
+        *cells, name = match.groups()
+        name = re.sub(r"^/tmp/python-build[^ ]*?/Python-[\d.]+/", "", name.split(" [")[0])
+        counts = [0 if c == "." else int(c.replace(",", "")) for c in cells]
+        functions[name] = [a + b for a, b in zip(functions.get(name, [0] * len(counts)), counts)]
+    return functions
+
+
+# The kinds of native function --by-function sums the extra misses by first (name fragments).
+_MISS_KINDS = {
+    "CPython's evaluation loop (all its source files)": ("_PyEval_EvalFrameDefault",),
+    "dictionary lookups, keys of any type": (":_Py_dict_lookup",),
+    "dictionary lookups, string keys (attributes, globals)": ("unicodekeys_lookup",),
+    "method lookups on types": ("_PyType_Lookup",),
+    "equality of keys found": ("PyObject_RichCompare", "tuplerichcompare"),
+    "frames, allocation, copies": ("_PyFrame_Push", "_PyObject_Malloc", "__memcpy", "__memset"),
+}
+
+
+def report_by_function(folder: str, sides: Sequence[str], blocks: int, calls: int,
+                       top: int) -> None:
+    """The native functions where ``sides[1]`` misses the simulated last level most more often
+    than ``sides[0]``, per counted trace. Native only: misses in CPython's evaluation loop are
+    those of every Python function it runs, which callgrind cannot tell apart."""
+    first, second = (misses_by_function(os.path.join(
+        folder, f"trace-{side}-{blocks}.callgrind".replace(" ", "_").replace(",", "")))
+        for side in sides)
+    zero = [0] * len(_BY_FUNCTION_EVENTS)
+
+    def misses(counts: list[int]) -> int:
+        return sum(counts[:3])
+
+    extra = {name: misses(second.get(name, zero)) - misses(first.get(name, zero))
+             for name in set(first) | set(second)}
+    total = sum(extra.values())
+    print(f"\n### Where {sides[1]} misses the last level more than {sides[0]}, {blocks} blocks, "
+          f"per counted trace\n\n{total / calls / 1e3:.0f}k more last-level misses in all; by kind "
+          f"of native function, then the functions with most extra misses first:\n")
+    kinds = []
+    left = dict(extra)
+    for kind, fragments in _MISS_KINDS.items():
+        names = [n for n in left if any(f in n for f in fragments)]
+        reads = [sum(side.get(n, zero)[0] for n in names) for side in (first, second)]
+        instructions = [sum(side.get(n, zero)[3] for n in names) for side in (first, second)]
+        misses_of_kind = sum(left.pop(n) for n in names)
+        kinds.append([kind, f"{misses_of_kind / calls / 1e3:.1f}",
+                      f"{misses_of_kind / total:.0%}" if total else "-",
+                      f"{reads[0] / calls / 1e3:.0f} / {reads[1] / calls / 1e3:.0f}",
+                      f"{instructions[1] / max(instructions[0], 1):.2f}x"])
+    rest = sum(left.values())
+    kinds.append(["the rest", f"{rest / calls / 1e3:.1f}",
+                  f"{rest / total:.0%}" if total else "-", "", ""])
+    print(table(["kind", "extra misses (k)", "share of the extra",
+                 f"DLmr (k) {sides[0]} / {sides[1]}", f"Ir {sides[1]} / {sides[0]}"], kinds))
+    print()
+    rows = []
+    for name in sorted(extra, key=extra.get, reverse=True)[:top]:
+        a, b = first.get(name, zero), second.get(name, zero)
+        rows.append([f"`{name[:90]}`", f"{extra[name] / calls / 1e3:.1f}",
+                     f"{extra[name] / total:.0%}" if total else "-",
+                     *(f"{x / calls / 1e3:.1f} / {y / calls / 1e3:.1f}"
+                       for x, y in zip(a[:3], b[:3])),
+                     f"{a[3] / calls / 1e6:.1f} / {b[3] / calls / 1e6:.1f}"])
+    print(table(["function", "extra misses (k)", "share of the extra",
+                 *(f"{e} (k) {sides[0]} / {sides[1]}" for e in _BY_FUNCTION_EVENTS[:3]),
+                 f"Ir (M) {sides[0]} / {sides[1]}"], rows))
 
 
 def eager_calls(calls: int, modes: Sequence[str] = ("forward",)) -> dict:
