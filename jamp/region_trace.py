@@ -1938,32 +1938,62 @@ _REFUSAL_NOTES = (
 # the jit-cache context (REGION_KEY's value) of every cached trace it looks up with ``==`` unless
 # it is the same object (a dataclass comparison of every field, ~1000 a trace of a small model);
 # the policy-keyed tables here find it by identity too.
-_CANONICAL: dict[Policy, Policy] = {}
+_CANONICAL: dict[Policy, _JitKey] = {}
 _CANONICAL_KEPT = 256
 
 
-def _canonical(policy: Policy) -> Policy:
-    """The first policy equal to ``policy`` that a region used."""
+class _JitKey:
+    """REGION_KEY's value for one policy. JAX hashes its jit-cache context at every cache lookup
+    while tracing (~4 an operation in a region: jnp's inline jits, abstract evaluation), and a
+    Policy hashes its ten fields every time (4,100 times a trace of the 12-block benchmark
+    model); this hashes once. Equal where the policies are, as the policy itself would be (a
+    trace JAX cached is found again after ``_CANONICAL`` starts over)."""
+
+    __slots__ = ("policy", "_hash")
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy, self._hash = policy, hash(policy)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is _JitKey and (
+            self.policy is other.policy or self.policy == other.policy
+        )
+
+    def __repr__(self) -> str:  # (how JAX's cache-miss explanations show the context)
+        return repr(self.policy)
+
+
+def _jit_key(policy: Policy) -> _JitKey:
+    """The jit-cache context of the first policy equal to ``policy`` that a region used."""
     found = _CANONICAL.get(policy)
     if found is None:
         if len(_CANONICAL) > _CANONICAL_KEPT:  # (a new policy every step: equal ones compare)
             _CANONICAL.clear()
-        found = _CANONICAL[policy] = policy
+        found = _CANONICAL[policy] = _JitKey(policy)
     return found
+
+
+def _canonical(policy: Policy) -> Policy:
+    """The first policy equal to ``policy`` that a region used."""
+    return _jit_key(policy).policy
 
 
 @contextlib.contextmanager
 def pushed(policy: Policy) -> Iterator[None]:
     """Make a region trace the current trace for the block (one per thread: regions nested in
     it, in any transformation below it, leave markers that it reads)."""
-    policy = _canonical(policy)
+    jit_key = _jit_key(policy)
+    policy = jit_key.policy
     trace = RegionTrace(compat.current_trace(), policy)
     _tls.depth = getattr(_tls, "depth", 0) + 1
     outer_dtypes = getattr(_tls, "region_dtypes", None)
     _tls.region_dtypes = dtypes = {policy.compute_dtype}
     try:
         with (
-            REGION_KEY(policy),
+            REGION_KEY(jit_key),
             compat.differentiation_routed_above(region_above),
             compat.set_current_trace(trace),
         ):

@@ -464,6 +464,45 @@ def test_a_jitted_callee_is_traced_once_for_regions_of_equal_policies():
     )
 
 
+def test_a_jitted_callee_is_found_again_after_the_policies_start_over(monkeypatch):
+    traced = []
+
+    @jax.jit
+    def matmul(x, w):
+        traced.append(x.dtype)
+        return x @ w
+
+    with jamp.autocast():
+        matmul(X, W)
+    monkeypatch.setattr(region_trace, "_CANONICAL", {})  # as past _CANONICAL_KEPT policies
+    with jamp.autocast():  # an equal policy, another object and jit-cache context: equal
+        assert matmul(X, W).dtype == BF16
+    assert len(traced) == 1
+
+
+def test_jax_looks_up_its_caches_in_a_region_without_hashing_the_policy(monkeypatch):
+    # JAX hashes its jit-cache context (which holds the region's) at every cache lookup while
+    # tracing, several times an operation; a Policy hashes its ten fields each time.
+    policy = jamp.Policy()
+    hashed = []
+    policy_hash = jamp.Policy.__hash__
+    monkeypatch.setattr(jamp.Policy, "__hash__", lambda p: hashed.append(p) or policy_hash(p))
+
+    def hashes_tracing(blocks):
+        def model(x):
+            with jamp.autocast(policy):
+                for _ in range(blocks):
+                    x = jnp.tanh(jnp.matmul(x, x)) + jnp.mean(x)
+            return x
+
+        hashed.clear()
+        jax.make_jaxpr(model)(jnp.ones((4, 4)))
+        return len(hashed)
+
+    hashes_tracing(10), hashes_tracing(40)  # (the callees' rewrites made: per new callee)
+    assert hashes_tracing(40) == hashes_tracing(10)  # per region, not per operation
+
+
 @jax.custom_jvp
 def _users_relu(x):
     return jnp.maximum(x, 0)
