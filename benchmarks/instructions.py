@@ -178,13 +178,17 @@ def count(kind: str, side: str, blocks: int, calls: int, simulate: bool = False,
         process.communicate()
         if keep:
             os.makedirs(keep, exist_ok=True)
-            name = f"{kind}-{side}-{blocks}.callgrind".replace(" ", "_").replace(",", "")
-            shutil.copy(out, os.path.join(keep, name))
+            shutil.copy(out, os.path.join(keep, kept_name(kind, side, blocks)))
         with open(out) as f:
             lines = f.read().splitlines()
         events = next(line for line in lines if line.startswith("events:")).split()[1:]
         totals = next(line for line in lines if line.startswith("totals:")).split()[1:]
         return dict(zip(events, map(int, totals)))
+
+
+def kept_name(kind: str, side: str, blocks: int) -> str:
+    """The file ``--keep`` copies a side's callgrind output to."""
+    return f"{kind}-{side}-{blocks}.callgrind".replace(" ", "_").replace(",", "")
 
 
 def run_all(jobs: list[tuple[str, str, int]], calls: int, simulate: bool = False,
@@ -362,9 +366,8 @@ def report_by_function(folder: str, sides: Sequence[str], blocks: int, calls: in
     """The native functions where ``sides[1]`` misses the simulated last level most more often
     than ``sides[0]``, per counted trace. Native only: misses in CPython's evaluation loop are
     those of every Python function it runs, which callgrind cannot tell apart."""
-    first, second = (misses_by_function(os.path.join(
-        folder, f"trace-{side}-{blocks}.callgrind".replace(" ", "_").replace(",", "")))
-        for side in sides)
+    first, second = (misses_by_function(os.path.join(folder, kept_name("trace", side, blocks)))
+                     for side in sides)
     zero = [0] * len(_BY_FUNCTION_EVENTS)
 
     def misses(counts: list[int]) -> int:
