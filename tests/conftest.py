@@ -162,12 +162,11 @@ compilation_cache_chosen: dict[str, str] = {}
 
 def _use_compilation_cache(config) -> None:
     root = compilation_cache_root()
-    if root is None or "PYTEST_XDIST_WORKER" in os.environ:
-        pass  # off, or a worker: the run's first process has shared the entries
-    elif getattr(config.option, "numprocesses", None):  # an xdist controller; it compiles nothing
-        share_compilation_cache_entries(root, [f"gw{i}" for i in range(len(config.option.tx))])
-        return
-    else:
+    # (off, or a worker: the run's first process has shared the entries)
+    if root is not None and "PYTEST_XDIST_WORKER" not in os.environ:
+        if getattr(config.option, "numprocesses", None):  # an xdist controller: compiles nothing
+            share_compilation_cache_entries(root, [f"gw{i}" for i in range(len(config.option.tx))])
+            return
         share_compilation_cache_entries(root, ["main"])
     chosen = compilation_cache_environment()
     compilation_cache_chosen.update(chosen)
