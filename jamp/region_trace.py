@@ -1942,28 +1942,36 @@ _CANONICAL: dict[Policy, _JitKey] = {}
 _CANONICAL_KEPT = 256
 
 
-class _JitKey:
+class _JitKey(int):
     """REGION_KEY's value for one policy. JAX hashes its jit-cache context at every cache lookup
     while tracing (~4 an operation in a region: jnp's inline jits, abstract evaluation), and a
     Policy hashes its ten fields every time (4,100 times a trace of the 12-block benchmark
-    model); this hashes once. Equal where the policies are, as the policy itself would be (a
-    trace JAX cached is found again after ``_CANONICAL`` starts over)."""
+    model); this hashes once, as the int it is (the policy's hash), in C: a Python ``__hash__``
+    is a Python call at each of those lookups. Equal where the policies are, as the policy
+    itself would be (a trace JAX cached is found again after ``_CANONICAL`` starts over), and
+    to nothing else (not to the int it holds)."""
 
-    __slots__ = ("policy", "_hash")
+    policy: Policy
 
-    def __init__(self, policy: Policy) -> None:
-        self.policy, self._hash = policy, hash(policy)
+    def __new__(cls, policy: Policy) -> _JitKey:
+        key = super().__new__(cls, hash(policy))
+        key.policy = policy
+        return key
 
-    def __hash__(self) -> int:
-        return self._hash
+    __hash__ = int.__hash__  # (the C slot: no Python call per lookup)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is _JitKey and (
             self.policy is other.policy or self.policy == other.policy
         )
 
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
     def __repr__(self) -> str:  # (how JAX's cache-miss explanations show the context)
         return repr(self.policy)
+
+    __str__ = __repr__
 
 
 def _jit_key(policy: Policy) -> _JitKey:

@@ -3,6 +3,7 @@ around jitted callees, control flow, custom derivatives and Flax apply, with the
 as autocast_transform."""
 import functools
 import gc
+import sys
 import threading
 import warnings
 
@@ -501,6 +502,41 @@ def test_jax_looks_up_its_caches_in_a_region_without_hashing_the_policy(monkeypa
 
     hashes_tracing(10), hashes_tracing(40)  # (the callees' rewrites made: per new callee)
     assert hashes_tracing(40) == hashes_tracing(10)  # per region, not per operation
+
+
+def test_jax_finds_the_regions_cache_context_without_calling_into_jamp():
+    # Hashing the context's value is a C call (an int's hash), not a Python one per lookup; it
+    # still equals only the context of an equal policy, never the int it is.
+    calls = []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_name in ("__hash__", "__eq__", "__ne__") and (
+            code.co_filename == region_trace.__file__
+        ):
+            calls.append(code.co_name)
+
+    def calls_tracing(blocks):
+        def model(x):
+            with jamp.autocast():
+                for _ in range(blocks):
+                    x = jnp.tanh(jnp.matmul(x, x)) + jnp.mean(x)
+            return x
+
+        calls.clear()
+        sys.setprofile(profile)
+        try:
+            jax.make_jaxpr(model)(jnp.ones((4, 4)))
+        finally:
+            sys.setprofile(None)
+        return len(calls)
+
+    calls_tracing(10)
+    assert calls_tracing(40) == calls_tracing(10)
+    key, equal = region_trace._jit_key(jamp.Policy()), region_trace._JitKey(jamp.Policy())
+    assert key == equal and hash(key) == hash(equal) and not key != equal
+    assert key != int(key) and int(key) != key
+    assert key != region_trace._JitKey(jamp.Policy(compute_dtype=jnp.float16))
 
 
 @jax.custom_jvp
