@@ -1973,6 +1973,9 @@ class _JitKey(int):
 
     __str__ = __repr__
 
+    def __reduce__(self) -> tuple:  # (a copy made from the policy, hashing as this one does)
+        return _JitKey, (self.policy,)
+
 
 def _jit_key(policy: Policy) -> _JitKey:
     """The jit-cache context of the first policy equal to ``policy`` that a region used."""

@@ -1,8 +1,10 @@
 """`with jamp.autocast():` anywhere (issue 21): eagerly, inside jit/grad/vmap/scan/checkpoint,
 around jitted callees, control flow, custom derivatives and Flax apply, with the same decisions
 as autocast_transform."""
+import copy
 import functools
 import gc
+import pickle
 import sys
 import threading
 import warnings
@@ -511,8 +513,10 @@ def test_jax_finds_the_regions_cache_context_without_calling_into_jamp():
 
     def profile(frame, event, arg):
         code = frame.f_code
-        if event == "call" and code.co_name in ("__hash__", "__eq__", "__ne__") and (
-            code.co_filename == region_trace.__file__
+        if (
+            event == "call"
+            and code.co_name in ("__hash__", "__eq__", "__ne__")
+            and code.co_filename == region_trace.__file__
         ):
             calls.append(code.co_name)
 
@@ -524,11 +528,12 @@ def test_jax_finds_the_regions_cache_context_without_calling_into_jamp():
             return x
 
         calls.clear()
+        previous = sys.getprofile()
         sys.setprofile(profile)
         try:
             jax.make_jaxpr(model)(jnp.ones((4, 4)))
         finally:
-            sys.setprofile(None)
+            sys.setprofile(previous)
         return len(calls)
 
     calls_tracing(10)
@@ -537,6 +542,8 @@ def test_jax_finds_the_regions_cache_context_without_calling_into_jamp():
     assert key == equal and hash(key) == hash(equal) and not key != equal
     assert key != int(key) and int(key) != key
     assert key != region_trace._JitKey(jamp.Policy(compute_dtype=jnp.float16))
+    for copied in (copy.copy(key), copy.deepcopy(key), pickle.loads(pickle.dumps(key))):
+        assert copied == key and hash(copied) == hash(key)
 
 
 @jax.custom_jvp
