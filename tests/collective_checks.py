@@ -258,23 +258,16 @@ check(" x?" in str(looped), f"unknown count shown: {looped}")
 # --- the persistent compilation cache: a program found there is not partitioned again ---------
 import tempfile  # noqa: E402
 
-saved = {name: getattr(jax.config, name) for name in (
-    "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-    "jax_persistent_cache_min_entry_size_bytes")}
-with tempfile.TemporaryDirectory() as cache_dir:
-    jax.config.update("jax_compilation_cache_dir", cache_dir)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    try:
-        cached = [as_found(explained(jax.grad(fsdp_loss), *placed, policy=BF16_POLICY))
-                  for _ in range(2)]
-        check(cached[0] and cached[0] == cached[1], f"explain with a persistent cache: {cached}")
-        jax.jit(lambda x: x * 3)(placed[1]).block_until_ready()
-        check(os.listdir(cache_dir), "the persistent cache is in use again after explain")
-    finally:
-        for name, value in saved.items():
-            jax.config.update(name, value)
-        from jax.experimental.compilation_cache import compilation_cache  # noqa: E402
+from tests.conftest import compilation_cache_options  # noqa: E402
 
-        compilation_cache.reset_cache()  # forget the deleted folder
+with tempfile.TemporaryDirectory() as cache_dir, compilation_cache_options(
+    jax_compilation_cache_dir=cache_dir,
+    jax_persistent_cache_min_compile_time_secs=0,
+    jax_persistent_cache_min_entry_size_bytes=0,
+):  # (restored after, and the deleted folder forgotten)
+    cached = [as_found(explained(jax.grad(fsdp_loss), *placed, policy=BF16_POLICY))
+              for _ in range(2)]
+    check(cached[0] and cached[0] == cached[1], f"explain with a persistent cache: {cached}")
+    jax.jit(lambda x: x * 3)(placed[1]).block_until_ready()
+    check(os.listdir(cache_dir), "the persistent cache is in use again after explain")
 print("collective checks passed")
