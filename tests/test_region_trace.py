@@ -483,6 +483,18 @@ def test_a_jitted_callee_is_found_again_after_the_policies_start_over(monkeypatc
     assert len(traced) == 1
 
 
+def _trace_blocks_in_region(blocks, policy=None):
+    """Trace ``blocks`` blocks of a jnp matmul, tanh and mean inside one region."""
+
+    def model(x):
+        with jamp.autocast(policy):
+            for _ in range(blocks):
+                x = jnp.tanh(jnp.matmul(x, x)) + jnp.mean(x)
+        return x
+
+    jax.make_jaxpr(model)(jnp.ones((4, 4)))
+
+
 def test_jax_looks_up_its_caches_in_a_region_without_hashing_the_policy(monkeypatch):
     # JAX hashes its jit-cache context (which holds the region's) at every cache lookup while
     # tracing, several times an operation; a Policy hashes its ten fields each time.
@@ -492,14 +504,8 @@ def test_jax_looks_up_its_caches_in_a_region_without_hashing_the_policy(monkeypa
     monkeypatch.setattr(jamp.Policy, "__hash__", lambda p: hashed.append(p) or policy_hash(p))
 
     def hashes_tracing(blocks):
-        def model(x):
-            with jamp.autocast(policy):
-                for _ in range(blocks):
-                    x = jnp.tanh(jnp.matmul(x, x)) + jnp.mean(x)
-            return x
-
         hashed.clear()
-        jax.make_jaxpr(model)(jnp.ones((4, 4)))
+        _trace_blocks_in_region(blocks, policy)
         return len(hashed)
 
     hashes_tracing(10), hashes_tracing(40)  # (the callees' rewrites made: per new callee)
@@ -521,17 +527,11 @@ def test_jax_finds_the_regions_cache_context_without_calling_into_jamp():
             calls.append(code.co_name)
 
     def calls_tracing(blocks):
-        def model(x):
-            with jamp.autocast():
-                for _ in range(blocks):
-                    x = jnp.tanh(jnp.matmul(x, x)) + jnp.mean(x)
-            return x
-
         calls.clear()
         previous = sys.getprofile()
         sys.setprofile(profile)
         try:
-            jax.make_jaxpr(model)(jnp.ones((4, 4)))
+            _trace_blocks_in_region(blocks)
         finally:
             sys.setprofile(previous)
         return len(calls)
