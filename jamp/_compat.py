@@ -431,19 +431,9 @@ def _stage(
     ):
         return None
     source_info = _staged_source_info(info)
-    tracers, any_tracer = [], False
-    for arg, atom in zip(args, eqn.invars):
-        if type(arg) is _pe.DynamicJaxprTracer:
-            if arg._trace is not trace:
-                return None
-            any_tracer = True
-        elif isinstance(arg, _core.Tracer) or not (type(atom) is _core.Literal and arg is atom.val):
-            return None  # (a constant other than the jaxpr's own literal: bind canonicalizes)
-        else:
-            arg = trace.to_jaxpr_tracer(_dtypes.canonicalize_value(arg), source_info)
-        tracers.append(arg)
-    if not any_tracer:
-        return None  # (bind may fold it: eager_constant_folding)
+    tracers = _staged_operands(trace, args, eqn.invars, source_info)
+    if tracers is None:
+        return None
     avals = [t.aval for t in tracers]
     if not condition(params, avals):
         return None
@@ -454,6 +444,35 @@ def _stage(
     return _add_equation(
         trace, tracers, primitive, params, source_info, eqn.ctx, out_avals, eqn.effects
     )
+
+
+# Host constants, which a bind canonicalizes and makes constants of the program (Primitive.bind:
+# ``canonicalize_value``, then ``to_jaxpr_tracer``) and nothing else: a device array's sharding
+# may name a mesh that bind casts it to, so it is bound.
+_HOST_CONSTANTS = frozenset({np.ndarray, float, int, bool, complex})
+
+
+def _staged_operands(
+    trace: Any, args: Sequence[Any], invars: Sequence[Any], source_info: Any
+) -> list[Any] | None:
+    """``args`` as tracers of ``trace``, program constants made of host constants (an
+    equation's literal, a constant cast at rewrite time) as bind makes them; None where only a
+    bind can take them: a tracer of another trace, another value, or no tracer at all (bind may
+    fold the operation: eager_constant_folding)."""
+    tracers, any_tracer = [], False
+    for arg, atom in zip(args, invars):
+        if type(arg) is _pe.DynamicJaxprTracer:
+            if arg._trace is not trace:
+                return None
+            any_tracer = True
+        elif (type(atom) is _core.Literal and arg is atom.val) or (
+            type(arg) in _HOST_CONSTANTS or isinstance(arg, np.generic)
+        ):
+            arg = trace.to_jaxpr_tracer(_dtypes.canonicalize_value(arg), source_info)
+        else:
+            return None
+        tracers.append(arg)
+    return tracers if any_tracer else None
 
 
 def _add_equation(
@@ -493,6 +512,32 @@ def stage_like(eqn: Any, args: Sequence[Any], params: dict | None, outer_ctx: An
     if params is None:
         return _stage(eqn, primitive, args, eqn.params, True, outer_ctx, condition)
     return _stage(eqn, primitive, args, params, False, outer_ctx, condition)
+
+
+def stage_decided(
+    eqn: Any, args: Sequence[Any], params: dict, out_avals: Sequence[Any], outer_ctx: Any
+) -> list[Any] | None:
+    """``stage_like`` for an equation staged before at the same signature (primitive, parameters,
+    operand types: ``interpreter.decision_key``), with the output types it had: what depends on
+    the signature alone (the staging condition, a jaxpr parameter, the abstract evaluation) is
+    not asked again, what depends on the values is (their trace, the context, the literals)."""
+    trace = _core.trace_ctx.trace
+    info = eqn.source_info
+    if (
+        type(trace) is not _pe.DynamicJaxprTrace
+        or eqn.ctx is not outer_ctx
+        or info.traceback is None
+    ):
+        return None
+    source_info = _staged_source_info(info)
+    tracers = _staged_operands(trace, args, eqn.invars, source_info)
+    if tracers is None:
+        return None
+    staged, outs = trace.make_eqn(
+        tracers, list(out_avals), eqn.primitive, params, eqn.effects, source_info, eqn.ctx
+    )
+    trace.frame.add_eqn(staged)
+    return outs
 
 
 def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
@@ -548,11 +593,18 @@ def convert_now(x: Any, dtype: Any) -> Any:
 
 def _float_to_float(x: Any, dtype: np.dtype) -> bool:
     """Whether ``x`` is of another floating dtype than ``dtype``, itself floating."""
-    return (
-        x.dtype != dtype
-        and _dtypes.issubdtype(x.dtype, np.floating)
-        and _dtypes.issubdtype(dtype, np.floating)
-    )
+    source = x.dtype
+    if source == dtype:
+        return False
+    known = _FLOAT_PAIRS.get((source, dtype))
+    if known is None:  # (JAX's issubdtype is Python: asked once per pair of dtypes)
+        known = _FLOAT_PAIRS[source, dtype] = bool(
+            _dtypes.issubdtype(source, np.floating) and _dtypes.issubdtype(dtype, np.floating)
+        )
+    return known
+
+
+_FLOAT_PAIRS: dict[tuple[Any, Any], bool] = {}
 
 
 class _CastOf:

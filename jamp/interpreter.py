@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import warnings
@@ -364,6 +365,11 @@ def _hint_key(hint: Hint | None) -> Any:
     return hint.tags if hint.source is None else (hint.tags, OPERAND, hint.source.bound)
 
 
+# What the rules know about a value beyond its type, as Env sets: the tags of a decision's key
+# (a region's, a transform's: ``Decision``) and of a region's inline call, as bits (Env.tag_bits).
+DECISION_TAGS = ("lower_outputs", "expanded", "input_view", "scalar_like", "lowered", "samples")
+TAG_BITS = tuple(1 << k for k in range(len(DECISION_TAGS)))
+
 # ("lowered" is set in a region only: a body JAX traced with a value the region made 16-bit holds
 # jnp's float32 promotions of it, which the rules then read through, as at the call site.)
 TAGS = (
@@ -445,6 +451,40 @@ class Env:
         # What a registered tracker (``register_tracker``) learned about values, by tracker name:
         # rules/softmax.py records which values are the max of which operand.
         self.facts: dict[str, dict[Any, Any]] = {}
+        # The tags a decision's key and replay read and set, in the order of TAG_BITS.
+        self.tag_sets = tuple(getattr(self, tag) for tag in DECISION_TAGS)
+        self._sets_of_bits: dict[int, tuple[set[Any], ...]] = {}  # (add_tags's, per bits)
+        # autocast_transform: per variable, its part of a decision's key (``TransformDecisions``)
+        self.decision_parts: dict[Any, tuple | None] = {}
+
+    def tag_bits(self, var: Any) -> int:
+        """The tags of ``var`` as bits (``TAG_BITS``, in the order of ``tag_sets``)."""
+        lower_outputs, expanded, input_view, scalar_like, lowered, samples = self.tag_sets
+        return (
+            (var in lower_outputs)
+            | (var in expanded) << 1
+            | (var in input_view) << 2
+            | (var in scalar_like) << 3
+            | (var in lowered) << 4
+            | (var in samples) << 5
+        )
+
+    def add_tags(self, var: Any, bits: int) -> None:
+        if bits:
+            sets = self._sets_of_bits.get(bits)
+            if sets is None:
+                sets = self._sets_of_bits[bits] = tuple(
+                    tagged for bit, tagged in zip(TAG_BITS, self.tag_sets) if bits & bit
+                )
+            for tagged in sets:
+                tagged.add(var)
+
+    def has_fact(self, var: Any) -> bool:
+        """Whether a tracker knows something of ``var`` (a softmax's max: rules/softmax.py)."""
+        for facts in self.facts.values():  # (a loop, not any() of a generator: asked per operand)
+            if var in facts:
+                return True
+        return False
 
     @property
     def cotangent(self) -> set[Any]:
@@ -541,6 +581,8 @@ class Step:
         self.scaled_skip: str | None = None
         # Why a rule ran the op in float32 where its table would not have (jamp.explain).
         self.why: str | None = None
+        # Whether ``bind`` staged the equation directly (``compat.stage_like``) rather than bound it.
+        self.staged = False
 
     @property
     def policy(self) -> Policy:
@@ -674,6 +716,7 @@ class Step:
                 self.rewriter.outer_ctx,
             )
             if staged is not None:
+                self.staged = True
                 return staged
         params = compat.bind_params(self.eqn)
         params.update(overrides)
@@ -693,6 +736,92 @@ class Step:
         """Evaluate a sub-jaxpr inline under this equation's region (for pure call wrappers)."""
         jaxpr, consts = compat.open_and_consts(closed)
         return self.rewriter.child(self.state).run(jaxpr, consts, args, hints)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What a rule did with one operation, replayable for the same key: the operands it cast
+    (index, dtype), the parameters it changed, and its outputs' types as traced and tags."""
+
+    casts: tuple  # (operand, dtype, clipped: Step.clipped_cast)
+    overrides: dict
+    out_avals: tuple
+    out_tags: tuple
+    # The operands the rule read as the 16-bit values they are jnp's promotions of (``Step``),
+    # and whether output 0 is such a promotion of operand 0 (a convert: ``_track_lowered``).
+    read_through: tuple = ()
+    promotes: bool = False
+    # Whether output 0 is a 16-bit square kept to be recomputed in float32 (``LazySquare``).
+    square: bool = False
+    # autocast_transform's: per output, its part of the keys of the equations reading it
+    # (``TransformDecisions.operand_part``), None for a dropped one.
+    out_parts: tuple = ()
+
+
+class RecordingStep(Step):
+    """A :class:`Step` that records its casts and binds, so that a rule that cast some operands
+    and bound the operation once can be replayed (:class:`Decision`) without running the rule
+    again: by ``autocast_transform``'s rewrite (:meth:`traced_decision`) and a region's
+    (``region_trace.RegionRecordingStep``)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.arrived = tuple(self.args)  # (before ``as_traced`` casts any)
+        # id(cast value) -> {operand: (dtype, clipped)}
+        self.casts_made: dict[int, dict[int, tuple[np.dtype, bool]]] = {}
+        self.binds: list[tuple[list, dict, list]] = []
+
+    def cast(self, i: int, dtype: Any) -> Any:
+        out = super().cast(i, dtype)
+        self.casts_made.setdefault(id(out), {})[i] = (np.dtype(dtype), False)
+        return out
+
+    def clipped_cast(self, i: int, dtype: Any) -> Any:
+        out = super().clipped_cast(i, dtype)
+        self.casts_made.setdefault(id(out), {})[i] = (np.dtype(dtype), True)
+        return out
+
+    def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
+        outs = super().bind(args, **overrides)
+        self.binds.append((list(args), overrides, outs))
+        return outs
+
+    def traced_decision(
+        self, returned: Sequence[Any], decisions: TransformDecisions
+    ) -> Decision | None:
+        """The decision of a traced equation (its rule has run, and ``track_derived``), or None
+        where it cannot be replayed: the rule bound more or other than the equation on its
+        operands, some cast (float8's scaling, reduce_dtype's custom_vjp), or an output carries
+        more than tags (a constant, a tracker's fact)."""
+        if len(self.binds) != 1:
+            return None
+        args, overrides, outs = self.binds[0]
+        if len(outs) != len(returned) or any(a is not b for a, b in zip(outs, returned)):
+            return None
+        casts = []
+        for j, arg in enumerate(args):
+            if arg is self.arrived[j]:
+                continue
+            made = self.casts_made.get(id(arg), {}).get(j)
+            if made is None:
+                return None
+            casts.append((j, *made))
+        env = self.env
+        tags: list[int] = []
+        parts: list[tuple | None] = []
+        for var in self.eqn.outvars:
+            if isinstance(var, compat.DropVar):
+                tags.append(0)
+                parts.append(None)
+                continue
+            part = decisions.operand_part(env, var)
+            if part is None:
+                return None
+            tags.append(part[2])
+            parts.append(part)
+        # (the output types, where it was staged directly: a replay stages it so again)
+        out_avals = tuple(compat.aval_of(x) for x in outs) if self.staged else ()
+        return Decision(tuple(casts), overrides, out_avals, tuple(tags), out_parts=tuple(parts))
 
 
 class Rewriter:
@@ -740,13 +869,23 @@ class Rewriter:
         # current_state's last answer, by the scope names' tuple (the same object while JAX's
         # name stack is: consecutive operations of a region mostly share it).
         self._last_state: tuple[Any, RegionState | None] = (None, None)
-        self._last_stack_state: tuple[Any, RegionState | None] = (None, None)  # (state_for's)
+        # state_for's answers by name stack (the stack kept: its id is not reused meanwhile)
+        self._stack_states: dict[int, tuple[Any, RegionState]] = {}
         # The equation context of the program ``run`` binds into: an equation traced in the
         # same one is staged directly (``compat.stage_like``); None outside ``run``.
         self.outer_ctx: Any = None
         # An eager region's own rewriter: a call's small constant operands key its rewrite by
         # what the rules read of them, not their values (constant_key, rewrite_closed).
         self.shares_constants = False
+        # autocast_transform's decisions per signature (``decision_key``), shared with children:
+        # a model's blocks repeat their equations, which are then decided once. None where each
+        # equation is decided (a region's walks, which replay their own; a report, which counts
+        # every one; reduce_dtype, whose rules read the program's backward pass).
+        self._decisions: TransformDecisions | None = (
+            TransformDecisions.of(policy)
+            if region == 0 and recorder is None and policy.reduce_dtype is None
+            else None
+        )
 
     def child(self, state: RegionState, repeats: int = 1) -> Rewriter:
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder; the
@@ -761,6 +900,7 @@ class Rewriter:
             self.region,
         )
         sub.site_decisions = self.site_decisions
+        sub._decisions = self._decisions
         sub.repeats = self.repeats * repeats
         return sub
 
@@ -776,10 +916,15 @@ class Rewriter:
 
     def state_for(self, eqn: Any) -> RegionState:
         stack = compat.name_stack_of(eqn)
-        last, state = self._last_stack_state
-        if stack is not last or state is None:  # (consecutive equations mostly share one)
-            state = self.state_for_scopes(compat.scope_names(eqn))
-            self._last_stack_state = (stack, state)
+        known = self._stack_states.get(id(stack))  # (equations traced in one scope share it)
+        if known is None or known[0] is not stack:
+            if len(self._stack_states) > 4096:  # (a region's, open over many programs)
+                self._stack_states.clear()
+            known = self._stack_states[id(stack)] = (
+                stack,
+                self.state_for_scopes(compat.scope_names(eqn)),
+            )
+        state = known[1]
         return self._at_lines(state, eqn.source_info) if self.line_rules else state
 
     def current_state(self) -> RegionState:
@@ -873,21 +1018,85 @@ class Rewriter:
         self._active.append(env)
         outer_ctx, self.outer_ctx = self.outer_ctx, compat.eqn_context_now()
         try:
+            decisions = self._decisions
             for eqn in jaxpr.eqns:
-                step = Step(self, env, eqn, self.state_for(eqn))
-                if not step.state.enabled:
+                state = self.state_for(eqn)
+                key = None if decisions is None else decisions.key(env, eqn, state)
+                if key is not None:
+                    assert decisions is not None  # (only a table makes keys)
+                    try:
+                        decision = decisions.table.get(key)
+                    except TypeError:  # a parameter that cannot be hashed: decided every time
+                        decision = key = None
+                    if decision is not None:
+                        outs = self._replay(env, eqn, state, decision, decisions)
+                        parts = env.decision_parts
+                        for var, value, part in zip(eqn.outvars, outs, decision.out_parts):
+                            if not isinstance(var, compat.DropVar):
+                                env.values[var] = value
+                                parts[var] = part
+                        continue
+                recording = None if key is None else RecordingStep(self, env, eqn, state)
+                step = Step(self, env, eqn, state) if recording is None else recording
+                if not state.enabled:
                     step.as_traced()
                 outs = self.apply(step)
                 for var, value in zip(eqn.outvars, outs):
                     if not isinstance(var, compat.DropVar):
                         env.values[var] = value
                 track_derived(step, outs)
+                if recording is not None and decisions is not None and key is not None:
+                    decision = recording.traced_decision(outs, decisions)
+                    if decision is not None:
+                        decisions.table[key] = decision
         finally:
             self._active.pop()
             self.outer_ctx = outer_ctx
         if self._owns_scope_log and self.policy.rules:
             report_unmatched_rules(self, jaxpr)
         return [env.read(v) for v in jaxpr.outvars]
+
+    def _replay(
+        self,
+        env: Env,
+        eqn: Any,
+        state: RegionState,
+        decision: Decision,
+        decisions: TransformDecisions,
+    ) -> Sequence[Any]:
+        """Bind ``eqn`` as its rule decided an equation of the same signature before: the same
+        casts (shared through the cast cache), the same parameters, the same tags on its
+        outputs (``track_derived``'s, which found no more than tags)."""
+        values, casts = env.values, env.casts
+        args = [
+            atom.val if isinstance(atom, compat.Literal) else values[atom] for atom in eqn.invars
+        ]
+        step = None
+        for i, dtype, clipped in decision.casts:
+            atom = eqn.invars[i]
+            literal = isinstance(atom, compat.Literal)
+            if literal:  # (cast on the host from its value: the same for every equal literal)
+                cast_key = (constant_key(ConstSource(atom.val)), dtype, clipped)
+                cast = decisions.constant_casts.get(cast_key)
+            else:
+                cast = casts.get((atom, dtype, CLIPPED) if clipped else (atom, dtype))
+            if cast is None:  # (the first cast of this value)
+                step = step or Step(self, env, eqn, state)
+                cast = step.clipped_cast(i, dtype) if clipped else step.cast(i, dtype)
+                if literal and isinstance(cast, HOST_VALUES):
+                    decisions.constant_casts[cast_key] = cast
+            args[i] = cast
+        outs = None
+        if decision.out_avals and self.outer_ctx is not None:
+            params = eqn.params
+            if decision.overrides:
+                params = {**params, **decision.overrides}
+            outs = compat.stage_decided(eqn, args, params, decision.out_avals, self.outer_ctx)
+        if outs is None:
+            outs = (step or Step(self, env, eqn, state)).bind(args, **decision.overrides)
+        for var, bits in zip(eqn.outvars, decision.out_tags):
+            env.add_tags(var, bits)
+        return outs
 
     def apply(self, step: Step) -> Sequence[Any]:
         name = step.eqn.primitive.name
@@ -1474,3 +1683,118 @@ CATEGORY_RULES: dict[str | None, Rule] = {
     "fp32": fp32_rule,
     "promote": equalize_rule,
 }
+
+
+# --- autocast_transform's decisions, made once per signature ---------------------------------
+
+_TRANSFORM_DECISIONS: dict[Policy, TransformDecisions] = {}
+_UNSEEN = object()
+
+
+def _summed_square(env: Env, eqn: Any) -> bool:
+    """rules/powers.py: whether a square is summed later (looked ahead in the program)."""
+    if eqn.primitive.name == "mul" and eqn.invars[0] is not eqn.invars[1]:
+        return False
+    return env.accumulated(eqn.outvars[0])
+
+
+def _reduction_names_its_dtype(env: Env, eqn: Any) -> bool:
+    """``fp32_rule``: whether a reduction of a 16-bit operand was traced in jnp's, which names
+    its dtype (``reduces_in_the_dtype_asked``)."""
+    return reduction_may_name_its_dtype(eqn.invars[0].aval) and compat.traced_in_jnp_reduction(eqn)
+
+
+# What a rule reads of a traced equation besides its primitive, parameters, operands and state,
+# by primitive: (env, equation) -> a part of the decision's key (``decision_key``).
+TRACED_READS_MORE: dict[str, Callable[[Env, Any], Any]] = {
+    "square": _summed_square,
+    "integer_pow": _summed_square,
+    "mul": _summed_square,
+    **dict.fromkeys(DTYPE_NAMING_REDUCTIONS, _reduction_names_its_dtype),
+}
+
+
+class TransformDecisions:
+    """autocast_transform's decisions per signature under one policy, kept across programs: a
+    model's blocks repeat their equations, which are then decided once and replayed, and so
+    does the next function traced under the policy."""
+
+    _KEPT = 8192  # signatures; a table past it starts again (new shapes every trace)
+
+    def __init__(self) -> None:
+        self.table: dict[tuple, Decision] = {}
+        # Literals cast at rewrite time, by value, dtype and clipping (host values: shared).
+        self.constant_casts: dict[tuple, Any] = {}
+        # Operand types as small ints: a key compares them without JAX's Python ``__eq__``.
+        # (Numbered by a counter, whose ``next`` no other thread can interleave: two types
+        # never share a number.)
+        self._types: dict[Any, int] = {}
+        self._numbers = itertools.count()
+
+    @classmethod
+    def of(cls, policy: Policy) -> TransformDecisions:
+        decisions = _TRANSFORM_DECISIONS.get(policy)
+        if decisions is None or len(decisions.table) > cls._KEPT:
+            decisions = _TRANSFORM_DECISIONS[policy] = cls()
+        return decisions
+
+    def type_id(self, aval: Any) -> int:
+        found = self._types.get(aval)
+        if found is None:
+            found = self._types.setdefault(aval, next(self._numbers))
+        return found
+
+    def operand_part(self, env: Env, var: Any) -> tuple | None:
+        """``var``'s part of a key: its type as traced and as it arrives, and its tags; None
+        where the rewrite knows more of it than tags (a constant, a tracker's fact). Found
+        once per variable (its tags are set by the equation that made it), and copied from
+        the decision of a replayed equation that made it."""
+        parts = env.decision_parts
+        if var in parts:
+            return parts[var]
+        if var in env.known or env.has_fact(var):
+            part = None
+        else:
+            type_id = self.type_id
+            part = (type_id(var.aval), type_id(compat.aval_of(env.values[var])), env.tag_bits(var))
+        parts[var] = part
+        return part
+
+    def key(self, env: Env, eqn: Any, state: RegionState) -> tuple | None:
+        """Everything a rule reads of one traced equation: the primitive, its parameters, what
+        of the state the rules read, per operand its part (``operand_part``; a literal: its type
+        and value, which a rule casts), which operands are the same value, and what else the
+        rule reads (``TRACED_READS_MORE``). None where it is decided every time: an equation
+        carrying programs or with effects, an operand known as more than tags, a scaled format
+        (float8 shares decisions per source site)."""
+        primitive, params = eqn.primitive, eqn.params
+        if eqn.effects or state.dtype in SCALED_FORMATS or carries_programs(primitive, params):
+            return None
+        key: list[Any] = [
+            primitive,
+            state.enabled,
+            state.dtype,
+            state.keep_compute_dtype,
+            tuple(params.items()),
+        ]
+        reads_more = TRACED_READS_MORE.get(primitive.name)
+        if reads_more is not None:
+            key.append(reads_more(env, eqn))
+        invars, parts = eqn.invars, env.decision_parts
+        for atom in invars:
+            if isinstance(atom, compat.Literal):
+                constant = constant_key(ConstSource(atom.val))
+                if constant is None:
+                    return None
+                key.append((self.type_id(atom.aval), constant))
+                continue
+            part = parts.get(atom, _UNSEEN)
+            if part is _UNSEEN:
+                part = self.operand_part(env, atom)
+            if part is None:
+                return None
+            key.append(part)
+        if len(invars) > 1 and len(set(map(id, invars))) < len(invars):
+            # the same value twice (``x * x`` is a square to rules/powers.py): which operands are
+            key.append(tuple(next(j for j, u in enumerate(invars) if u is v) for v in invars))
+        return tuple(key)

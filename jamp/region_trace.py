@@ -79,8 +79,10 @@ from .interpreter import (
     HOST_VALUES,
     SCALED_FORMATS,
     ConstSource,
+    Decision,
     Env,
     Hint,
+    RecordingStep,
     Rewriter,
     Step,
     carries_programs,
@@ -121,10 +123,6 @@ _CALLS: dict[Policy, weakref.WeakKeyDictionary] = {}
 # state the rules read: _decision_scope) -> {decision key (see _decision_key): Decision}.
 _DECISIONS: dict[Policy, dict] = {}
 _DECISIONS_KEPT = 8192  # per state; a table past it starts again (new shapes every call)
-# What a region knows about a value that the rules read, as RegionEnv sets (see Env): the
-# tags of a decision's or an inline call's key, as bits (RegionEnv.tag_bits).
-_DECISION_TAGS = ("lower_outputs", "expanded", "input_view", "scalar_like", "lowered", "samples")
-_TAG_BITS = tuple(1 << k for k in range(len(_DECISION_TAGS)))
 _LOWERED = Hint(tags=frozenset({"lowered"}))  # (an operand the policy made 16-bit)
 
 
@@ -252,8 +250,6 @@ class RegionEnv(Env):
         self.casts: CastsByVar = CastsByVar()
         self.promotions: CastsByVar = CastsByVar()
         self._cotangent = set()
-        # The tags a decision's key and replay read and set, in the order of _TAG_BITS.
-        self.tag_sets = tuple(getattr(self, tag) for tag in _DECISION_TAGS)
         # Per variable, its tags as a decision key reads them (``_tag_bits``), found at its first
         # use as an operand: a value's tags are all set by the operation that made it.
         self.key_parts: dict[Any, int | None] = {}
@@ -328,24 +324,6 @@ class RegionEnv(Env):
         if var in self.upcast_of:
             return False
         return self.tag_bits(var), self.known.get(var)
-
-    def tag_bits(self, var: Any) -> int:
-        """The tags of ``var`` as bits (``_TAG_BITS``, in the order of ``tag_sets``)."""
-        lower_outputs, expanded, input_view, scalar_like, lowered, samples = self.tag_sets
-        return (
-            (var in lower_outputs)
-            | (var in expanded) << 1
-            | (var in input_view) << 2
-            | (var in scalar_like) << 3
-            | (var in lowered) << 4
-            | (var in samples) << 5
-        )
-
-    def add_tags(self, var: Any, bits: int) -> None:
-        if bits:
-            for bit, tagged in zip(_TAG_BITS, self.tag_sets):
-                if bits & bit:
-                    tagged.add(var)
 
 
 def _forgetting(env_ref: weakref.ref) -> Callable[[_ValueRef], None]:
@@ -682,7 +660,7 @@ class RegionTrace(compat.Trace):
         eqn = RegionEquation(primitive, params, invars, compat.region_source_info())
         eqn.program_avals = program_avals
         env.values = dict(zip(invars, args))
-        step = RecordingStep(self.rewriter, env, eqn, state)
+        step = RegionRecordingStep(self.rewriter, env, eqn, state)
         try:
             with compat.set_current_trace(self.parent):
                 outs = list(self.rewriter.apply(step))
@@ -1502,12 +1480,12 @@ def _array_key(value: Any, aval: Any) -> tuple | None:
 
 
 def _tag_bits(env: RegionEnv, var: Any) -> int | None:
-    """The tags of ``var`` as bits (``_TAG_BITS``); None where the region knows more about it
+    """The tags of ``var`` as bits (``TAG_BITS``); None where the region knows more about it
     than tags say (a constant the rules cast from its value, jnp's float32 promotion of a
     lowered value, a tracker's fact, a 16-bit square a sum would recompute: ``LazySquare``): an
     operation reading such a value is decided every time unless another part keys it
     (``_constant_part``, ``_promotion_part``)."""
-    if var in env.known or var in env.upcast_of or _has_fact(env, var) or var in env.lazy_squares:
+    if var in env.known or var in env.upcast_of or env.has_fact(var) or var in env.lazy_squares:
         return None
     return env.tag_bits(var)
 
@@ -1539,17 +1517,9 @@ def _any_in(variables: list, table: dict) -> bool:
     return False
 
 
-def _has_fact(env: RegionEnv, var: Any) -> bool:
-    """Whether a tracker knows something of ``var`` (a softmax's max: rules/softmax.py)."""
-    for facts in env.facts.values():  # (a loop, not any() of a generator: asked per operand)
-        if var in facts:
-            return True
-    return False
-
-
 def _any_floating(avals: list) -> bool:
     """Whether an operand is floating (else the policy has nothing to change)."""
-    for aval in avals:  # (as _has_fact)
+    for aval in avals:  # (as Env.has_fact)
         if is_float(getattr(aval, "dtype", np.int32)):
             return True
     return False
@@ -1634,48 +1604,9 @@ _READS_MORE: dict[str, Callable[[dict, list, list | None], Any]] = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    """What a rule did with one operation, replayable for the same key: the operands it cast
-    (index, dtype), the parameters it changed, and its outputs' types as traced and tags."""
-
-    casts: tuple  # (operand, dtype, clipped: Step.clipped_cast)
-    overrides: dict
-    out_avals: tuple
-    out_tags: tuple
-    # The operands the rule read as the 16-bit values they are jnp's promotions of (``Step``),
-    # and whether output 0 is such a promotion of operand 0 (a convert: ``_track_lowered``).
-    read_through: tuple = ()
-    promotes: bool = False
-    # Whether output 0 is a 16-bit square kept to be recomputed in float32 (``LazySquare``).
-    square: bool = False
-
-
-class RecordingStep(Step):
-    """A region's :class:`Step` that records its casts and binds, so that a rule that cast some
-    operands and bound the operation once can be replayed (:class:`Decision`) without running
-    the rule again."""
-
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        # id(cast value) -> {operand: (dtype, clipped)}
-        self.casts_made: dict[int, dict[int, tuple[np.dtype, bool]]] = {}
-        self.binds: list[tuple[list, dict, list]] = []
-
-    def cast(self, i: int, dtype: Any) -> Any:
-        out = super().cast(i, dtype)
-        self.casts_made.setdefault(id(out), {})[i] = (np.dtype(dtype), False)
-        return out
-
-    def clipped_cast(self, i: int, dtype: Any) -> Any:
-        out = super().clipped_cast(i, dtype)
-        self.casts_made.setdefault(id(out), {})[i] = (np.dtype(dtype), True)
-        return out
-
-    def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
-        outs = super().bind(args, **overrides)
-        self.binds.append((list(args), overrides, outs))
-        return outs
+class RegionRecordingStep(RecordingStep):
+    """A region's :class:`RecordingStep`, whose decision also says which operands the rule read
+    as the 16-bit values jnp promoted (``Step``) and whether the output is such a promotion."""
 
     def decision(self, returned: Sequence[Any], outvars: Sequence[Any]) -> Decision | None:
         """The replayable decision, or None: the rule bound more or other than the operation
@@ -1807,7 +1738,7 @@ def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
     wait for it and copy it to the host at every operation: an eager loop's scalar arrays) and
     for what else makes ``_tag_bits`` None."""
     source = env.known.get(var)
-    if source is None or var in env.upcast_of or _has_fact(env, var):
+    if source is None or var in env.upcast_of or env.has_fact(var):
         return None
     if not isinstance(source.base, HOST_VALUES):
         return None
@@ -1820,7 +1751,7 @@ def _promotion_part(env: RegionEnv, var: Any) -> tuple | None:
     16-bit (``Env.upcast_of``), which a rule reads as that value (``Step``): its tags and the
     type of the value read; None where the region knows more of it (a constant, a fact)."""
     source = env.upcast_of.get(var)
-    if source is None or var in env.known or _has_fact(env, var):
+    if source is None or var in env.known or env.has_fact(var):
         return None
     return env.tag_bits(var), "read as", compat.aval_of(source)
 

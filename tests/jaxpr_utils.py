@@ -1,4 +1,5 @@
 """Helpers for inspecting (rewritten) jaxprs in tests."""
+
 from __future__ import annotations
 
 import collections
@@ -42,9 +43,14 @@ def dtype_signatures(jaxpr: Any, keep: Callable[[str], bool]) -> collections.Cou
     """(primitive, operand dtypes, result dtypes) of every equation whose primitive name ``keep``
     accepts, sub-jaxprs included, counted: what a policy decided, comparable across programs."""
     return collections.Counter(
-        (e.primitive.name, tuple(str(v.aval.dtype) for v in e.invars),
-         tuple(str(v.aval.dtype) for v in e.outvars))
-        for e in iter_eqns(jaxpr) if keep(e.primitive.name))
+        (
+            e.primitive.name,
+            tuple(str(v.aval.dtype) for v in e.invars),
+            tuple(str(v.aval.dtype) for v in e.outvars),
+        )
+        for e in iter_eqns(jaxpr)
+        if keep(e.primitive.name)
+    )
 
 
 def make_jaxpr(fn: Any, *args: Any) -> Any:
@@ -78,30 +84,49 @@ def fresh(fn: Callable) -> Callable:
 
 @contextlib.contextmanager
 def fresh_region_caches() -> Iterator[None]:
-    """Regions with none of the decisions and ``jnp`` rewrites kept by earlier regions (they are
-    kept per policy for the process): a program traced under a changed jamp (``bound_only``)
-    then decides and walks everything itself rather than reusing what another condition made."""
-    from jamp import region_trace
+    """Regions and transforms with none of the decisions and ``jnp`` rewrites kept by earlier
+    ones (they are kept per policy for the process): a program traced under a changed jamp
+    (``bound_only``) then decides and walks everything itself rather than reusing what another
+    condition made."""
+    from jamp import interpreter, region_trace
 
-    saved = region_trace._CALLS, region_trace._DECISIONS
-    region_trace._CALLS, region_trace._DECISIONS = {}, {}
+    saved = region_trace._CALLS, region_trace._DECISIONS, interpreter._TRANSFORM_DECISIONS
+    region_trace._CALLS, region_trace._DECISIONS, interpreter._TRANSFORM_DECISIONS = {}, {}, {}
     try:
         yield
     finally:
-        region_trace._CALLS, region_trace._DECISIONS = saved
+        region_trace._CALLS, region_trace._DECISIONS, interpreter._TRANSFORM_DECISIONS = saved
+
+
+@contextlib.contextmanager
+def decided_every_time() -> Iterator[None]:
+    """``autocast_transform`` with every equation decided by its rule, none replayed
+    (``interpreter.TransformDecisions``): the reference a replayed rewrite must equal."""
+    from jamp import interpreter
+
+    key = interpreter.TransformDecisions.key
+    interpreter.TransformDecisions.key = lambda *args: None
+    try:
+        with fresh_region_caches():
+            yield
+    finally:
+        interpreter.TransformDecisions.key = key
 
 
 @contextlib.contextmanager
 def bound_only() -> Iterator[None]:
-    """jamp with every equation bound, none staged directly (``compat.stage_like`` for the
-    transform's rewrite, ``compat.bind_on`` for a region's operations, its casts and its calls
-    of jnp functions): the reference a directly staged program must equal."""
-    stage, stage_now, inline_now = compat._stage, compat._stage_now, compat._inline_now
-    compat._stage = compat._stage_now = compat._inline_now = lambda *args: None
+    """jamp with every equation bound, none staged directly (``compat.stage_like`` and
+    ``stage_decided`` for the transform's rewrite, ``compat.bind_on`` for a region's
+    operations, its casts and its calls of jnp functions): the reference a directly staged
+    program must equal."""
+    saved = compat._stage, compat._stage_now, compat._inline_now, compat.stage_decided
+    compat._stage = compat._stage_now = compat._inline_now = compat.stage_decided = lambda *args: (
+        None
+    )
     try:
         yield
     finally:
-        compat._stage, compat._stage_now, compat._inline_now = stage, stage_now, inline_now
+        compat._stage, compat._stage_now, compat._inline_now, compat.stage_decided = saved
 
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"

@@ -25,7 +25,9 @@ the README's bias-add rule) where they decide it unambiguously, (8) ``jax.grad``
 ``jamp.autocast()`` region around the program decides every operation as ``autocast_transform``
 does (JAX's refusals of loop carries and cond branches a region made 16-bit aside: they carry
 jamp's note), (10) staging equations directly (the transform's rewrite, a region's operations)
-builds the program, sources and contexts included, that binding every equation builds.
+builds the program, sources and contexts included, that binding every equation builds, (11) the
+transform's decisions replayed per signature build the program (and gradient) deciding every
+equation builds.
 
 Besides the random search, ``test_pinned_program`` replays minimal counterexamples hypothesis
 found (and a few programs mixing every feature), and ``test_each_op_after_a_matmul`` runs the cheap
@@ -51,7 +53,13 @@ from jax import lax
 
 import jamp
 from tests.hypothesis_profiles import examples
-from tests.jaxpr_utils import bound_only, dtype_signatures, fresh_region_caches, program_record
+from tests.jaxpr_utils import (
+    bound_only,
+    decided_every_time,
+    dtype_signatures,
+    fresh_region_caches,
+    program_record,
+)
 
 try:  # the public home of JAX's type checker; tests never import jax._src
     from jax.extend.core import check_jaxpr as _check_jaxpr
@@ -586,6 +594,22 @@ def check_staged_equals_bound(program: tuple, seed: int) -> None:
         assert records[0] == records[1]
 
 
+def check_replayed_equals_decided(program: tuple, seed: int) -> None:
+    """(11) The transform decides an equation once per signature and replays that decision for
+    the others (``interpreter.TransformDecisions``): the program, its gradient's too, is the
+    one deciding every equation by its rule gives."""
+    f, (x, w) = as_function(program), make_inputs(seed)
+    records = []
+    for deciding in (contextlib.nullcontext(), decided_every_time()):
+        with deciding:
+            g = jamp.autocast_transform(f)
+            records.append([
+                program_record(jax.make_jaxpr(g)(x, w)),
+                program_record(jax.make_jaxpr(jax.grad(_loss(g, x)))(w)),
+            ])
+    assert records[0] == records[1]
+
+
 def _matmuls(jaxpr: Any) -> list[Any]:
     return [e for e in iter_eqns(jaxpr) if e.primitive.name in MATMUL_PRIMS]
 
@@ -706,6 +730,13 @@ def test_staging_directly_builds_the_program_binding_builds(family, data):
     check_staged_equals_bound(*_draw(data, family))
 
 
+@family_param
+@settings(max_examples=TRACE_ONLY, **PROPERTY_SETTINGS)
+@given(data=st.data())
+def test_replayed_decisions_build_the_program_deciding_builds(family, data):
+    check_replayed_equals_decided(*_draw(data, family))
+
+
 # --- pinned programs: counterexamples hypothesis found, and coverage it may not reach ----------
 # Derandomized search depends on the test code, so a counterexample found once may not be drawn
 # again after an edit; its minimal form is kept here and checked on every run.
@@ -718,6 +749,7 @@ CHECKS = {
     "grad_inside_region": check_grad_inside_region,
     "region_equals_transform": check_region_equals_transform,
     "staged_equals_bound": check_staged_equals_bound,
+    "replayed_equals_decided": check_replayed_equals_decided,
 }
 PINNED = [
     # jnp.full(shape, python_float) after a matmul: promoted to float32, unlike jnp.zeros/ones.
@@ -754,7 +786,7 @@ EACH_OP = [
     ("jit", (("reduce", "sum", 1),)), ("remat", (("unary", "exp"), ("matmul",))),
 ]
 CHEAP_CHECKS = ("type_checks", "output_dtype", "matmuls_lowered", "agrees_with_float32",
-                "region_equals_transform", "staged_equals_bound")
+                "region_equals_transform", "staged_equals_bound", "replayed_equals_decided")
 
 
 @pytest.mark.parametrize("check", CHEAP_CHECKS)
