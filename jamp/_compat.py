@@ -543,13 +543,25 @@ def stage_decided(
 def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
     """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, where
     staging may add it directly (``_direct_cast_params``); None where only a bind can."""
+    trace = _core.trace_ctx.trace
+    info = eqn.source_info
+    if (
+        type(trace) is not _pe.DynamicJaxprTrace
+        or eqn.ctx is not outer_ctx
+        or info.traceback is None
+        or getattr(x, "_trace", None) is not trace
+    ):
+        return None
     params = _direct_cast_params(x, dtype)
     if params is None:
         return None
-    outs = _stage(
-        _CastOf(eqn), _lax_internal.convert_element_type_p, (x,), params, False, outer_ctx, _always
+    primitive = _lax_internal.convert_element_type_p
+    out, effects = _pe._cached_abstract_eval(primitive, x.aval, **params)
+    staged, outs = trace.make_eqn(
+        [x], [out], primitive, params, effects, _staged_source_info(info), eqn.ctx
     )
-    return None if outs is None else outs[0]
+    trace.frame.add_eqn(staged)
+    return outs[0]
 
 
 def _direct_cast_params(x: Any, dtype: np.dtype) -> dict | None:
@@ -605,16 +617,6 @@ def _float_to_float(x: Any, dtype: np.dtype) -> bool:
 
 
 _FLOAT_PAIRS: dict[tuple[Any, Any], bool] = {}
-
-
-class _CastOf:
-    """A cast's view of the equation it is made for: its source and context, one operand."""
-
-    __slots__ = ("source_info", "ctx", "effects", "invars")
-
-    def __init__(self, eqn: Any) -> None:
-        self.source_info, self.ctx, self.effects = eqn.source_info, eqn.ctx, ()
-        self.invars = (None,)
 
 
 def bind_params(eqn: Any) -> dict[str, Any]:

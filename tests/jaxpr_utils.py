@@ -115,18 +115,19 @@ def decided_every_time() -> Iterator[None]:
 
 @contextlib.contextmanager
 def bound_only() -> Iterator[None]:
-    """jamp with every equation bound, none staged directly (``compat.stage_like`` and
-    ``stage_decided`` for the transform's rewrite, ``compat.bind_on`` for a region's
-    operations, its casts and its calls of jnp functions): the reference a directly staged
-    program must equal."""
-    saved = compat._stage, compat._stage_now, compat._inline_now, compat.stage_decided
-    compat._stage = compat._stage_now = compat._inline_now = compat.stage_decided = lambda *args: (
-        None
-    )
+    """jamp with every equation bound, none staged directly (``compat.stage_like``,
+    ``stage_decided`` and ``stage_convert`` for the transform's rewrite, ``compat.bind_on`` for
+    a region's operations, its casts and its calls of jnp functions): the reference a directly
+    staged program must equal."""
+    names = ("_stage", "_stage_now", "_inline_now", "stage_decided", "stage_convert")
+    saved = [getattr(compat, name) for name in names]
+    for name in names:
+        setattr(compat, name, lambda *args: None)
     try:
         yield
     finally:
-        compat._stage, compat._stage_now, compat._inline_now, compat.stage_decided = saved
+        for name, function in zip(names, saved):
+            setattr(compat, name, function)
 
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
