@@ -543,7 +543,7 @@ def stage_decided(
 def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
     """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, where
     staging may add it directly (``_direct_cast_params``); None where only a bind can."""
-    trace = _core.trace_ctx.trace
+    trace: Any = _core.trace_ctx.trace
     info = eqn.source_info
     if (
         type(trace) is not _pe.DynamicJaxprTrace
