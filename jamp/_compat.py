@@ -420,7 +420,7 @@ def _stage(
     condition: Callable[[dict, list], bool],
 ) -> list[Any] | None:
     """Stage ``primitive`` on ``args`` under ``eqn``'s source info and context, or None."""
-    trace = _core.trace_ctx.trace
+    trace: Any = _core.trace_ctx.trace
     info = eqn.source_info
     if (
         type(trace) is not _pe.DynamicJaxprTrace
@@ -521,7 +521,7 @@ def stage_decided(
     operand types: ``interpreter.decision_key``), with the output types it had: what depends on
     the signature alone (the staging condition, a jaxpr parameter, the abstract evaluation) is
     not asked again, what depends on the values is (their trace, the context, the literals)."""
-    trace = _core.trace_ctx.trace
+    trace: Any = _core.trace_ctx.trace
     info = eqn.source_info
     if (
         type(trace) is not _pe.DynamicJaxprTrace
@@ -549,7 +549,8 @@ def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
         type(trace) is not _pe.DynamicJaxprTrace
         or eqn.ctx is not outer_ctx
         or info.traceback is None
-        or getattr(x, "_trace", None) is not trace
+        or type(x) is not _pe.DynamicJaxprTracer
+        or x._trace is not trace
     ):
         return None
     params = _direct_cast_params(x, dtype)
@@ -582,7 +583,7 @@ def convert_now(x: Any, dtype: Any) -> Any:
     """``convert(x, dtype)`` bound now (a region's cast, under the current source info and
     context), staged directly into the current trace where ``stage_convert`` would stage it,
     eagerly bound directly for an array of another floating dtype, else converted."""
-    trace = _core.trace_ctx.trace
+    trace: Any = _core.trace_ctx.trace
     dtype = np.dtype(dtype)
     if type(trace) is _pe.DynamicJaxprTrace:
         params = _direct_cast_params(x, dtype)
