@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import inspect
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
@@ -103,6 +105,38 @@ def _as_compute(policy: Policy, dtype: Any, argument: str, where: str) -> Policy
         raise type(err)(f"{where}: {argument}={shown}: {err}") from None
 
 
+_PAUSE_LOCK = threading.Lock()
+_rewrites_running = 0  # (in any thread)
+_paused_here = False  # whether the first of them found the collector enabled and paused it
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """The cyclic garbage collector paused while a rewrite builds its program, and enabled again
+    after the last rewrite running in any thread, if the first found it enabled (a caller's
+    ``gc.disable()`` stays). Run during the rewrite, the collector scans the program being
+    built, alive to the last equation, and moves it to its oldest generation, which then fills
+    up twice as fast as tracing alone fills it: a transformed function's trace ran twice as many
+    full collections as tracing the function (benchmarks/README.md, issue 33, thirty-fifth pass).
+    Paused, the program is a young generation's when the collector next runs, as a traced
+    program is, and mostly gone by then (lowered, or returned and dropped)."""
+    global _rewrites_running, _paused_here
+    with _PAUSE_LOCK:
+        if _rewrites_running == 0:
+            _paused_here = gc.isenabled()
+            if _paused_here:
+                gc.disable()
+        _rewrites_running += 1
+    try:
+        yield
+    finally:
+        with _PAUSE_LOCK:
+            _rewrites_running -= 1
+            if _rewrites_running == 0 and _paused_here:
+                _paused_here = False
+                gc.enable()
+
+
 def rewrite_and_eval(
     closed: Any,
     policy: Policy,
@@ -131,7 +165,8 @@ def rewrite_and_eval(
         rewritten=rewritten,
         recorder=recorder,
     )
-    outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
+    with collection_paused():
+        outs = rewriter.run(jaxpr, consts, args, [INPUT] * len(args))
     if policy.output_dtype is not None:
         output_dtype = _available(policy.output_dtype)
         outs = [compat.convert(x, output_dtype) if is_castable(x) else x for x in outs]

@@ -201,3 +201,74 @@ def test_the_tables_are_kept_per_policy_and_bounded():
             {("filler", i): None for i in range(interpreter.TransformDecisions._KEPT)}
         )
         assert interpreter.TransformDecisions.of(jamp.Policy()) is not table
+
+
+def _collector_states_during_rewrites(monkeypatch):
+    """Whether the garbage collector was enabled, per equation the transform's rewrite ran."""
+    import gc
+
+    seen = []
+    apply = Rewriter.apply
+
+    def observed(self, step):
+        if not self.region:
+            seen.append(gc.isenabled())
+        return apply(self, step)
+
+    monkeypatch.setattr(Rewriter, "apply", observed)
+    return seen
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_collector_is_paused_during_a_rewrite_and_left_as_found(monkeypatch, enabled):
+    """The rewrite runs with the collector paused (it would scan and age the program it builds);
+    after it, and after one that raised, the collector is as the caller left it."""
+    import gc
+
+    seen = _collector_states_during_rewrites(monkeypatch)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with decided_every_time():  # (rules run for every equation: each one is observed)
+            jax.make_jaxpr(jamp.autocast_transform(forward))(PARAMS, X)
+        assert seen and not any(seen)
+        assert gc.isenabled() is enabled
+
+        def failing(step):
+            raise ValueError("a rule failed")
+
+        monkeypatch.setattr(Rewriter, "apply", lambda self, step: failing(step))
+        with pytest.raises(ValueError, match="a rule failed"):
+            jax.make_jaxpr(jamp.autocast_transform(forward))(PARAMS, X)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_rewrites_in_threads_enable_the_collector_after_the_last(monkeypatch):
+    """Rewrites running at once in several threads pause the collector once; it is enabled
+    again when the last one ends, not when the first does."""
+    import gc
+    import threading
+
+    from jamp import transform
+
+    first_inside, release = threading.Event(), threading.Event()
+    seen_by_second = []
+
+    def slow_first():
+        with transform.collection_paused():
+            first_inside.set()
+            release.wait(timeout=30)
+
+    assert gc.isenabled()
+    thread = threading.Thread(target=slow_first)
+    thread.start()
+    first_inside.wait(timeout=30)
+    with transform.collection_paused():
+        seen_by_second.append(gc.isenabled())
+    seen_by_second.append(gc.isenabled())  # (the first still runs)
+    release.set()
+    thread.join(timeout=30)
+    assert seen_by_second == [False, False]
+    assert gc.isenabled()
