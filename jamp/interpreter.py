@@ -877,7 +877,7 @@ class Rewriter:
         # An eager region's own rewriter: a call's small constant operands key its rewrite by
         # what the rules read of them, not their values (constant_key, rewrite_closed).
         self.shares_constants = False
-        # autocast_transform's decisions per signature (``decision_key``), shared with children:
+        # autocast_transform's decisions per signature (``TransformDecisions``), shared with children:
         # a model's blocks repeat their equations, which are then decided once. None where each
         # equation is decided (a region's walks, which replay their own; a report, which counts
         # every one; reduce_dtype, whose rules read the program's backward pass).
@@ -1705,7 +1705,7 @@ def _reduction_names_its_dtype(env: Env, eqn: Any) -> bool:
 
 
 # What a rule reads of a traced equation besides its primitive, parameters, operands and state,
-# by primitive: (env, equation) -> a part of the decision's key (``decision_key``).
+# by primitive: (env, equation) -> a part of the decision's key (``TransformDecisions.key``).
 TRACED_READS_MORE: dict[str, Callable[[Env, Any], Any]] = {
     "square": _summed_square,
     "integer_pow": _summed_square,
@@ -1734,7 +1734,7 @@ class TransformDecisions:
     @classmethod
     def of(cls, policy: Policy) -> TransformDecisions:
         decisions = _TRANSFORM_DECISIONS.get(policy)
-        if decisions is None or len(decisions.table) > cls._KEPT:
+        if decisions is None or max(len(decisions.table), len(decisions._types)) > cls._KEPT:
             decisions = _TRANSFORM_DECISIONS[policy] = cls()
         return decisions
 
