@@ -518,9 +518,10 @@ def stage_decided(
     eqn: Any, args: Sequence[Any], params: dict, out_avals: Sequence[Any], outer_ctx: Any
 ) -> list[Any] | None:
     """``stage_like`` for an equation staged before at the same signature (primitive, parameters,
-    operand types: ``interpreter.decision_key``), with the output types it had: what depends on
-    the signature alone (the staging condition, a jaxpr parameter, the abstract evaluation) is
-    not asked again, what depends on the values is (their trace, the context, the literals)."""
+    operand types: ``interpreter.TransformDecisions.key``), with the output types it had: what
+    depends on the signature alone (the staging condition, a jaxpr parameter, the abstract
+    evaluation) is not asked again, what depends on the values is (their trace, the context,
+    the constants)."""
     trace: Any = _core.trace_ctx.trace
     info = eqn.source_info
     if (
