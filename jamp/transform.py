@@ -120,7 +120,9 @@ def collection_paused() -> Iterator[None]:
     collections against the function's trace's 0.17, and 0.20 paused (benchmarks/README.md,
     issue 33, thirty-fifth pass).
     Paused, the program is a young generation's when the collector next runs, as a traced
-    program is, and mostly gone by then (lowered, or returned and dropped)."""
+    program is, and mostly gone by then (lowered, or returned and dropped). (The switch is the
+    process's: another thread's ``gc.disable()`` made while a rewrite runs is undone when the
+    last rewrite ends.)"""
     global _rewrites_running, _paused_here
     with _PAUSE_LOCK:
         if _rewrites_running == 0:
