@@ -420,17 +420,10 @@ def _stage(
     condition: Callable[[dict, list], bool],
 ) -> list[Any] | None:
     """Stage ``primitive`` on ``args`` under ``eqn``'s source info and context, or None."""
-    trace: Any = _core.trace_ctx.trace
-    info = eqn.source_info
-    if (
-        type(trace) is not _pe.DynamicJaxprTrace
-        or eqn.ctx is not outer_ctx
-        or eqn.effects
-        or info.traceback is None
-        or _has_jaxpr_param(params)
-    ):
+    trace = _program_staged_into(eqn, outer_ctx)
+    if trace is None or eqn.effects or _has_jaxpr_param(params):
         return None
-    source_info = _staged_source_info(info)
+    source_info = _staged_source_info(eqn.source_info)
     tracers = _staged_operands(trace, args, eqn.invars, source_info)
     if tracers is None:
         return None
@@ -444,6 +437,20 @@ def _stage(
     return _add_equation(
         trace, tracers, primitive, params, source_info, eqn.ctx, out_avals, eqn.effects
     )
+
+
+def _program_staged_into(eqn: Any, outer_ctx: Any) -> Any:
+    """The program being built (the current trace) that ``eqn`` may be staged into directly:
+    traced in the context of the caller's program (``outer_ctx``), with a source to put under
+    the caller's name stack; None otherwise (bound)."""
+    trace = _core.trace_ctx.trace
+    if (
+        type(trace) is not _pe.DynamicJaxprTrace
+        or eqn.ctx is not outer_ctx
+        or eqn.source_info.traceback is None
+    ):
+        return None
+    return trace
 
 
 # Host constants, which a bind canonicalizes and makes constants of the program (Primitive.bind:
@@ -522,15 +529,10 @@ def stage_decided(
     depends on the signature alone (the staging condition, a jaxpr parameter, the abstract
     evaluation) is not asked again, what depends on the values is (their trace, the context,
     the constants)."""
-    trace: Any = _core.trace_ctx.trace
-    info = eqn.source_info
-    if (
-        type(trace) is not _pe.DynamicJaxprTrace
-        or eqn.ctx is not outer_ctx
-        or info.traceback is None
-    ):
+    trace = _program_staged_into(eqn, outer_ctx)
+    if trace is None:
         return None
-    source_info = _staged_source_info(info)
+    source_info = _staged_source_info(eqn.source_info)
     tracers = _staged_operands(trace, args, eqn.invars, source_info)
     if tracers is None:
         return None
@@ -544,15 +546,8 @@ def stage_decided(
 def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
     """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, where
     staging may add it directly (``_direct_cast_params``); None where only a bind can."""
-    trace: Any = _core.trace_ctx.trace
-    info = eqn.source_info
-    if (
-        type(trace) is not _pe.DynamicJaxprTrace
-        or eqn.ctx is not outer_ctx
-        or info.traceback is None
-        or type(x) is not _pe.DynamicJaxprTracer
-        or x._trace is not trace
-    ):
+    trace = _program_staged_into(eqn, outer_ctx)
+    if trace is None or type(x) is not _pe.DynamicJaxprTracer or x._trace is not trace:
         return None
     params = _direct_cast_params(x, dtype)
     if params is None:
@@ -560,7 +555,7 @@ def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
     primitive = _lax_internal.convert_element_type_p
     out, effects = _pe._cached_abstract_eval(primitive, x.aval, **params)
     staged, outs = trace.make_eqn(
-        [x], [out], primitive, params, effects, _staged_source_info(info), eqn.ctx
+        [x], [out], primitive, params, effects, _staged_source_info(eqn.source_info), eqn.ctx
     )
     trace.frame.add_eqn(staged)
     return outs[0]
