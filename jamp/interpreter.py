@@ -786,13 +786,12 @@ class RecordingStep(Step):
         self.binds.append((list(args), overrides, outs))
         return outs
 
-    def traced_decision(
-        self, returned: Sequence[Any], decisions: TransformDecisions
-    ) -> Decision | None:
-        """The decision of a traced equation (its rule has run, and ``track_derived``), or None
-        where it cannot be replayed: the rule bound more or other than the equation on its
-        operands, some cast (float8's scaling, reduce_dtype's custom_vjp), or an output carries
-        more than tags (a constant, a tracker's fact)."""
+    def bound_once(
+        self, returned: Sequence[Any], operands: Sequence[Any]
+    ) -> tuple[list, dict, list, tuple] | None:
+        """What the rule did, where a decision can say it: ``(args, overrides, outputs, casts)``
+        of its one bind, which returned ``returned``, each of ``args`` either the operand in
+        ``operands`` or a cast of it (``casts``: (operand, dtype, clipped)); else None."""
         if len(self.binds) != 1:
             return None
         args, overrides, outs = self.binds[0]
@@ -800,12 +799,25 @@ class RecordingStep(Step):
             return None
         casts = []
         for j, arg in enumerate(args):
-            if arg is self.arrived[j]:
+            if arg is operands[j]:
                 continue
             made = self.casts_made.get(id(arg), {}).get(j)
             if made is None:
                 return None
             casts.append((j, *made))
+        return args, overrides, outs, tuple(casts)
+
+    def traced_decision(
+        self, returned: Sequence[Any], decisions: TransformDecisions
+    ) -> Decision | None:
+        """The decision of a traced equation (its rule has run, and ``track_derived``), or None
+        where it cannot be replayed: the rule bound more or other than the equation on its
+        operands, some cast (float8's scaling, reduce_dtype's custom_vjp), or an output carries
+        more than tags (a constant, a tracker's fact)."""
+        bound = self.bound_once(returned, self.arrived)
+        if bound is None:
+            return None
+        args, overrides, outs, casts = bound
         env = self.env
         tags: list[int] = []
         parts: list[tuple | None] = []
@@ -821,7 +833,7 @@ class RecordingStep(Step):
             parts.append(part)
         # (the output types, where it was staged directly: a replay stages it so again)
         out_avals = tuple(compat.aval_of(x) for x in outs) if self.staged else ()
-        return Decision(tuple(casts), overrides, out_avals, tuple(tags), out_parts=tuple(parts))
+        return Decision(casts, overrides, out_avals, tuple(tags), out_parts=tuple(parts))
 
 
 class Rewriter:

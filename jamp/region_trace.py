@@ -1612,19 +1612,10 @@ class RegionRecordingStep(RecordingStep):
         """The replayable decision, or None: the rule bound more or other than the operation
         on its operands, some cast (float8's scaling, reduce_dtype's custom_vjp), or the outputs
         carry more than tags."""
-        if len(self.binds) != 1:
+        bound = self.bound_once(returned, self.args)  # (promotions read through: Step)
+        if bound is None:
             return None
-        args, overrides, outs = self.binds[0]
-        if len(outs) != len(returned) or any(a is not b for a, b in zip(outs, returned)):
-            return None
-        casts = []
-        for j, arg in enumerate(args):
-            if arg is self.args[j]:
-                continue
-            made = self.casts_made.get(id(arg), {}).get(j)
-            if made is None:
-                return None
-            casts.append((j, *made))
+        args, overrides, _, casts = bound
         env: RegionEnv = self.env  # type: ignore[assignment]
         promotes = len(outvars) == 1 and env.upcast_of.get(outvars[0]) is args[0]
         tags = []
@@ -1641,7 +1632,7 @@ class RegionRecordingStep(RecordingStep):
             upcast = env.upcast_of
             read_through = tuple(i for i, v in enumerate(self.eqn.invars) if v in upcast)
         return Decision(
-            tuple(casts),
+            casts,
             overrides,
             tuple(v.aval for v in outvars),
             tuple(tags),
