@@ -401,6 +401,8 @@ def eqn_context_now() -> Any:
 def _staged_source_info(info: Any) -> Any:
     """``info`` under the current name stack, as ``equation_context`` makes it current."""
     current = _siu.current_name_stack()
+    if not current.stack:  # (at the program's top, as under jit: the equation's own stack)
+        return info
     key = (id(current), id(info.name_stack))
     hit = _name_stacks.get(key)
     if hit is None or hit[0] is not current or hit[1] is not info.name_stack:
@@ -472,6 +474,9 @@ def _staged_operands(
             if arg._trace is not trace:
                 return None
             any_tracer = True
+        elif type(atom) is _core.Literal and arg is atom.val and _is_rank0_array(arg):
+            # (a literal of any program, the same one: what ``to_jaxpr_tracer`` makes of it)
+            arg = _pe.DynamicJaxprTracer(trace, atom.aval, atom, source_info)
         elif (type(atom) is _core.Literal and arg is atom.val) or (
             type(arg) in _HOST_CONSTANTS or isinstance(arg, np.generic)
         ):
@@ -480,6 +485,13 @@ def _staged_operands(
             return None
         tracers.append(arg)
     return tracers if any_tracer else None
+
+
+def _is_rank0_array(value: Any) -> bool:
+    """Whether ``value`` is a rank-0 host array (a traced literal's value, jax.literals'
+    ``TypedNdArray``): ``core.is_literalable`` in any program, a device array only outside
+    differentiation."""
+    return isinstance(value, np.ndarray) and not value.shape
 
 
 def _add_equation(

@@ -756,6 +756,8 @@ class Decision:
     # autocast_transform's: per output, its part of the keys of the equations reading it
     # (``TransformDecisions.operand_part``), None for a dropped one.
     out_parts: tuple = ()
+    # (output, tags) of the outputs with tags, which a replay sets
+    tagged: tuple = ()
 
 
 class RecordingStep(Step):
@@ -833,7 +835,10 @@ class RecordingStep(Step):
             parts.append(part)
         # (the output types, where it was staged directly: a replay stages it so again)
         out_avals = tuple(compat.aval_of(x) for x in outs) if self.staged else ()
-        return Decision(casts, overrides, out_avals, tuple(tags), out_parts=tuple(parts))
+        tagged = tuple((i, bits) for i, bits in enumerate(tags) if bits)
+        return Decision(
+            casts, overrides, out_avals, tuple(tags), out_parts=tuple(parts), tagged=tagged
+        )
 
 
 class Rewriter:
@@ -1031,8 +1036,15 @@ class Rewriter:
         outer_ctx, self.outer_ctx = self.outer_ctx, compat.eqn_context_now()
         try:
             decisions = self._decisions
+            # (consecutive equations mostly share their name stack, and so their state)
+            last_stack: Any = None
+            state = self.base
+            per_line = self.line_rules
             for eqn in jaxpr.eqns:
-                state = self.state_for(eqn)
+                stack = compat.name_stack_of(eqn)
+                if stack is not last_stack or per_line:
+                    state = self.state_for(eqn)
+                    last_stack = stack
                 key = None if decisions is None else decisions.key(env, eqn, state)
                 if key is not None:
                     assert decisions is not None  # (only a table makes keys)
@@ -1042,11 +1054,9 @@ class Rewriter:
                         decision = key = None
                     if decision is not None:
                         outs = self._replay(env, eqn, state, decision, decisions)
-                        parts = env.decision_parts
-                        for var, value, part in zip(eqn.outvars, outs, decision.out_parts):
-                            if not isinstance(var, compat.DropVar):
-                                env.values[var] = value
-                                parts[var] = part
+                        # (a dropped output's entries are never read)
+                        env.values.update(zip(eqn.outvars, outs))
+                        env.decision_parts.update(zip(eqn.outvars, decision.out_parts))
                         continue
                 recording = None if key is None else RecordingStep(self, env, eqn, state)
                 step = Step(self, env, eqn, state) if recording is None else recording
@@ -1084,6 +1094,7 @@ class Rewriter:
             atom.val if isinstance(atom, compat.Literal) else values[atom] for atom in eqn.invars
         ]
         step = None
+        cast_key: tuple
         for i, dtype, clipped in decision.casts:
             atom = eqn.invars[i]
             literal = isinstance(atom, compat.Literal)
@@ -1091,7 +1102,13 @@ class Rewriter:
                 cast_key = (constant_key(ConstSource(atom.val)), dtype, clipped)
                 cast = decisions.constant_casts.get(cast_key)
             else:
-                cast = casts.get((atom, dtype, CLIPPED) if clipped else (atom, dtype))
+                cast_key = (atom, dtype, CLIPPED) if clipped else (atom, dtype)
+                cast = casts.get(cast_key)
+                if cast is None and not clipped and self.outer_ctx is not None:
+                    # (an operand of a replayed equation is no constant: staged as Step.cast does)
+                    cast = compat.stage_convert(eqn, args[i], dtype, self.outer_ctx)
+                    if cast is not None:
+                        casts[cast_key] = cast
             if cast is None:  # (the first cast of this value)
                 step = step or Step(self, env, eqn, state)
                 cast = step.clipped_cast(i, dtype) if clipped else step.cast(i, dtype)
@@ -1106,8 +1123,8 @@ class Rewriter:
             outs = compat.stage_decided(eqn, args, params, decision.out_avals, self.outer_ctx)
         if outs is None:
             outs = (step or Step(self, env, eqn, state)).bind(args, **decision.overrides)
-        for var, bits in zip(eqn.outvars, decision.out_tags):
-            env.add_tags(var, bits)
+        for i, bits in decision.tagged:
+            env.add_tags(eqn.outvars[i], bits)
         return outs
 
     def apply(self, step: Step) -> Sequence[Any]:
@@ -1772,6 +1789,16 @@ class TransformDecisions:
         parts[var] = part
         return part
 
+    def literal_part(self, literal: Any) -> tuple | None:
+        """A literal operand's part of a key: its type and value (``constant_key``'s), None
+        where its value is not keyed."""
+        value = literal.val
+        if isinstance(value, np.ndarray) and not value.shape:
+            # (a traced scalar, jax.literals' TypedNdArray: keyed by its bytes, no copy made)
+            return self.type_id(literal.aval), type(value), value.tobytes()
+        constant = constant_key(ConstSource(value))
+        return None if constant is None else (self.type_id(literal.aval), constant)
+
     def key(self, env: Env, eqn: Any, state: RegionState) -> tuple | None:
         """Everything a rule reads of one traced equation: the primitive, its parameters, what
         of the state the rules read, per operand its part (``operand_part``; a literal: its type
@@ -1795,10 +1822,10 @@ class TransformDecisions:
         invars, parts = eqn.invars, env.decision_parts
         for atom in invars:
             if isinstance(atom, compat.Literal):
-                constant = constant_key(ConstSource(atom.val))
+                constant = self.literal_part(atom)
                 if constant is None:
                     return None
-                key.append((self.type_id(atom.aval), constant))
+                key.append(constant)
                 continue
             part = parts.get(atom, _UNSEEN)
             if part is _UNSEEN:
@@ -1806,7 +1833,9 @@ class TransformDecisions:
             if part is None:
                 return None
             key.append(part)
-        if len(invars) > 1 and len(set(map(id, invars))) < len(invars):
+        if len(invars) > 1 and (
+            invars[0] is invars[1] if len(invars) == 2 else len(set(map(id, invars))) < len(invars)
+        ):
             # the same value twice (``x * x`` is a square to rules/powers.py): which operands are
             key.append(tuple(next(j for j, u in enumerate(invars) if u is v) for v in invars))
         return tuple(key)

@@ -10,6 +10,8 @@ masks of Python constants under float16, squares summed or not, module rules, sa
 Property (11) in test_properties.py checks random programs.
 """
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -140,6 +142,33 @@ def test_under_vmap_and_jit_the_replay_builds_what_deciding_builds():
     with decided_every_time():
         decided = record()
     assert replayed == decided
+
+
+def test_a_rule_reading_a_literal_decides_per_value(monkeypatch):
+    """A literal's value is part of an equation's signature: a rule that reads it (a test rule
+    running a product by a large constant in float32) decides each value, as deciding every
+    time does, though both products have the same types."""
+    rules = interpreter.RULES["mul"]
+
+    def by_value(step):
+        source = step.env.source(step.eqn.invars[1])
+        if source is not None and abs(float(np.asarray(source.base))) > 100:
+            return step.bind(step.with_cast({0: jnp.float32, 1: jnp.float32}))
+        return rules.rewrite(step)
+
+    monkeypatch.setitem(interpreter.RULES, "mul", dataclasses.replace(rules, rewrite=by_value))
+    w = jnp.full((16, 16), 0.1)
+
+    def scaled(w, x):
+        h = x @ w
+        return h * 2.0 + h * 300.0 + h * 3.0
+
+    replayed, again, decided = _replayed_and_decided(scaled, w, X[0])
+    assert replayed == decided
+    assert again == decided
+    program = jax.make_jaxpr(jamp.autocast_transform(scaled))(w, X[0]).jaxpr
+    products = [str(e.outvars[0].aval.dtype) for e in program.eqns if e.primitive.name == "mul"]
+    assert products == ["bfloat16", "float32", "bfloat16"], products
 
 
 def _rules_run(monkeypatch):
