@@ -903,6 +903,10 @@ class Rewriter:
             if region == 0 and recorder is None and policy.reduce_dtype is None
             else None
         )
+        if states is None and self._decisions is not None and not policy.rules:
+            # (a model's scopes recur in every program traced under the policy; without module
+            # rules, entering one logs nothing that a report reads)
+            self._states = self._decisions.states_under(state)
 
     def child(self, state: RegionState, repeats: int = 1) -> Rewriter:
         """A rewriter for a sub-jaxpr entered under ``state``, sharing cache and recorder; the
@@ -1759,6 +1763,9 @@ class TransformDecisions:
         # never share a number.)
         self._types: dict[Any, int] = {}
         self._numbers = itertools.count()
+        # The state under each tuple of scope names, per state they are entered from
+        # (``Rewriter.state_for_scopes``), for policies without module rules.
+        self._states: dict[RegionState, dict[tuple[str, ...], RegionState]] = {}
 
     @classmethod
     def of(cls, policy: Policy) -> TransformDecisions:
@@ -1766,6 +1773,13 @@ class TransformDecisions:
         if decisions is None or max(len(decisions.table), len(decisions._types)) > cls._KEPT:
             decisions = _TRANSFORM_DECISIONS[policy] = cls()
         return decisions
+
+    def states_under(self, base: RegionState) -> dict[tuple[str, ...], RegionState]:
+        """The states under scope names entered from ``base``, kept across programs."""
+        states = self._states.get(base)
+        if states is None or len(states) > self._KEPT:
+            states = self._states[base] = {}
+        return states
 
     def type_id(self, aval: Any) -> int:
         found = self._types.get(aval)
