@@ -1042,16 +1042,20 @@ class Rewriter:
             decisions = self._decisions
             # (consecutive equations mostly share their name stack, and so their state)
             last_stack: Any = None
-            state = self.base
+            state, state_part = self.base, None
             per_line = self.line_rules
             for eqn in jaxpr.eqns:
                 stack = compat.name_stack_of(eqn)
                 if stack is not last_stack or per_line:
                     state = self.state_for(eqn)
                     last_stack = stack
-                key = None if decisions is None else decisions.key(env, eqn, state)
+                    state_part = None if decisions is None else decisions.state_part(state)
+                key = None
+                if state_part is not None:
+                    assert decisions is not None  # (only a table makes state parts)
+                    key = decisions.key(env, eqn, state_part)
                 if key is not None:
-                    assert decisions is not None  # (only a table makes keys)
+                    assert decisions is not None
                     try:
                         decision = decisions.table.get(key)
                     except TypeError:  # a parameter that cannot be hashed: decided every time
@@ -1813,23 +1817,28 @@ class TransformDecisions:
         constant = constant_key(ConstSource(value))
         return None if constant is None else (self.type_id(literal.aval), constant)
 
-    def key(self, env: Env, eqn: Any, state: RegionState) -> tuple | None:
-        """Everything a rule reads of one traced equation: the primitive, its parameters, what
-        of the state the rules read, per operand its part (``operand_part``; a literal: its type
-        and value, which a rule casts), which operands are the same value, and what else the
-        rule reads (``TRACED_READS_MORE``). None where it is decided every time: an equation
-        carrying programs or with effects, an operand known as more than tags, a scaled format
-        (float8 shares decisions per source site)."""
-        primitive, params = eqn.primitive, eqn.params
-        if eqn.effects or state.dtype in SCALED_FORMATS or carries_programs(primitive, params):
+    @staticmethod
+    def state_part(state: RegionState) -> tuple | None:
+        """What of the state the rules read, as part of a key; None under a scaled format
+        (float8 shares decisions per source site: decided every time)."""
+        if state.dtype in SCALED_FORMATS:
             return None
-        key: list[Any] = [
-            primitive,
-            state.enabled,
-            state.dtype,
-            state.keep_compute_dtype,
-            tuple(params.items()),
-        ]
+        return state.enabled, state.dtype, state.keep_compute_dtype
+
+    def key(self, env: Env, eqn: Any, state_part: tuple) -> tuple | None:
+        """Everything a rule reads of one traced equation: the primitive, its parameters, what
+        of the state the rules read (``state_part``), per operand its part (``operand_part``; a
+        literal: its type and value, which a rule casts), which operands are the same value,
+        and what else the rule reads (``TRACED_READS_MORE``). None where it is decided every
+        time: an equation carrying programs or with effects, an operand known as more than
+        tags."""
+        primitive, params = eqn.primitive, eqn.params
+        carries = _CARRIES_PROGRAMS.get(primitive)  # (carries_programs, asked per equation)
+        if carries is None:
+            carries = carries_programs(primitive, params)
+        if carries or eqn.effects:
+            return None
+        key: list[Any] = [primitive, state_part, tuple(params.items())]
         reads_more = TRACED_READS_MORE.get(primitive.name)
         if reads_more is not None:
             key.append(reads_more(env, eqn))
