@@ -393,15 +393,32 @@ def _staging_condition(primitive: Any) -> Callable[[dict, list], bool] | None:
     return condition
 
 
-def eqn_context_now() -> Any:
-    """The equation context (``JaxprEqnContext``) an operation bound now would get."""
-    return _core.current_jaxpr_eqn_context()
+class StagingTarget(NamedTuple):
+    """The program being built where a rewrite runs (``staging_target``)."""
+
+    trace: Any  # its DynamicJaxprTrace
+    ctx: Any  # the equation context (``JaxprEqnContext``) an operation bound there gets
+    name_stack: Any  # the current name stack, None where empty (an equation keeps its own)
 
 
-def _staged_source_info(info: Any) -> Any:
-    """``info`` under the current name stack, as ``equation_context`` makes it current."""
+def staging_target() -> StagingTarget | None:
+    """Where a rewrite starting now may stage equations directly (``stage_like``): the program
+    being built (the current trace), with the context and name stack an operation bound now
+    gets; None where operations are bound (eagerly, under vmap). Found once per program
+    rewritten: a rule that enters another trace rewrites what it binds there with its own."""
+    trace = _core.trace_ctx.trace
+    if type(trace) is not _pe.DynamicJaxprTrace:
+        return None
     current = _siu.current_name_stack()
-    if not current.stack:  # (at the program's top, as under jit: the equation's own stack)
+    return StagingTarget(
+        trace, _core.current_jaxpr_eqn_context(), current if current.stack else None
+    )
+
+
+def _staged_source_info(info: Any, target: StagingTarget) -> Any:
+    """``info`` under the target's name stack, as ``equation_context`` makes it current."""
+    current = target.name_stack
+    if current is None:  # (at the program's top, as under jit: the equation's own stack)
         return info
     key = (id(current), id(info.name_stack))
     hit = _name_stacks.get(key)
@@ -418,14 +435,14 @@ def _stage(
     args: Sequence[Any],
     params: dict,
     same_types: bool,
-    outer_ctx: Any,
+    target: StagingTarget,
     condition: Callable[[dict, list], bool],
 ) -> list[Any] | None:
     """Stage ``primitive`` on ``args`` under ``eqn``'s source info and context, or None."""
-    trace = _program_staged_into(eqn, outer_ctx)
+    trace = _program_staged_into(eqn, target)
     if trace is None or eqn.effects or _has_jaxpr_param(params):
         return None
-    source_info = _staged_source_info(eqn.source_info)
+    source_info = _staged_source_info(eqn.source_info, target)
     tracers = _staged_operands(trace, args, eqn.invars, source_info)
     if tracers is None:
         return None
@@ -441,15 +458,15 @@ def _stage(
     )
 
 
-def _program_staged_into(eqn: Any, outer_ctx: Any) -> Any:
-    """The program being built (the current trace) that ``eqn`` may be staged into directly:
-    traced in the context of the caller's program (``outer_ctx``), with a source to put under
-    the caller's name stack; None otherwise (bound)."""
-    trace = _core.trace_ctx.trace
+def _program_staged_into(eqn: Any, target: StagingTarget) -> Any:
+    """The program being built (the target's trace, current) that ``eqn`` may be staged into
+    directly: traced in the context of the caller's program, with a source to put under the
+    caller's name stack; None otherwise (bound)."""
+    trace = target.trace
     if (
-        type(trace) is not _pe.DynamicJaxprTrace
-        or eqn.ctx is not outer_ctx
+        eqn.ctx is not target.ctx
         or eqn.source_info.traceback is None
+        or _core.trace_ctx.trace is not trace
     ):
         return None
     return trace
@@ -518,33 +535,33 @@ def _add_equation(
     return outs
 
 
-def stage_like(eqn: Any, args: Sequence[Any], params: dict | None, outer_ctx: Any) -> Any:
+def stage_like(eqn: Any, args: Sequence[Any], params: dict | None, target: StagingTarget) -> Any:
     """Stage ``eqn``'s primitive on ``args`` (with ``params``, or the equation's own when None)
     into the program being built, as binding it under ``equation_context(eqn)`` would: a list
-    of outputs, or None where only a bind can (then the caller binds). ``outer_ctx``:
-    ``eqn_context_now()`` where the caller's program is built (an equation traced in another
+    of outputs, or None where only a bind can (then the caller binds). ``target``:
+    ``staging_target()`` where the caller's program is built (an equation traced in another
     context, under a mesh or XLA metadata, is bound)."""
     primitive = eqn.primitive
     condition = _staging_condition(primitive)
     if condition is None:
         return None
     if params is None:
-        return _stage(eqn, primitive, args, eqn.params, True, outer_ctx, condition)
-    return _stage(eqn, primitive, args, params, False, outer_ctx, condition)
+        return _stage(eqn, primitive, args, eqn.params, True, target, condition)
+    return _stage(eqn, primitive, args, params, False, target, condition)
 
 
 def stage_decided(
-    eqn: Any, args: Sequence[Any], params: dict, out_avals: Sequence[Any], outer_ctx: Any
+    eqn: Any, args: Sequence[Any], params: dict, out_avals: Sequence[Any], target: StagingTarget
 ) -> list[Any] | None:
     """``stage_like`` for an equation staged before at the same signature (primitive, parameters,
     operand types: ``interpreter.TransformDecisions.key``), with the output types it had: what
     depends on the signature alone (the staging condition, a jaxpr parameter, the abstract
     evaluation) is not asked again, what depends on the values is (their trace, the context,
     the constants)."""
-    trace = _program_staged_into(eqn, outer_ctx)
+    trace = _program_staged_into(eqn, target)
     if trace is None:
         return None
-    source_info = _staged_source_info(eqn.source_info)
+    source_info = _staged_source_info(eqn.source_info, target)
     tracers = _staged_operands(trace, args, eqn.invars, source_info)
     if tracers is None:
         return None
@@ -555,10 +572,10 @@ def stage_decided(
     return outs
 
 
-def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
+def stage_convert(eqn: Any, x: Any, dtype: np.dtype, target: StagingTarget) -> Any:
     """``convert(x, dtype)`` staged under ``eqn``'s source info as ``stage_like`` stages, where
     staging may add it directly (``_direct_cast_params``); None where only a bind can."""
-    trace = _program_staged_into(eqn, outer_ctx)
+    trace = _program_staged_into(eqn, target)
     if trace is None or type(x) is not _pe.DynamicJaxprTracer or x._trace is not trace:
         return None
     params = _direct_cast_params(x, dtype)
@@ -567,7 +584,13 @@ def stage_convert(eqn: Any, x: Any, dtype: np.dtype, outer_ctx: Any) -> Any:
     primitive = _lax_internal.convert_element_type_p
     out, effects = _pe._cached_abstract_eval(primitive, x.aval, **params)
     staged, outs = trace.make_eqn(
-        [x], [out], primitive, params, effects, _staged_source_info(eqn.source_info), eqn.ctx
+        [x],
+        [out],
+        primitive,
+        params,
+        effects,
+        _staged_source_info(eqn.source_info, target),
+        eqn.ctx,
     )
     trace.frame.add_eqn(staged)
     return outs[0]

@@ -655,8 +655,8 @@ class Step:
             return self.env.casts[key]
         source = self.env.source(atom)
         out = None
-        if source is None and self.rewriter.outer_ctx is not None:
-            out = compat.stage_convert(self.eqn, self.args[i], dtype, self.rewriter.outer_ctx)
+        if source is None and self.rewriter.staging is not None:
+            out = compat.stage_convert(self.eqn, self.args[i], dtype, self.rewriter.staging)
         if out is None:
             with compat.equation_context(self.eqn):
                 out = (
@@ -708,12 +708,12 @@ class Step:
 
     def bind(self, args: Sequence[Any], **overrides: Any) -> list[Any]:
         self.bound_args = args  # what the primitive finally ran on (read by jamp.explain)
-        if self.rewriter.outer_ctx is not None:
+        if self.rewriter.staging is not None:
             staged = compat.stage_like(
                 self.eqn,
                 args,
                 {**self.eqn.params, **overrides} if overrides else None,
-                self.rewriter.outer_ctx,
+                self.rewriter.staging,
             )
             if staged is not None:
                 self.staged = True
@@ -888,9 +888,10 @@ class Rewriter:
         self._last_state: tuple[Any, RegionState | None] = (None, None)
         # state_for's answers by name stack (the stack kept: its id is not reused meanwhile)
         self._stack_states: dict[int, tuple[Any, RegionState]] = {}
-        # The equation context of the program ``run`` binds into: an equation traced in the
-        # same one is staged directly (``compat.stage_like``); None outside ``run``.
-        self.outer_ctx: Any = None
+        # The program ``run`` binds into, where equations traced in its context are staged
+        # directly (``compat.staging_target``, ``compat.stage_like``); None where each is bound
+        # (eagerly, under vmap) and outside ``run``.
+        self.staging: compat.StagingTarget | None = None
         # An eager region's own rewriter: a call's small constant operands key its rewrite by
         # what the rules read of them, not their values (constant_key, rewrite_closed).
         self.shares_constants = False
@@ -1037,7 +1038,7 @@ class Rewriter:
                 for tag in hint.tags:
                     (env.cotangent_inputs if tag == "cotangent" else getattr(env, tag)).add(var)
         self._active.append(env)
-        outer_ctx, self.outer_ctx = self.outer_ctx, compat.eqn_context_now()
+        outer, self.staging = self.staging, compat.staging_target()
         try:
             decisions = self._decisions
             # (consecutive equations mostly share their name stack, and so their state)
@@ -1081,7 +1082,7 @@ class Rewriter:
                         decisions.table[key] = decision
         finally:
             self._active.pop()
-            self.outer_ctx = outer_ctx
+            self.staging = outer
         if self._owns_scope_log and self.policy.rules:
             report_unmatched_rules(self, jaxpr)
         return [env.read(v) for v in jaxpr.outvars]
@@ -1112,9 +1113,9 @@ class Rewriter:
             else:
                 cast_key = (atom, dtype, CLIPPED) if clipped else (atom, dtype)
                 cast = casts.get(cast_key)
-                if cast is None and not clipped and self.outer_ctx is not None:
+                if cast is None and not clipped and self.staging is not None:
                     # (an operand of a replayed equation is no constant: staged as Step.cast does)
-                    cast = compat.stage_convert(eqn, args[i], dtype, self.outer_ctx)
+                    cast = compat.stage_convert(eqn, args[i], dtype, self.staging)
                     if cast is not None:
                         casts[cast_key] = cast
             if cast is None:  # (the first cast of this value)
@@ -1124,11 +1125,11 @@ class Rewriter:
                     decisions.constant_casts[cast_key] = cast
             args[i] = cast
         outs = None
-        if decision.out_avals and self.outer_ctx is not None:
+        if decision.out_avals and self.staging is not None:
             params = eqn.params
             if decision.overrides:
                 params = {**params, **decision.overrides}
-            outs = compat.stage_decided(eqn, args, params, decision.out_avals, self.outer_ctx)
+            outs = compat.stage_decided(eqn, args, params, decision.out_avals, self.staging)
         if outs is None:
             outs = (step or Step(self, env, eqn, state)).bind(args, **decision.overrides)
         for i, bits in decision.tagged:
