@@ -1775,9 +1775,12 @@ class TransformDecisions:
     @classmethod
     def of(cls, policy: Policy) -> TransformDecisions:
         decisions = _TRANSFORM_DECISIONS.get(policy)
-        if decisions is None or max(len(decisions.table), len(decisions._types)) > cls._KEPT:
+        if decisions is None or decisions._full():
             decisions = _TRANSFORM_DECISIONS[policy] = cls()
         return decisions
+
+    def _full(self) -> bool:
+        return max(len(self.table), len(self._types), len(self._states)) > self._KEPT
 
     def states_under(self, base: RegionState) -> dict[tuple[str, ...], RegionState]:
         """The states under scope names entered from ``base``, kept across programs."""

@@ -230,6 +230,11 @@ def test_the_tables_are_kept_per_policy_and_bounded():
             {("filler", i): None for i in range(interpreter.TransformDecisions._KEPT)}
         )
         assert interpreter.TransformDecisions.of(jamp.Policy()) is not table
+        # and so does one past its bound of states (one per state scopes are entered from)
+        kept = interpreter.TransformDecisions.of(jamp.Policy(compute_dtype=jnp.float16))
+        assert kept._states  # (the model's scopes, entered from the policy's state)
+        kept._states.update({i: {} for i in range(interpreter.TransformDecisions._KEPT)})
+        assert interpreter.TransformDecisions.of(jamp.Policy(compute_dtype=jnp.float16)) is not kept
 
 
 def _collector_states_during_rewrites(monkeypatch):
