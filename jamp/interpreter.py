@@ -758,6 +758,9 @@ class Decision:
     out_parts: tuple = ()
     # (output, tags) of the outputs with tags, which a replay sets
     tagged: tuple = ()
+    # What trackers learned of the outputs (``TransformDecisions.output_facts``), set again by a
+    # replay: (tracker, output, ("in", j): operand j, or ("of", j): what they knew of it).
+    out_facts: tuple = ()
 
 
 class RecordingStep(Step):
@@ -833,11 +836,23 @@ class RecordingStep(Step):
                 return None
             tags.append(part[2])
             parts.append(part)
+        out_facts: tuple = ()
+        if any(part is not None and len(part) > 3 for part in parts):  # (WITH_FACTS)
+            facts = decisions.output_facts(env, self.eqn)
+            if facts is None:
+                return None
+            out_facts = facts
         # (the output types, where it was staged directly: a replay stages it so again)
         out_avals = tuple(compat.aval_of(x) for x in outs) if self.staged else ()
         tagged = tuple((i, bits) for i, bits in enumerate(tags) if bits)
         return Decision(
-            casts, overrides, out_avals, tuple(tags), out_parts=tuple(parts), tagged=tagged
+            casts,
+            overrides,
+            out_avals,
+            tuple(tags),
+            out_parts=tuple(parts),
+            tagged=tagged,
+            out_facts=out_facts,
         )
 
 
@@ -1134,6 +1149,9 @@ class Rewriter:
             outs = (step or Step(self, env, eqn, state)).bind(args, **decision.overrides)
         for i, bits in decision.tagged:
             env.add_tags(eqn.outvars[i], bits)
+        for name, k, (how, j) in decision.out_facts:
+            known = env.facts.setdefault(name, {})
+            known[eqn.outvars[k]] = eqn.invars[j] if how == "in" else known[eqn.invars[j]]
         return outs
 
     def apply(self, step: Step) -> Sequence[Any]:
@@ -1726,7 +1744,10 @@ CATEGORY_RULES: dict[str | None, Rule] = {
 # --- autocast_transform's decisions, made once per signature ---------------------------------
 
 _TRANSFORM_DECISIONS: dict[Policy, TransformDecisions] = {}
-_UNSEEN = object()
+_UNSEEN: tuple = ("unseen",)  # (a variable without a part yet: a sentinel of the parts' type)
+# The last item of an operand's part of a key where a tracker knows something of it
+# (``TransformDecisions.operand_part``).
+WITH_FACTS = "with facts"
 
 
 def _summed_square(env: Env, eqn: Any) -> bool:
@@ -1796,20 +1817,69 @@ class TransformDecisions:
         return found
 
     def operand_part(self, env: Env, var: Any) -> tuple | None:
-        """``var``'s part of a key: its type as traced and as it arrives, and its tags; None
-        where the rewrite knows more of it than tags (a constant, a tracker's fact). Found
-        once per variable (its tags are set by the equation that made it), and copied from
-        the decision of a replayed equation that made it."""
+        """``var``'s part of a key: its type as traced and as it arrives, its tags, and
+        ``WITH_FACTS`` where a tracker knows something of it (what, relative to the operands
+        of the equation reading it, is keyed per equation: ``facts_part``); None where the
+        rewrite knows it as a constant. Found once per variable (its tags and facts are set by
+        the equation that made it), and copied from the decision of a replayed equation that
+        made it."""
         parts = env.decision_parts
         if var in parts:
             return parts[var]
-        if var in env.known or env.has_fact(var):
-            part = None
-        else:
+        part: tuple | None = None
+        if var not in env.known:
             type_id = self.type_id
             part = (type_id(var.aval), type_id(compat.aval_of(env.values[var])), env.tag_bits(var))
+            if env.has_fact(var):
+                part += (WITH_FACTS,)
         parts[var] = part
         return part
+
+    @staticmethod
+    def facts_part(env: Env, invars: Sequence[Any]) -> tuple:
+        """What the trackers know of an equation's operands, in terms of its operands (the
+        fact of operand ``i`` is operand ``j``: ``("in", j)``), or of the first operand whose
+        fact is the same value (``("as", j)``): all a rule can compare of them."""
+        found = []
+        for name, known in env.facts.items():
+            targets: list[Any] = []
+            for i, atom in enumerate(invars):
+                target = known.get(atom) if isinstance(atom, compat.Var) else None
+                targets.append(target)
+                if target is None:
+                    continue
+                where = next((("in", j) for j, v in enumerate(invars) if v is target), None)
+                if where is None:
+                    where = ("as", next(j for j, t in enumerate(targets) if t is target))
+                found.append((name, i, where))
+        return tuple(found)
+
+    @staticmethod
+    def output_facts(env: Env, eqn: Any) -> tuple | None:
+        """What the trackers learned of an equation's outputs, in terms of its operands: the
+        operand ``j`` (``("in", j)``) or what they knew of it (``("of", j)``); None where a
+        fact is of another value."""
+        found = []
+        invars = eqn.invars
+        for name, known in env.facts.items():
+            for k, var in enumerate(eqn.outvars):
+                target = known.get(var)
+                if target is None:
+                    continue
+                where = next((("in", j) for j, v in enumerate(invars) if v is target), None)
+                if where is None:
+                    where = next(
+                        (
+                            ("of", j)
+                            for j, v in enumerate(invars)
+                            if isinstance(v, compat.Var) and known.get(v) is target
+                        ),
+                        None,
+                    )
+                if where is None:
+                    return None
+                found.append((name, k, where))
+        return tuple(found)
 
     def literal_part(self, literal: Any) -> tuple | None:
         """A literal operand's part of a key: its type and value (``constant_key``'s), None
@@ -1847,6 +1917,7 @@ class TransformDecisions:
         if reads_more is not None:
             key.append(reads_more(env, eqn))
         invars, parts = eqn.invars, env.decision_parts
+        with_facts = False
         for atom in invars:
             if isinstance(atom, compat.Literal):
                 constant = self.literal_part(atom)
@@ -1854,15 +1925,18 @@ class TransformDecisions:
                     return None
                 key.append(constant)
                 continue
-            part = parts.get(atom, _UNSEEN)
-            if part is _UNSEEN:
-                part = self.operand_part(env, atom)
+            found = parts.get(atom, _UNSEEN)
+            part = self.operand_part(env, atom) if found is _UNSEEN else found
             if part is None:
                 return None
             key.append(part)
+            if len(part) > 3:  # (WITH_FACTS)
+                with_facts = True
         if len(invars) > 1 and (
             invars[0] is invars[1] if len(invars) == 2 else len(set(map(id, invars))) < len(invars)
         ):
             # the same value twice (``x * x`` is a square to rules/powers.py): which operands are
             key.append(tuple(next(j for j, u in enumerate(invars) if u is v) for v in invars))
+        if with_facts:
+            key.append(self.facts_part(env, invars))
         return tuple(key)

@@ -144,6 +144,28 @@ def test_under_vmap_and_jit_the_replay_builds_what_deciding_builds():
     assert replayed == decided
 
 
+def shifted_twice(w, x):
+    """``s - max(s)``, a softmax's shift, and ``t - max(s)`` of the same types, which is not."""
+    s = x @ w
+    t = (x * 2.0) @ w
+    m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+    return jnp.exp(s - m) + jnp.exp(t - m)
+
+
+def test_a_shift_is_replayed_by_what_its_max_is_of():
+    """The facts a tracker keeps (which value is the max of which) are keyed relative to the
+    operands and set again by a replay: the shift ``s - max(s)`` runs in float32, ``t - max(s)``
+    of the same types does not, whether decided or replayed."""
+    w = jnp.full((16, 16), 0.1)
+    policy = jamp.Policy(compute_dtype=jnp.float16)
+    replayed, again, decided = _replayed_and_decided(shifted_twice, w, X[0], policy=policy)
+    assert replayed == decided
+    assert again == decided
+    program = jax.make_jaxpr(jamp.autocast_transform(shifted_twice, policy))(w, X[0]).jaxpr
+    subs = [str(e.outvars[0].aval.dtype) for e in program.eqns if e.primitive.name == "sub"]
+    assert subs == ["float32", "float16"], subs
+
+
 def test_a_rule_reading_a_literal_decides_per_value(monkeypatch):
     """A literal's value is part of an equation's signature: a rule that reads it (a test rule
     running a product by a large constant in float32) decides each value, as deciding every
@@ -187,8 +209,8 @@ def _rules_run(monkeypatch):
 
 def test_repeated_blocks_are_decided_once(monkeypatch):
     """Each block of the stack has the signatures of the first: their rules run for the first
-    block only (and for the softmax's shift, whose max the rule follows: decided every time),
-    and a new function traced under the policy replays them all."""
+    block only (the softmax's shift too, keyed by what its max is of), and a new function
+    traced under the policy replays them all but those decided every time."""
     ran = _rules_run(monkeypatch)
     with fresh_region_caches():
         closed = jax.make_jaxpr(jamp.autocast_transform(forward))(PARAMS, X)
@@ -198,7 +220,9 @@ def test_repeated_blocks_are_decided_once(monkeypatch):
         second = len(ran)
     equations = len(closed.jaxpr.eqns)
     assert first < equations / 2, (first, equations)
+    # (decided every time: the mask's jitted calls and what they compute from constants)
     assert second < first / 2, (second, first)
+    assert not {"reduce_max", "stop_gradient", "sub"} & set(ran), ran
     with decided_every_time():
         del ran[:]
         jax.make_jaxpr(jamp.autocast_transform(forward))(PARAMS, X)
