@@ -817,8 +817,9 @@ class RecordingStep(Step):
     ) -> Decision | None:
         """The decision of a traced equation (its rule has run, and ``track_derived``), or None
         where it cannot be replayed: the rule bound more or other than the equation on its
-        operands, some cast (float8's scaling, reduce_dtype's custom_vjp), or an output carries
-        more than tags (a constant, a tracker's fact)."""
+        operands, some cast (float8's scaling, reduce_dtype's custom_vjp), or an output is more
+        than its tags and facts say (a constant, a tracker's fact of a value the equation does
+        not read)."""
         bound = self.bound_once(returned, self.arrived)
         if bound is None:
             return None
@@ -1903,9 +1904,9 @@ class TransformDecisions:
         """Everything a rule reads of one traced equation: the primitive, its parameters, what
         of the state the rules read (``state_part``), per operand its part (``operand_part``; a
         literal: its type and value, which a rule casts), which operands are the same value,
-        and what else the rule reads (``TRACED_READS_MORE``). None where it is decided every
-        time: an equation carrying programs or with effects, an operand known as more than
-        tags."""
+        what trackers know of them (``facts_part``) and what else the rule reads
+        (``TRACED_READS_MORE``). None where it is decided every time: an equation carrying
+        programs or with effects, an operand the rewrite knows as a constant."""
         primitive, params = eqn.primitive, eqn.params
         carries = _CARRIES_PROGRAMS.get(primitive)  # (carries_programs, asked per equation)
         if carries is None:
