@@ -491,7 +491,7 @@ def _staged_operands(
             if arg._trace is not trace:
                 return None
             any_tracer = True
-        elif type(atom) is _core.Literal and arg is atom.val and _is_rank0_array(arg):
+        elif type(atom) is _core.Literal and arg is atom.val and is_rank0_array(arg):
             # (a literal of any program, the same one: what ``to_jaxpr_tracer`` makes of it)
             arg = _pe.DynamicJaxprTracer(trace, atom.aval, atom, source_info)
         elif (type(atom) is _core.Literal and arg is atom.val) or (
@@ -504,7 +504,7 @@ def _staged_operands(
     return tracers if any_tracer else None
 
 
-def _is_rank0_array(value: Any) -> bool:
+def is_rank0_array(value: Any) -> bool:
     """Whether ``value`` is a rank-0 host array (a traced literal's value, jax.literals'
     ``TypedNdArray``): ``core.is_literalable`` in any program, a device array only outside
     differentiation."""

@@ -756,11 +756,17 @@ class Decision:
     # autocast_transform's: per output, its part of the keys of the equations reading it
     # (``TransformDecisions.operand_part``), None for a dropped one.
     out_parts: tuple = ()
-    # (output, tags) of the outputs with tags, which a replay sets
-    tagged: tuple = ()
     # What trackers learned of the outputs (``TransformDecisions.output_facts``), set again by a
     # replay: (tracker, output, ("in", j): operand j, or ("of", j): what they knew of it).
     out_facts: tuple = ()
+    # (output, tags) of the outputs with tags, which a replay sets: from ``out_tags``
+    tagged: tuple = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # (a field, not a cached property: writing an instance's __dict__ makes every attribute
+        # read of it slower, and a replay reads several)
+        tagged = tuple((i, bits) for i, bits in enumerate(self.out_tags) if bits)
+        object.__setattr__(self, "tagged", tagged)
 
 
 class RecordingStep(Step):
@@ -845,15 +851,8 @@ class RecordingStep(Step):
             out_facts = facts
         # (the output types, where it was staged directly: a replay stages it so again)
         out_avals = tuple(compat.aval_of(x) for x in outs) if self.staged else ()
-        tagged = tuple((i, bits) for i, bits in enumerate(tags) if bits)
         return Decision(
-            casts,
-            overrides,
-            out_avals,
-            tuple(tags),
-            out_parts=tuple(parts),
-            tagged=tagged,
-            out_facts=out_facts,
+            casts, overrides, out_avals, tuple(tags), out_parts=tuple(parts), out_facts=out_facts
         )
 
 
@@ -1886,7 +1885,7 @@ class TransformDecisions:
         """A literal operand's part of a key: its type and value (``constant_key``'s), None
         where its value is not keyed."""
         value = literal.val
-        if isinstance(value, np.ndarray) and not value.shape:
+        if compat.is_rank0_array(value):
             # (a traced scalar, jax.literals' TypedNdArray: keyed by its bytes, no copy made)
             return self.type_id(literal.aval), type(value), value.tobytes()
         constant = constant_key(ConstSource(value))
