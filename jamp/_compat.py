@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import operator
 import os
 import re
 import threading
@@ -520,16 +521,27 @@ def _add_equation(
     ctx: Any,
     out_avals: list[Any] | None = None,
     effects: Any = _core.no_effects,
+    evaluated: list | None = None,
 ) -> list[Any] | None:
     """Add ``primitive`` on ``tracers`` to ``trace``'s program as its default staging does, with
     ``out_avals`` or its (cached) abstract evaluation; None for one with effects (bound).
     ``effects``: the (empty) effects its abstract evaluation gives, as ``jax_enable_checks``
-    compares them by type too (``free_ref``'s are ``{}``)."""
+    compares them by type too (``free_ref``'s are ``{}``). ``evaluated``: a list that holds that
+    evaluation ``(out_avals, effects)`` once made, for an operation staged again at the same
+    types and parameters (a region's replayed decision: its key holds them), where JAX's cache
+    of it would hash every operand type and parameter again."""
     if out_avals is None:
-        out, effects = _pe._cached_abstract_eval(primitive, *[t.aval for t in tracers], **params)
+        if evaluated:
+            out_avals, effects = evaluated[0]
+        else:
+            out, effects = _pe._cached_abstract_eval(
+                primitive, *[t.aval for t in tracers], **params
+            )
+            out_avals = list(out) if primitive.multiple_results else [out]
+            if evaluated is not None:
+                evaluated.append((out_avals, effects))
         if effects:
             return None
-        out_avals = list(out) if primitive.multiple_results else [out]
     staged, outs = trace.make_eqn(tracers, out_avals, primitive, params, effects, source_info, ctx)
     trace.frame.add_eqn(staged)
     return outs
@@ -619,9 +631,7 @@ def convert_now(x: Any, dtype: Any) -> Any:
     if type(trace) is _pe.DynamicJaxprTrace:
         params = _direct_cast_params(x, dtype)
         if params is not None:
-            outs = _stage_now(
-                trace, _lax_internal.convert_element_type_p, (x,), (x.aval,), params, _always
-            )
+            outs = _stage_cast(trace, x, params)
             if outs is not None:
                 return outs[0]
     elif type(trace) is _core.EvalTrace and type(x) is _ArrayImpl and _float_to_float(x, dtype):
@@ -633,6 +643,26 @@ def convert_now(x: Any, dtype: Any) -> Any:
             {"new_dtype": dtype, "weak_type": False, "sharding": None},
         )
     return convert(x, dtype)
+
+
+def _stage_cast(trace: Any, x: Any, params: dict) -> list[Any] | None:
+    """A cast of ``x`` with ``params`` (``_direct_cast_params``) staged into ``trace``, its
+    abstract evaluation kept per operand type and dtype (a region casts every operation's
+    operands: JAX's cache of it would hash the type and parameters again each time)."""
+    aval = x.aval
+    key = (aval, params["new_dtype"])
+    evaluated = _CAST_EVALUATIONS.get(key)
+    if evaluated is None:
+        if len(_CAST_EVALUATIONS) > _CAST_EVALUATIONS_KEPT:
+            _CAST_EVALUATIONS.clear()
+        evaluated = _CAST_EVALUATIONS[key] = []
+    return _stage_now(
+        trace, _lax_internal.convert_element_type_p, (x,), (aval,), params, _always, evaluated
+    )
+
+
+_CAST_EVALUATIONS: dict[tuple[Any, np.dtype], list] = {}
+_CAST_EVALUATIONS_KEPT = 4096
 
 
 def _float_to_float(x: Any, dtype: np.dtype) -> bool:
@@ -1171,13 +1201,23 @@ def bind_on(
     args: Sequence[Any],
     params: dict[str, Any],
     avals: Sequence[Any] | None = None,
+    evaluated: list | None = None,
 ) -> Any:
     """Bind ``primitive`` on ``trace`` (a region's parent) from a trace's ``process_primitive``:
     what ``primitive.bind`` under ``set_current_trace(trace)`` does, for operands that ``bind``
     has canonicalized already (``avals``: their types), without entering the trace context and
     canonicalizing again (``Primitive.bind`` then calls ``bind_with_trace``, as here), and
     into a program being built staged directly where it can be (``_stage_now``). A primitive
-    with a ``bind`` of its own is bound through it."""
+    with a ``bind`` of its own is bound through it. ``evaluated``: where the abstract
+    evaluation of this operation at these types is kept (``_add_equation``)."""
+    if type(trace) is _pe.DynamicJaxprTrace and primitive is _convert_p:
+        # (a convert has a bind of its own, which adds nothing to one staged as a cast is)
+        if params["sharding"] is None and not params["weak_type"]:
+            cast = _direct_cast_params(args[0], np.dtype(params["new_dtype"]))
+            if cast is not None:
+                staged = _stage_cast(trace, args[0], cast)
+                if staged is not None:
+                    return staged[0]
     if type(primitive).bind is not _PLAIN_BIND:
         with _core.set_current_trace(trace):
             return primitive.bind(*args, **params)
@@ -1187,7 +1227,7 @@ def bind_on(
         if primitive is _jit_p:
             staged = _inline_now(trace, primitive, args, avals, params)
         else:
-            staged = _stage_now(trace, primitive, args, avals, params)
+            staged = _stage_now(trace, primitive, args, avals, params, evaluated=evaluated)
         if staged is not None:
             return staged if primitive.multiple_results else staged[0]
     return primitive.bind_with_trace(trace, args, avals, params)
@@ -1306,10 +1346,12 @@ def _stage_now(
     avals: Sequence[Any],
     params: dict,
     condition: Callable[[dict, list], bool] | None = None,
+    evaluated: list | None = None,
 ) -> list[Any] | None:
     """An operation bound now (a region's) staged into ``trace`` as ``stage_like`` stages a
     rewritten equation, under the current source info and context; None where only a bind can.
-    ``condition``: when ``primitive`` may be staged (default: ``_staging_condition``)."""
+    ``condition``: when ``primitive`` may be staged (default: ``_staging_condition``);
+    ``evaluated``: as in ``_add_equation``."""
     condition = condition or _staging_condition(primitive)
     if condition is None or not args:  # (no operand: bind may fold it, eager_constant_folding)
         return None
@@ -1319,10 +1361,13 @@ def _stage_now(
             return None
     if _has_jaxpr_param(params) or not condition(params, list(avals)):
         return None
-    return _add_equation(trace, list(args), primitive, params, _siu.current(), None)
+    return _add_equation(
+        trace, list(args), primitive, params, _siu.current(), None, evaluated=evaluated
+    )
 
 
 _PLAIN_BIND = _core.Primitive.bind
+_convert_p = _lax_internal.convert_element_type_p
 _jit_p = _pjit.jit_p
 # jax 0.12's ``Inline.JAX_EARLY`` (the calls its staging rule inlines); None before (a bool).
 _INLINE_EARLY = getattr(getattr(_api, "Inline", None), "JAX_EARLY", None)
@@ -1933,18 +1978,36 @@ def _frame_flags(source_info: Any) -> int:
     walked, flags = _last_walk
     if traceback is not None and traceback is walked:
         return flags
-    flags = 0
-    for code in _frame_codes(source_info):
-        file_flags, prefixes, asking = _file_flags(code.co_filename)
-        flags |= file_flags
-        if prefixes or asking:
-            name = code.co_name
-            for prefix, flag in prefixes:
-                if name.startswith(prefix):
-                    flags |= flag
-            if name in asking:
-                flags |= _ASKING
+    codes = _frame_codes(source_info)
+    known = _CODE_FLAGS
+    try:  # (each frame's flags found in C: a model's tracebacks are tens of frames deep)
+        flags = functools.reduce(
+            operator.or_, map(operator.itemgetter(0), map(known.__getitem__, map(id, codes))), 0
+        )
+    except KeyError:  # a code object not met before
+        if len(known) > _CODE_FLAGS_KEPT:
+            known.clear()
+        flags = 0
+        for code in codes:
+            flags |= known.setdefault(id(code), (_code_flags(code), code))[0]
     _last_walk = (traceback, flags)
+    return flags
+
+
+# id(code object) -> (what its frames say, the code object: kept alive, so its id is not reused)
+_CODE_FLAGS: dict[int, tuple[int, Any]] = {}
+_CODE_FLAGS_KEPT = 1 << 14
+
+
+def _code_flags(code: Any) -> int:
+    """What a frame running ``code`` says (``_frame_flags``)."""
+    flags, prefixes, asking = _file_flags(code.co_filename)
+    name = code.co_name
+    for prefix, flag in prefixes:
+        if name.startswith(prefix):
+            flags |= flag
+    if name in asking:
+        flags |= _ASKING
     return flags
 
 

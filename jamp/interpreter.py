@@ -219,7 +219,10 @@ HOST_VALUES = (np.ndarray, np.generic, float, int, bool)
 def is_known_value(value: Any) -> bool:
     """A value the rules may read at rewrite time: concrete, on the host or a device, not a
     tracer, nor a symbolic dimension (``jax.export``'s shapes: no value until the program runs)."""
-    return isinstance(value, (*HOST_VALUES, jax.Array)) and not compat.is_tracer(value)
+    return isinstance(value, _KNOWN_TYPES) and not compat.is_tracer(value)
+
+
+_KNOWN_TYPES = (*HOST_VALUES, jax.Array)
 
 
 CLIPPED = "clipped"  # a cast cache key's last part: Step.clipped_cast
@@ -761,6 +764,9 @@ class Decision:
     out_facts: tuple = ()
     # (output, tags) of the outputs with tags, which a replay sets: from ``out_tags``
     tagged: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    # The abstract evaluation of the operation as a replay stages it (``compat.bind_on``'s
+    # ``evaluated``), made at the first replay: the key fixes its operand types and parameters.
+    evaluated: list = dataclasses.field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # (a field, not a cached property: writing an instance's __dict__ makes every attribute

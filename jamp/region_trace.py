@@ -440,9 +440,11 @@ def _widening_made(env: RegionEnv, var: Any, aval: Any, params: dict) -> Any:
     """The value a convert of ``var`` (of type ``aval``) to a wider floating dtype gives, where
     ``jnp`` promoted it so already in this region (``_promotion_of``); else None."""
     new = _widening_of_sixteen_bits(params) if _is_sixteen_bit(aval) else None
-    if new is None or compat.current_an_asked_cast():  # (a cast asked for is its own)
+    if new is None:
         return None
-    return _promotion_of(env, var, new)
+    made = _promotion_of(env, var, new)
+    # (a cast asked for is its own; asked last: it walks the traceback)
+    return None if made is None or compat.current_an_asked_cast() else made
 
 
 def _widening_of_sixteen_bits(params: dict) -> np.dtype | None:
@@ -821,7 +823,7 @@ class RegionTrace(compat.Trace):
         if decision.overrides:
             params = {**params, **decision.overrides}
         if canonical:
-            outs = compat.bind_on(self.parent, primitive, args, params, avals)
+            outs = compat.bind_on(self.parent, primitive, args, params, avals, decision.evaluated)
         else:
             with compat.set_current_trace(self.parent):
                 outs = primitive.bind(*args, **params)
@@ -1150,9 +1152,11 @@ class RegionTrace(compat.Trace):
                 entries = store[closed] = collections.OrderedDict()
         except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
             return None
-        if key in entries:
-            entries.move_to_end(key)
-            return entries[key]
+        found = entries.get(key, _ABSENT)  # (the key hashed once: it is a nested tuple)
+        if found is not _ABSENT:
+            if len(entries) > _CALLS_PER_CALLEE // 2:  # (the order matters near the bound only)
+                entries.move_to_end(key)
+            return found
         programs = [closed]
         if equation is not None:
             primitive, params, _, others = equation
@@ -1656,6 +1660,7 @@ def _shared_states(policy: Policy) -> dict:
 
 _STATES_KEPT = 4096
 _CALLS_PER_CALLEE = 64  # rewrites kept per inline jit (least recently used dropped)
+_ABSENT = ("absent",)  # (a stored rewrite may be None)
 
 
 # The primitives carrying programs that JAX compiles when bound eagerly and whose rules rebuild
