@@ -645,6 +645,19 @@ def convert_now(x: Any, dtype: Any) -> Any:
     return convert(x, dtype)
 
 
+def convert_on(trace: Any, x: Any, dtype: np.dtype) -> Any:
+    """``convert_now(x, dtype)`` with ``trace`` current (a region's parent): staged directly
+    into a program being built without entering the trace context, where it can be."""
+    if type(trace) is _pe.DynamicJaxprTrace and type(x) is _pe.DynamicJaxprTracer:
+        params = _direct_cast_params(x, dtype)
+        if params is not None:
+            outs = _stage_cast(trace, x, params)
+            if outs is not None:
+                return outs[0]
+    with _core.set_current_trace(trace):
+        return convert_now(x, dtype)
+
+
 def _stage_cast(trace: Any, x: Any, params: dict) -> list[Any] | None:
     """A cast of ``x`` with ``params`` (``_direct_cast_params``) staged into ``trace``, its
     abstract evaluation kept per operand type and dtype (a region casts every operation's
@@ -1225,7 +1238,7 @@ def bind_on(
         avals = [_core.typeof(a) for a in args]
     if type(trace) is _pe.DynamicJaxprTrace:
         if primitive is _jit_p:
-            staged = _inline_now(trace, primitive, args, avals, params)
+            staged = _inline_now(trace, args, params, params["jaxpr"])
         else:
             staged = _stage_now(trace, primitive, args, avals, params, evaluated=evaluated)
         if staged is not None:
@@ -1306,14 +1319,25 @@ def _all_unspecified(shardings: tuple) -> bool:
     )
 
 
-def _inline_now(
-    trace: Any, primitive: Any, args: Sequence[Any], avals: Sequence[Any], params: dict
-) -> list[Any] | None:
-    """A jit call bound now (a region's rewrite of a jnp function) inlined into ``trace`` as
-    JAX's ``process_primitive`` and the jit's staging rule inline it (constant operands made
-    constants of the program, ``pe.inline_jaxpr_into_trace`` under the current source info),
-    without the bind's dispatch; None where only a bind can (the rule would not inline, no
-    operand is a tracer of ``trace`` (JAX may fold it), one is a tracer of another trace)."""
+def bind_call_on(
+    trace: Any, args: Sequence[Any], params: dict, closed: Any, avals: Sequence[Any]
+) -> list[Any]:
+    """``bind_on`` of a jit call with ``params`` but the program ``closed`` (a region's rewrite
+    of the callee): inlined into a program being built where JAX would inline it."""
+    if type(trace) is _pe.DynamicJaxprTrace:
+        staged = _inline_now(trace, args, params, closed)
+        if staged is not None:
+            return staged
+    return bind_on(trace, _jit_p, args, {**params, "jaxpr": closed}, avals)
+
+
+def _inline_now(trace: Any, args: Sequence[Any], params: dict, closed: Any) -> list[Any] | None:
+    """A jit call with ``params`` and the program ``closed`` bound now (a region's rewrite of a
+    jnp function) inlined into ``trace`` as JAX's ``process_primitive`` and the jit's staging
+    rule inline it (constant operands made constants of the program,
+    ``pe.inline_jaxpr_into_trace`` under the current source info), without the bind's
+    dispatch; None where only a bind can (the rule would not inline, no operand is a tracer of
+    ``trace`` (JAX may fold it), one is a tracer of another trace)."""
     own = False
     for a in args:
         if type(a) is _pe.DynamicJaxprTracer and a._trace is trace:
@@ -1322,7 +1346,6 @@ def _inline_now(
             return None
     if not own or not _inlines_when_staged(params):
         return None
-    closed = params["jaxpr"]
     # (what process_primitive asks the jit, ``jit_p.is_high``, on 0.10 and 0.12 alike)
     trace.frame.is_high |= closed.jaxpr.is_high
     source_info = _siu.current()

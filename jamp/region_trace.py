@@ -535,6 +535,11 @@ class CastsByVar(dict):
             self.by_var.setdefault(key[0], []).append(key)
         super().__setitem__(key, value)
 
+    def add_new(self, key: tuple, value: Any) -> None:
+        """``self[key] = value`` for a key not in the cache (one hash less)."""
+        self.by_var.setdefault(key[0], []).append(key)
+        super().__setitem__(key, value)
+
     def setdefault(self, key: tuple, default: Any = None) -> Any:
         if key not in self:
             self[key] = default
@@ -799,26 +804,28 @@ class RegionTrace(compat.Trace):
                 args[i] = env.upcast_of[invars[i]]
         if decision.casts:
             args, avals = list(args), None
-            with compat.set_current_trace(self.parent):
-                for i, dtype, clipped in decision.casts:
-                    if dtype == F32 and i in decision.read_through:
-                        args[i] = arriving[i]  # (the promotion itself: Step's float32 cast)
-                        continue
-                    key = (invars[i], dtype, CLIPPED) if clipped else (invars[i], dtype)
-                    cast = env.casts.get(key)
-                    if cast is None:
-                        source = env.known.get(invars[i])  # a constant: cast from its value
-                        cast = (
-                            source.cast(dtype)
-                            if source is not None
-                            else saturating_cast(args[i], dtype)
-                            if clipped
-                            else compat.convert_now(args[i], dtype)
-                        )
-                        env.casts[key] = cast
-                    if isinstance(cast, HOST_VALUES):
-                        canonical = False
-                    args[i] = cast
+            parent = self.parent
+            for i, dtype, clipped in decision.casts:
+                if dtype == F32 and i in decision.read_through:
+                    args[i] = arriving[i]  # (the promotion itself: Step's float32 cast)
+                    continue
+                key = (invars[i], dtype, CLIPPED) if clipped else (invars[i], dtype)
+                cast = env.casts.get(key)
+                if cast is None:
+                    source = env.known.get(invars[i])  # a constant: cast from its value
+                    if source is None and not clipped:
+                        cast = compat.convert_on(parent, args[i], dtype)
+                    else:
+                        with compat.set_current_trace(parent):
+                            cast = (
+                                source.cast(dtype)
+                                if source is not None
+                                else saturating_cast(args[i], dtype)
+                            )
+                    env.casts.add_new(key, cast)
+                if isinstance(cast, HOST_VALUES):
+                    canonical = False
+                args[i] = cast
         traced_params = params
         if decision.overrides:
             params = {**params, **decision.overrides}
@@ -870,7 +877,13 @@ class RegionTrace(compat.Trace):
         """
         if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
             return compat.bind_on(self.parent, primitive, args, params)
-        if compat.calls_a_sampler(primitive, params):  # as traced, a sample (rules/calls.py)
+        closed = params["jaxpr"]
+        try:  # (a callee rewritten before is no sampler: those are never rewritten)
+            entries = self._calls.get(closed)
+        except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
+            entries = None
+        if entries is None and compat.calls_a_sampler(primitive, params):
+            # as traced, a sample (rules/calls.py)
             # (walking a user's jit on jax 0.12, an operand may be one the policy made 16-bit)
             args = self._agreeing(primitive, args)
             return self._sampled(args, compat.bind_on(self.parent, primitive, args, params))
@@ -895,7 +908,9 @@ class RegionTrace(compat.Trace):
             args = widened
         elif known is not None and not self.rewriter.line_rules:
             knowledge, sources, facts, in_vars, avals = known
-            rewrite = self._call_rewrite(params["jaxpr"], state, knowledge, sources, facts, avals)
+            rewrite = self._call_rewrite(
+                closed, state, knowledge, sources, facts, avals, entries=entries
+            )
         outs = None
         if rewrite is not None:
             if eager:
@@ -903,9 +918,7 @@ class RegionTrace(compat.Trace):
                 if call is not None and outs is not None:
                     self._forget_donated(args, params["donated_invars"])
             else:
-                outs = compat.bind_on(
-                    self.parent, primitive, args, {**params, "jaxpr": rewrite.closed}, avals
-                )
+                outs = compat.bind_call_on(self.parent, args, params, rewrite.closed, avals)
         if outs is None:
             failed = None if rewrite is None else f"jit({params.get('name', '?')})"
             return self._walk(params["jaxpr"], args, failed)
@@ -1026,6 +1039,7 @@ class RegionTrace(compat.Trace):
         """What the walk of a call (``rewrite``) knew about its outputs, for the values ``outs``
         the call returned: a variable, tags and facts each, as op by op."""
         env = self.env
+        traced = env._traced
         out_vars: list[Any] = []
         for value, aval, known_out, j in zip(
             outs, rewrite.out_avals, rewrite.outputs, rewrite.forwarded
@@ -1038,8 +1052,12 @@ class RegionTrace(compat.Trace):
             if known_out is None:  # not seen by the walk (a constant of the callee): as if new
                 continue
             bits, source = known_out
-            var = out_vars[-1] = _variable_for(value, aval)
-            env.remember(value, var)
+            own = value.val if type(value) is ProgramTracer else None
+            if type(own) is compat.Var:  # (_variable_for and remember, inlined: most outputs)
+                var = out_vars[-1] = traced[own] = own
+            else:
+                var = out_vars[-1] = _variable_for(value, aval)
+                env.remember(value, var)
             env.add_tags(var, bits)
             if source is _OWN_VALUE:  # (a constant the call cast in its program: ANY_VALUE)
                 source = ConstSource(value) if is_known_value(value) else None
@@ -1080,11 +1098,21 @@ class RegionTrace(compat.Trace):
         eager = compat.is_eager(self.parent)  # (constants keyed by what the rules read: any value)
         first: dict[int, int] = {}  # id(var) -> the first operand that is that value
         more_than_tags = False
+        traced = env._traced
         for i, value in enumerate(args):
-            aval = compat.aval_of(value)
-            var, new = env.var_for(value, aval)
-            if new:
-                self._adopt_input(var, value, aval)
+            # (RegionEnv.var_for inlined for a tracer of the program: most operands are)
+            own = value.val if type(value) is ProgramTracer else None
+            if type(own) is compat.Var:
+                aval = value.aval
+                var = traced.get(own)
+                if var is None:
+                    var = traced[own] = own
+                    self._adopt_input(var, value, aval)
+            else:
+                aval = compat.aval_of(value)
+                var, new = env.var_for(value, aval)
+                if new:
+                    self._adopt_input(var, value, aval)
             bits = parts.get(var, _UNSEEN)
             if bits is _UNSEEN:
                 bits = parts[var] = _tag_bits(env, var)
@@ -1128,12 +1156,14 @@ class RegionTrace(compat.Trace):
         facts: tuple,
         avals: list,
         equation: tuple | None = None,
+        entries: collections.OrderedDict | None = None,
     ) -> CallRewrite | None:
         """The cached rewrite of an inline jit's jaxpr, made on the first call (None: the callee
         cannot be reused, or its jaxpr cannot be weakly referenced). With ``equation``
         (``(primitive, params, params_key, other programs)``, :meth:`_eager_program`),
         ``closed`` is the first program of that equation's parameters, which keys the store, and
-        the jaxpr walked is the equation itself; its entry goes with any of its programs."""
+        the jaxpr walked is the equation itself; its entry goes with any of its programs.
+        ``entries``: the store's entries for ``closed``, where the caller looked them up."""
         key = (
             self.rewriter.region,
             tuple(avals),  # (an aval's equality includes its weak type)
@@ -1144,14 +1174,14 @@ class RegionTrace(compat.Trace):
             facts,
             None if equation is None else equation[2],
         )
-        store = self._calls
-        entries: collections.OrderedDict[tuple, CallRewrite | None] | None
-        try:
-            entries = store.get(closed)
-            if entries is None:
-                entries = store[closed] = collections.OrderedDict()
-        except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
-            return None
+        if entries is None:
+            store = self._calls
+            try:
+                entries = store.get(closed)
+                if entries is None:
+                    entries = store[closed] = collections.OrderedDict()
+            except TypeError:  # pragma: no cover - a jaxpr that cannot be weakly referenced
+                return None
         found = entries.get(key, _ABSENT)  # (the key hashed once: it is a nested tuple)
         if found is not _ABSENT:
             if len(entries) > _CALLS_PER_CALLEE // 2:  # (the order matters near the bound only)
