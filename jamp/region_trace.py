@@ -622,11 +622,19 @@ class RegionTrace(compat.Trace):
                     self._forget_donated(args, params["donated_invars"])
                 return outs if primitive.multiple_results else outs[0]
         env = self.env
+        traced = env._traced
         invars = []
         for value, aval in zip(args, avals):
-            var, new = env.var_for(value, aval)
-            if new:
-                self._adopt_input(var, value, aval)
+            own = value.val if type(value) is ProgramTracer else None
+            if type(own) is compat.Var:  # (RegionEnv.var_for inlined: most operands are)
+                var = traced.get(own)
+                if var is None:
+                    var = traced[own] = own
+                    self._adopt_input(var, value, aval)
+            else:
+                var, new = env.var_for(value, aval)
+                if new:
+                    self._adopt_input(var, value, aval)
             invars.append(var)
         if primitive.name == "convert_element_type" and env.promotions:
             widened = _widening_made(env, invars[0], avals[0], params)
@@ -836,9 +844,14 @@ class RegionTrace(compat.Trace):
                 outs = primitive.bind(*args, **params)
         values = outs if primitive.multiple_results else (outs,)
         key_parts = env.key_parts
+        traced = env._traced
         for value, aval, bits in zip(values, decision.out_avals, decision.out_tags):
-            var = _variable_for(value, aval)
-            env.remember(value, var)
+            own = value.val if type(value) is ProgramTracer else None
+            if type(own) is compat.Var:  # (_variable_for and remember, inlined: most outputs)
+                var = traced[own] = own
+            else:
+                var = _variable_for(value, aval)
+                env.remember(value, var)
             env.add_tags(var, bits)
             key_parts[var] = bits  # (what _tag_bits would find at its first use: tags only)
         if decision.promotes:
