@@ -1,6 +1,7 @@
 """`with jamp.autocast():` anywhere (issue 21): eagerly, inside jit/grad/vmap/scan/checkpoint,
 around jitted callees, control flow, custom derivatives and Flax apply, with the same decisions
 as autocast_transform."""
+import collections
 import copy
 import functools
 import gc
@@ -510,6 +511,42 @@ def test_jax_looks_up_its_caches_in_a_region_without_hashing_the_policy(monkeypa
 
     hashes_tracing(10), hashes_tracing(40)  # (the callees' rewrites made: per new callee)
     assert hashes_tracing(40) == hashes_tracing(10)  # per region, not per operation
+
+
+def test_a_replayed_operation_is_staged_without_evaluating_its_types_again(monkeypatch):
+    # A replay's key fixes its operands' types and parameters: the abstract evaluation made at
+    # its first staging (and a cast's, per type and dtype) is used again, where JAX's cache
+    # of it would hash them at every operation. Operations bound as they came (no floating
+    # operand) and the jnp callees' inlined programs are staged by JAX, as without a region.
+    evaluated = []
+    cached = compat._pe._cached_abstract_eval
+    monkeypatch.setattr(
+        compat._pe,
+        "_cached_abstract_eval",
+        lambda primitive, *avals, **params: evaluated.append(primitive.name)
+        or cached(primitive, *avals, **params),
+    )
+
+    def model(x, w):
+        with jamp.autocast():
+            for _ in range(blocks):
+                x = lax.dot_general(x, w, (((1,), (0,)), ((), ())))  # w cast, x too at first
+                x = lax.reshape(x, (8, 4)).reshape(4, 8)
+                x = lax.dot_general(x, w.T, (((1,), (0,)), ((), ())))
+        return x
+
+    def evaluations_tracing(n):
+        nonlocal blocks
+        blocks, evaluated[:] = n, []
+        jaxpr = jax.make_jaxpr(lambda x, w: model(x, w))(jnp.ones((4, 8)), jnp.ones((8, 8)))
+        assert len(eqns_named(jaxpr, "dot_general")) == 2 * n  # (every block traced)
+        return collections.Counter(evaluated)
+
+    blocks = 0
+    evaluations_tracing(2), evaluations_tracing(2)  # (the decisions made, then replayed once)
+    few, many = evaluations_tracing(2), evaluations_tracing(20)
+    assert many == few, (few, many)
+    assert many["dot_general"] == 0 and many["convert_element_type"] == 0
 
 
 def test_jax_finds_the_regions_cache_context_without_calling_into_jamp():
