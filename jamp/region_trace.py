@@ -622,14 +622,14 @@ class RegionTrace(compat.Trace):
                     self._forget_donated(args, params["donated_invars"])
                 return outs if primitive.multiple_results else outs[0]
         env = self.env
-        traced = env._traced
+        program_vars = env._traced
         invars = []
         for value, aval in zip(args, avals):
             own = value.val if type(value) is ProgramTracer else None
             if type(own) is compat.Var:  # (RegionEnv.var_for inlined: most operands are)
-                var = traced.get(own)
+                var = program_vars.get(own)
                 if var is None:
-                    var = traced[own] = own
+                    var = program_vars[own] = own
                     self._adopt_input(var, value, aval)
             else:
                 var, new = env.var_for(value, aval)
