@@ -78,6 +78,7 @@ from .interpreter import (
     F32,
     HOST_VALUES,
     SCALED_FORMATS,
+    WITH_FACTS,
     ConstSource,
     Decision,
     Env,
@@ -85,6 +86,7 @@ from .interpreter import (
     RecordingStep,
     Rewriter,
     Step,
+    TransformDecisions,
     carries_programs,
     constant_key,
     convert_may_end_a_contraction,
@@ -845,6 +847,8 @@ class RegionTrace(compat.Trace):
         values = outs if primitive.multiple_results else (outs,)
         key_parts = env.key_parts
         traced = env._traced
+        out_facts = decision.out_facts
+        out_vars: list | None = [] if out_facts else None
         for value, aval, bits in zip(values, decision.out_avals, decision.out_tags):
             own = value.val if type(value) is ProgramTracer else None
             if type(own) is compat.Var:  # (_variable_for and remember, inlined: most outputs)
@@ -854,6 +858,15 @@ class RegionTrace(compat.Trace):
                 env.remember(value, var)
             env.add_tags(var, bits)
             key_parts[var] = bits  # (what _tag_bits would find at its first use: tags only)
+            if out_vars is not None:
+                out_vars.append(var)
+        if out_vars is not None:  # what the trackers learned of the outputs, set again
+            for name, k, (how, j) in out_facts:
+                known = env.facts.setdefault(name, {})
+                target = invars[j] if how == "in" else known.get(invars[j])
+                if target is not None:
+                    known[out_vars[k]] = target
+                    key_parts[out_vars[k]] = None  # (more than tags: _fact_part)
         if decision.promotes:
             env.upcast_of[var] = args[0]
             env.promotions.setdefault((invars[0], decision.out_avals[0].dtype), values[0])
@@ -1589,13 +1602,15 @@ def _decision_key(
     """Everything a rule reads of one operation: the primitive, its parameters, per operand its
     type as traced (the variable's) and as it arrives and its tags, and which operands are the
     same value, and what else the rule reads (``_READS_MORE``; ``program_avals``: the operands'
-    types in a callee's jaxpr the region walks, else None). None where an operand carries more
-    than tags (``_tag_bits``)."""
+    types in a callee's jaxpr the region walks, else None), and what the trackers know of the
+    operands, in terms of the operands (``TransformDecisions.facts_part``, where any knows
+    something). None where an operand carries more than tags and facts (``_tag_bits``)."""
     key: list[Any] = [primitive, tuple(params.items())]
     reads_more = _READS_MORE.get(primitive.name)
     if reads_more is not None:
         key.append(reads_more(params, avals, program_avals))
     parts = env.key_parts
+    with_facts = False
     for var, aval in zip(invars, avals):
         bits = parts.get(var, _UNSEEN)
         if bits is _UNSEEN:
@@ -1605,11 +1620,16 @@ def _decision_key(
             if bits is None:
                 bits = _promotion_part(env, var)
                 if bits is None:
-                    return None
+                    bits = _fact_part(env, var)
+                    if bits is None:
+                        return None
+                    with_facts = True
         key += (var.aval, aval, bits)
     if len(invars) > 1 and len(set(map(id, invars))) < len(invars):
         # the same value twice (``x * x`` is a square to rules/powers.py): which operands are
         key.append(tuple(next(j for j, u in enumerate(invars) if u is v) for v in invars))
+    if with_facts:  # (a softmax's shift: its max, stop_gradient of it, what it is the max of)
+        key.append(TransformDecisions.facts_part(env, invars))
     return tuple(key)
 
 
@@ -1666,14 +1686,22 @@ class RegionRecordingStep(RecordingStep):
         env: RegionEnv = self.env  # type: ignore[assignment]
         promotes = len(outvars) == 1 and env.upcast_of.get(outvars[0]) is args[0]
         tags = []
+        with_facts = False
         for var in outvars:
             if promotes:  # (its tags, and the promotion recorded as such: Decision.promotes)
                 bits = env.tag_bits(var) if _promotion_part(env, var) is not None else None
             else:
                 bits = _tag_bits(env, var)
+                if bits is None and _fact_part(env, var) is not None:
+                    bits, with_facts = env.tag_bits(var), True
             if bits is None:
                 return None
             tags.append(bits)
+        out_facts: tuple | None = ()
+        if with_facts:  # what the trackers learned of them, in terms of the operands
+            out_facts = TransformDecisions.output_facts(env, self.eqn)
+            if out_facts is None:
+                return None
         read_through: tuple[int, ...] = ()
         if self.substituted:
             upcast = env.upcast_of
@@ -1685,6 +1713,7 @@ class RegionRecordingStep(RecordingStep):
             tuple(tags),
             read_through,
             promotes,
+            out_facts=out_facts,
         )
 
 
@@ -1783,6 +1812,20 @@ def _constant_part(env: RegionEnv, var: Any) -> tuple | None:
         return None
     constant = constant_key(source)
     return None if constant is None else (env.tag_bits(var), constant)
+
+
+def _fact_part(env: RegionEnv, var: Any) -> tuple | None:
+    """The key part of an operand a tracker knows something of (a softmax's max) and nothing
+    more than tags besides: its tags and ``WITH_FACTS`` (what the facts are, relative to the
+    operation's operands, the key holds once: ``TransformDecisions.facts_part``); else None."""
+    if (
+        var in env.known
+        or var in env.upcast_of
+        or var in env.lazy_squares
+        or not env.has_fact(var)
+    ):
+        return None
+    return env.tag_bits(var), WITH_FACTS
 
 
 def _promotion_part(env: RegionEnv, var: Any) -> tuple | None:

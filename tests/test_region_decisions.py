@@ -23,7 +23,7 @@ import jamp
 from jamp import _compat as compat
 from jamp import region_trace
 from jamp.interpreter import Rewriter
-from tests.jaxpr_utils import fresh
+from tests.jaxpr_utils import fresh, iter_eqns
 
 BF16, F16, F32 = (np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 # Test data made on the host: jax.device_put hands it over as a device array without compiling
@@ -125,21 +125,62 @@ def test_replayed_decisions_give_the_program_deciding_every_operation_gives(monk
     assert replayed == decided
 
 
-def test_a_softmax_shift_is_decided_every_time_and_constants_by_value(monkeypatch):
-    """An operand a tag cannot describe (a tracker's fact) keeps the rule running, a constant is
-    keyed by its value (cast from it, saturating): ±40,000 float16 logits stay finite however
-    often the code runs."""
-    ran = _count_rules(monkeypatch)
+def test_a_softmax_shift_is_replayed_by_its_facts_and_constants_by_value(monkeypatch):
+    """An operand a tracker knows something of (a softmax's max) is keyed by that knowledge,
+    relative to the operands, and a replay sets what the tracker learned of the outputs again;
+    a constant is keyed by its value (cast from it, saturating): ±40,000 float16 logits stay
+    finite however often the code runs, as when every operation is decided."""
     logits = jax.device_put(np.array([[40000.0, -40000.0, 0.0]] * 4, np.float32))
     labels = jax.device_put(np.array([0, 1, 2, 0], np.int32))
-    for _ in range(3):
+
+    def losses():
+        out = []
+        for _ in range(3):
+            with jamp.autocast(dtype=jnp.float16):
+                h = lax.dot(logits, jnp.eye(3))
+                loss = optax.softmax_cross_entropy_with_integer_labels(h, labels)
+                scaled = h * 0.5  # a weak constant: cast once from its value
+            assert np.isfinite(np.asarray(loss, np.float32)).all()
+            assert scaled.dtype == F16
+            out.append(np.asarray(loss))
+        return out
+
+    ran = _count_rules(monkeypatch)
+    replayed = losses()
+    assert ran.count("stop_gradient") == 1  # the shift's max: decided once, then replayed
+    with monkeypatch.context() as m:
+        _decide_every_time(m)
+        decided = losses()
+    for a, b in zip(replayed, decided):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_shift_is_replayed_by_what_its_max_is_of(monkeypatch):
+    """In a region as under the transform: ``s - max(s)`` runs in float32, ``t - max(s)`` of
+    the same types does not, whether decided or replayed (the max's fact keyed relative to
+    the operands reading it, and set again on ``stop_gradient``'s replayed output)."""
+    w = jnp.full((16, 16), 0.1)
+
+    def shifted_twice(w, x):
         with jamp.autocast(dtype=jnp.float16):
-            h = lax.dot(logits, jnp.eye(3))
-            loss = optax.softmax_cross_entropy_with_integer_labels(h, labels)
-            scaled = h * 0.5  # a weak constant: cast once from its value
-        assert np.isfinite(np.asarray(loss, np.float32)).all()
-        assert scaled.dtype == F16
-    assert ran.count("sub") >= 3  # the shift x - max(x), once per call
+            s = x @ w
+            t = (x * 2.0) @ w
+            m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+            return jnp.exp(s - m) + jnp.exp(t - m)
+
+    def subs(jaxpr):
+        return [str(e.outvars[0].aval.dtype) for e in iter_eqns(jaxpr) if e.primitive.name == "sub"]
+
+    x = jnp.ones((4, 16))
+    ran = _count_rules(monkeypatch)
+    first = jax.make_jaxpr(fresh(shifted_twice))(w, x)
+    again = jax.make_jaxpr(fresh(shifted_twice))(w, x)
+    assert ran.count("stop_gradient") == 1  # replayed in the second trace
+    with monkeypatch.context() as m:
+        _decide_every_time(m)
+        decided = jax.make_jaxpr(fresh(shifted_twice))(w, x)
+    assert subs(first) == subs(again) == subs(decided) == ["float32", "float16"], subs(again)
 
 
 @pytest.mark.parametrize("jit", [False, True])
