@@ -1697,11 +1697,12 @@ class RegionRecordingStep(RecordingStep):
             if bits is None:
                 return None
             tags.append(bits)
-        out_facts: tuple | None = ()
+        out_facts: tuple = ()
         if with_facts:  # what the trackers learned of them, in terms of the operands
-            out_facts = TransformDecisions.output_facts(env, self.eqn)
-            if out_facts is None:
+            learned = TransformDecisions.output_facts(env, self.eqn)
+            if learned is None:
                 return None
+            out_facts = learned
         read_through: tuple[int, ...] = ()
         if self.substituted:
             upcast = env.upcast_of
@@ -1818,12 +1819,7 @@ def _fact_part(env: RegionEnv, var: Any) -> tuple | None:
     """The key part of an operand a tracker knows something of (a softmax's max) and nothing
     more than tags besides: its tags and ``WITH_FACTS`` (what the facts are, relative to the
     operation's operands, the key holds once: ``TransformDecisions.facts_part``); else None."""
-    if (
-        var in env.known
-        or var in env.upcast_of
-        or var in env.lazy_squares
-        or not env.has_fact(var)
-    ):
+    if var in env.known or var in env.upcast_of or var in env.lazy_squares or not env.has_fact(var):
         return None
     return env.tag_bits(var), WITH_FACTS
 

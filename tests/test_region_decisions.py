@@ -82,7 +82,9 @@ def test_an_operation_is_decided_by_its_operands_tags_not_only_their_types(monke
     assert "add" not in ran and "dot_general" not in ran
     with monkeypatch.context() as m:
         _decide_every_time(m)
-        chex.assert_trees_all_close((jax.jit(fresh(mixed_adds)) if jit else mixed_adds)(*args), outs)
+        chex.assert_trees_all_close(
+            (jax.jit(fresh(mixed_adds)) if jit else mixed_adds)(*args), outs
+        )
 
 
 class Block(nn.Module):
