@@ -1544,7 +1544,7 @@ def _tag_bits(env: RegionEnv, var: Any) -> int | None:
     than tags say (a constant the rules cast from its value, jnp's float32 promotion of a
     lowered value, a tracker's fact, a 16-bit square a sum would recompute: ``LazySquare``): an
     operation reading such a value is decided every time unless another part keys it
-    (``_constant_part``, ``_promotion_part``)."""
+    (``_constant_part``, ``_promotion_part``, ``_fact_part``)."""
     if var in env.known or var in env.upcast_of or env.has_fact(var) or var in env.lazy_squares:
         return None
     return env.tag_bits(var)
