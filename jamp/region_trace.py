@@ -916,7 +916,7 @@ class RegionTrace(compat.Trace):
         state = self.rewriter.current_state()
         eager = compat.is_eager(self.parent)
         call = (primitive, params) if eager and compat.jit_sets_call(params) else None
-        known = self._call_knowledge(args, call)
+        known = self._operand_knowledge(args) if call is None else self._call_knowledge(args, call)
         lazy = self.env.lazy_squares
         if lazy and (known is None or _any_in(known[3], lazy)):
             jaxpr = compat.open_and_consts(params["jaxpr"])[0]
@@ -1588,7 +1588,16 @@ def _any_floating(avals: list) -> bool:
 def _casts_inputs(params: dict) -> bool:
     """A ``@jamp.autocast(cast_inputs=...)`` function's jit (named after its dtype), which
     ``rules/calls.py``'s jit rule casts the inputs of."""
-    return cast_inputs_dtype(params.get("name", "")) is not None
+    name = params.get("name", "")
+    known = _CASTS_INPUTS.get(name)
+    if known is None:  # (by name: a region asks at every jnp call, the same few names)
+        if len(_CASTS_INPUTS) > 4096:
+            _CASTS_INPUTS.clear()
+        known = _CASTS_INPUTS[name] = cast_inputs_dtype(name) is not None
+    return known
+
+
+_CASTS_INPUTS: dict[str, bool] = {}
 
 
 def _decision_key(
