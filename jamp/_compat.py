@@ -629,11 +629,9 @@ def convert_now(x: Any, dtype: Any) -> Any:
     trace: Any = _core.trace_ctx.trace
     dtype = np.dtype(dtype)
     if type(trace) is _pe.DynamicJaxprTrace:
-        params = _direct_cast_params(x, dtype)
-        if params is not None:
-            outs = _stage_cast(trace, x, params)
-            if outs is not None:
-                return outs[0]
+        staged = _cast_staged(trace, x, dtype)
+        if staged is not None:
+            return staged
     elif type(trace) is _core.EvalTrace and type(x) is _ArrayImpl and _float_to_float(x, dtype):
         # (what ``convert`` binds for it, after ~20 calls of checks that then do nothing)
         return _lax_internal.convert_element_type_p.bind_with_trace(
@@ -648,14 +646,22 @@ def convert_now(x: Any, dtype: Any) -> Any:
 def convert_on(trace: Any, x: Any, dtype: np.dtype) -> Any:
     """``convert_now(x, dtype)`` with ``trace`` current (a region's parent): staged directly
     into a program being built without entering the trace context, where it can be."""
-    if type(trace) is _pe.DynamicJaxprTrace and type(x) is _pe.DynamicJaxprTracer:
-        params = _direct_cast_params(x, dtype)
-        if params is not None:
-            outs = _stage_cast(trace, x, params)
-            if outs is not None:
-                return outs[0]
+    if type(trace) is _pe.DynamicJaxprTrace:
+        staged = _cast_staged(trace, x, dtype)
+        if staged is not None:
+            return staged
     with _core.set_current_trace(trace):
         return convert_now(x, dtype)
+
+
+def _cast_staged(trace: Any, x: Any, dtype: np.dtype) -> Any:
+    """``convert(x, dtype)`` staged directly into ``trace`` (a program being built) where
+    ``_direct_cast_params`` allows, else None."""
+    params = _direct_cast_params(x, dtype)
+    if params is None:
+        return None
+    outs = _stage_cast(trace, x, params)
+    return None if outs is None else outs[0]
 
 
 def _stage_cast(trace: Any, x: Any, params: dict) -> list[Any] | None:
@@ -1226,11 +1232,9 @@ def bind_on(
     if type(trace) is _pe.DynamicJaxprTrace and primitive is _convert_p:
         # (a convert has a bind of its own, which adds nothing to one staged as a cast is)
         if params["sharding"] is None and not params["weak_type"]:
-            cast = _direct_cast_params(args[0], np.dtype(params["new_dtype"]))
-            if cast is not None:
-                staged = _stage_cast(trace, args[0], cast)
-                if staged is not None:
-                    return staged[0]
+            staged = _cast_staged(trace, args[0], np.dtype(params["new_dtype"]))
+            if staged is not None:
+                return staged
     if type(primitive).bind is not _PLAIN_BIND:
         with _core.set_current_trace(trace):
             return primitive.bind(*args, **params)

@@ -472,6 +472,15 @@ class Env:
             | (var in samples) << 5
         )
 
+    def set_output_facts(
+        self, out_facts: tuple, invars: Sequence[Any], outvars: Sequence[Any]
+    ) -> None:
+        """What trackers learned of a replayed operation's outputs (``Decision.out_facts``), set
+        again: output ``k``'s fact is operand ``j`` (``("in", j)``) or operand ``j``'s own."""
+        for name, k, (how, j) in out_facts:
+            known = self.facts.setdefault(name, {})
+            known[outvars[k]] = invars[j] if how == "in" else known[invars[j]]
+
     def add_tags(self, var: Any, bits: int) -> None:
         if bits:
             sets = self._sets_of_bits.get(bits)
@@ -1155,9 +1164,7 @@ class Rewriter:
             outs = (step or Step(self, env, eqn, state)).bind(args, **decision.overrides)
         for i, bits in decision.tagged:
             env.add_tags(eqn.outvars[i], bits)
-        for name, k, (how, j) in decision.out_facts:
-            known = env.facts.setdefault(name, {})
-            known[eqn.outvars[k]] = eqn.invars[j] if how == "in" else known[eqn.invars[j]]
+        env.set_output_facts(decision.out_facts, eqn.invars, eqn.outvars)
         return outs
 
     def apply(self, step: Step) -> Sequence[Any]:

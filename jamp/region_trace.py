@@ -861,12 +861,9 @@ class RegionTrace(compat.Trace):
             if out_vars is not None:
                 out_vars.append(var)
         if out_vars is not None:  # what the trackers learned of the outputs, set again
-            for name, k, (how, j) in out_facts:
-                known = env.facts.setdefault(name, {})
-                target = invars[j] if how == "in" else known.get(invars[j])
-                if target is not None:
-                    known[out_vars[k]] = target
-                    key_parts[out_vars[k]] = None  # (more than tags: _fact_part)
+            env.set_output_facts(out_facts, invars, out_vars)
+            for _, k, _ in out_facts:
+                key_parts[out_vars[k]] = None  # (more than tags: _fact_part)
         if decision.promotes:
             env.upcast_of[var] = args[0]
             env.promotions.setdefault((invars[0], decision.out_avals[0].dtype), values[0])
@@ -1588,16 +1585,12 @@ def _any_floating(avals: list) -> bool:
 def _casts_inputs(params: dict) -> bool:
     """A ``@jamp.autocast(cast_inputs=...)`` function's jit (named after its dtype), which
     ``rules/calls.py``'s jit rule casts the inputs of."""
-    name = params.get("name", "")
-    known = _CASTS_INPUTS.get(name)
-    if known is None:  # (by name: a region asks at every jnp call, the same few names)
-        if len(_CASTS_INPUTS) > 4096:
-            _CASTS_INPUTS.clear()
-        known = _CASTS_INPUTS[name] = cast_inputs_dtype(name) is not None
-    return known
+    return _names_a_cast_inputs_jit(params.get("name", ""))
 
 
-_CASTS_INPUTS: dict[str, bool] = {}
+@functools.lru_cache(maxsize=4096)  # (a region asks at every jnp call: the same few names)
+def _names_a_cast_inputs_jit(name: str) -> bool:
+    return cast_inputs_dtype(name) is not None
 
 
 def _decision_key(
