@@ -665,19 +665,19 @@ def _cast_staged(trace: Any, x: Any, dtype: np.dtype) -> Any:
 
 
 def _stage_cast(trace: Any, x: Any, params: dict) -> list[Any] | None:
-    """A cast of ``x`` with ``params`` (``_direct_cast_params``) staged into ``trace``, its
-    abstract evaluation kept per operand type and dtype (a region casts every operation's
+    """A cast of ``x`` with ``params`` (``_direct_cast_params``) staged into ``trace`` (None
+    where ``x`` is another trace's tracer), its abstract evaluation kept per operand type and dtype (a region casts every operation's
     operands: JAX's cache of it would hash the type and parameters again each time)."""
-    aval = x.aval
-    key = (aval, params["new_dtype"])
+    if x._trace is not trace:
+        return None
+    key = (x.aval, params["new_dtype"])
     evaluated = _CAST_EVALUATIONS.get(key)
     if evaluated is None:
         if len(_CAST_EVALUATIONS) > _CAST_EVALUATIONS_KEPT:
             _CAST_EVALUATIONS.clear()
         evaluated = _CAST_EVALUATIONS[key] = []
-    return _stage_now(
-        trace, _lax_internal.convert_element_type_p, (x,), (aval,), params, _always, evaluated
-    )
+    # (what else _stage_now checks is known of a cast: no jaxpr parameter, always staged)
+    return _add_equation(trace, [x], _convert_p, params, _siu.current(), None, evaluated=evaluated)
 
 
 _CAST_EVALUATIONS: dict[tuple[Any, np.dtype], list] = {}
@@ -1255,11 +1255,13 @@ def _inlines_when_staged(params: dict) -> bool:
     call with ``params`` into the program being traced (jnp's functions): inline (0.12: early,
     by JAX), no shardings, layouts or compiler options."""
     inline = params["inline"]
+    ins, outs = params["in_shardings"], params["out_shardings"]
     return (
         (inline is _INLINE_EARLY if _INLINE_EARLY is not None else bool(inline))
         and not params["compiler_options_kvs"]
-        and _all_unspecified(params["in_shardings"])
-        and _all_unspecified(params["out_shardings"])
+        # (JAX's one UNSPECIFIED counted in C first: a region asks at every jnp call)
+        and (ins.count(_UNSPECIFIED) == len(ins) or _all_unspecified(ins))
+        and (outs.count(_UNSPECIFIED) == len(outs) or _all_unspecified(outs))
         and params["in_layouts"].count(None) == len(params["in_layouts"])
         and params["out_layouts"].count(None) == len(params["out_layouts"])
     )
@@ -1317,10 +1319,7 @@ def eager_call_settings(closed: Any) -> tuple[tuple[int, ...], list[Any] | None]
 
 
 def _all_unspecified(shardings: tuple) -> bool:
-    # (JAX's one UNSPECIFIED counted in C, every call of jnp's functions; else by type)
-    return shardings.count(_UNSPECIFIED) == len(shardings) or all(
-        isinstance(s, _UnspecifiedValue) for s in shardings
-    )
+    return all(isinstance(s, _UnspecifiedValue) for s in shardings)
 
 
 def bind_call_on(
@@ -1342,28 +1341,38 @@ def _inline_now(trace: Any, args: Sequence[Any], params: dict, closed: Any) -> l
     ``pe.inline_jaxpr_into_trace`` under the current source info), without the bind's
     dispatch; None where only a bind can (the rule would not inline, no operand is a tracer of
     ``trace`` (JAX may fold it), one is a tracer of another trace)."""
-    own = False
+    own = constants = False
     for a in args:
         if type(a) is _pe.DynamicJaxprTracer and a._trace is trace:
             own = True
         elif isinstance(a, _core.Tracer):
             return None
+        else:
+            constants = True
     if not own or not _inlines_when_staged(params):
         return None
     # (what process_primitive asks the jit, ``jit_p.is_high``, on 0.10 and 0.12 alike)
     trace.frame.is_high |= closed.jaxpr.is_high
     source_info = _siu.current()
-    tracers = [
-        a if type(a) is _pe.DynamicJaxprTracer else trace.to_jaxpr_tracer(a, source_info)
-        for a in args
-    ]
+    # (the list comprehensions only where a value needs them: a region inlines every jnp call)
+    tracers = (
+        [
+            a if type(a) is _pe.DynamicJaxprTracer else trace.to_jaxpr_tracer(a, source_info)
+            for a in args
+        ]
+        if constants
+        else args
+    )
     outs = _pe.inline_jaxpr_into_trace(trace, source_info, closed.jaxpr, closed.consts, *tracers)
-    return [
-        x
-        if type(x) is _pe.DynamicJaxprTracer and x._trace is trace
-        else trace.to_jaxpr_tracer(x, source_info)
-        for x in outs
-    ]
+    for x in outs:
+        if type(x) is not _pe.DynamicJaxprTracer or x._trace is not trace:
+            return [
+                x
+                if type(x) is _pe.DynamicJaxprTracer and x._trace is trace
+                else trace.to_jaxpr_tracer(x, source_info)
+                for x in outs
+            ]
+    return outs
 
 
 def _stage_now(
@@ -1729,22 +1738,27 @@ _JNP_REDUCTIONS = os.path.join("jax", "_src", "numpy", "reductions.py")
 _JNP_CONTRACTIONS = os.path.join("jax", "_src", "numpy", "tensor_contractions.py")
 
 
-_last_scope_names: tuple[Any, tuple[str, ...]] = (None, ())
+# JAX's thread-local source-info context: its ``context`` is the source info operations are
+# traced under now (name stack included; immutable, replaced as scopes are entered and left, the
+# same on jax 0.10 and 0.12). ``Rewriter.current_state``, asked at every operation of a region,
+# compares it by identity: ``current_name_stack()``'s call would cost more than the comparison.
+SOURCE_INFO_NOW = _siu._source_info_context
 
 
 def current_scope_names() -> tuple[str, ...]:
-    """Names of the ``jax.named_scope``/Flax module scopes being traced under now (a region asks
-    for every operation; consecutive ones mostly share one name stack, which is immutable)."""
-    global _last_scope_names
-    stack = _siu.current_name_stack()
-    last = _last_scope_names
-    if last[0] is stack:
-        return last[1]
-    names = tuple(
-        s.name for s in stack.stack if isinstance(s, _siu.Scope) and not _is_einsum_scope(s.name)
+    """Names of the ``jax.named_scope``/Flax module scopes being traced under now."""
+    return scope_names_in(SOURCE_INFO_NOW.context.name_stack)
+
+
+def scope_names_in(stack: Any) -> tuple[str, ...]:
+    """Names of the ``jax.named_scope``/Flax module scopes in the name stack ``stack``."""
+    return tuple(
+        s.name
+        for s in stack.stack
+        if isinstance(s, _siu.Scope)
+        # (the test of _is_einsum_scope's first, without its call: most names have neither)
+        and not (("," in s.name or "->" in s.name) and _is_einsum_scope(s.name))
     )
-    _last_scope_names = (stack, names)
-    return names
 
 
 def register_library_frames(module_file: str) -> None:

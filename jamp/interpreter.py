@@ -913,8 +913,9 @@ class Rewriter:
         # How many times the program rewritten here runs per call (a scan body: its length),
         # for the reports' FLOP and byte counts (jamp.explain, jamp.tune).
         self.repeats = 1
-        # current_state's last answer, by the scope names' tuple (the same object while JAX's
-        # name stack is: consecutive operations of a region mostly share it).
+        # current_state's last answer, by JAX's source-info context it was asked under (an
+        # immutable object, the same while no scope is entered or left: consecutive operations
+        # of a region mostly share it).
         self._last_state: tuple[Any, RegionState | None] = (None, None)
         # state_for's answers by name stack (the stack kept: its id is not reused meanwhile)
         self._stack_states: dict[int, tuple[Any, RegionState]] = {}
@@ -981,11 +982,11 @@ class Rewriter:
 
     def current_state(self) -> RegionState:
         """The state of an operation bound now (the region front end, region_trace.py)."""
-        scopes = compat.current_scope_names()
+        context = compat.SOURCE_INFO_NOW.context
         last, state = self._last_state
-        if scopes is not last or state is None:
-            state = self.state_for_scopes(scopes)
-            self._last_state = (scopes, state)
+        if context is not last or state is None:
+            state = self.state_for_scopes(compat.scope_names_in(context.name_stack))
+            self._last_state = (context, state)
         return self._at_lines(state, compat.current_source_info()) if self.line_rules else state
 
     def _at_lines(self, state: RegionState, source_info: Any) -> RegionState:

@@ -583,7 +583,9 @@ class RegionTrace(compat.Trace):
             # (the scope log, when the policy has rules, is kept across regions as well)
             states=_shared_states(policy) if base is None else None,
         )
-        self.rewriter.shares_constants = compat.is_eager(parent)
+        # Whether binding on the parent runs operations now (fixed: a region's parent is too).
+        self.eager = compat.is_eager(parent)
+        self.rewriter.shares_constants = self.eager
         self.env = RegionEnv()
         self._tables: dict[int, tuple[RegionState, dict]] = {}  # id(state) -> (state, decisions)
         calls = _CALLS.get(policy)
@@ -598,7 +600,7 @@ class RegionTrace(compat.Trace):
     def process_primitive(self, primitive: Any, args: Sequence[Any], params: dict) -> Any:
         # (on jax 0.12 every jit's ``inline`` is a truthy enum: a user's jits are reused as jnp's
         # are, keeping their parameters; a ``cast_inputs`` function's is not, its rule casts)
-        if compat.is_inline_jit(primitive, params) and not _casts_inputs(params):
+        if compat.is_inline_jit(primitive, params) and not _casts_inputs(params.get("name", "")):
             return self._inline_call(primitive, args, params)
         if compat.converts_to_itself(primitive, args, params):
             # JAX binds a convert of a value to its own type where the value is a concrete
@@ -608,7 +610,8 @@ class RegionTrace(compat.Trace):
             return args[0]
         state = self.rewriter.current_state()
         programs = carries_programs(primitive, params)
-        avals = [compat.aval_of(a) for a in args]
+        # (aval_of inlined for a tracer of the program: most operands are)
+        avals = [a.aval if type(a) is ProgramTracer else compat.aval_of(a) for a in args]
         if not programs and not (state.enabled and _any_floating(avals)):
             # nothing for the policy to change: no floating operand, or autocast off
             return compat.bind_on(self.parent, primitive, args, params, avals)
@@ -617,7 +620,7 @@ class RegionTrace(compat.Trace):
             # in the region: differentiation_routed_above), and a backward pass the transposes
             # of ops decided in the forward pass: both run as they are, as torch's backward does.
             return compat.bind_on(self.parent, primitive, args, params, avals)
-        if programs and compat.is_eager(self.parent):
+        if programs and self.eager:
             outs = self._eager_program(primitive, args, params)
             if outs is not None:
                 if True in params.get("donated_invars", ()):  # (a user's jit, jax 0.10)
@@ -688,7 +691,7 @@ class RegionTrace(compat.Trace):
                 for var in invars:
                     if var in env.upcast_of:
                         env.casts.pop((var, F32), None)
-        if programs and True in params.get("donated_invars", ()) and compat.is_eager(self.parent):
+        if programs and True in params.get("donated_invars", ()) and self.eager:
             self._forget_donated(args, params["donated_invars"])  # (a user's jit, jax 0.10)
         # What a call would have returned without the policy (its body's traced types).
         traced = [getattr(v.aval, "dtype", None) for v in eqn.outvars] if programs else []
@@ -856,7 +859,8 @@ class RegionTrace(compat.Trace):
             else:
                 var = _variable_for(value, aval)
                 env.remember(value, var)
-            env.add_tags(var, bits)
+            if bits:
+                env.add_tags(var, bits)
             key_parts[var] = bits  # (what _tag_bits would find at its first use: tags only)
             if out_vars is not None:
                 out_vars.append(var)
@@ -911,11 +915,11 @@ class RegionTrace(compat.Trace):
             args = self._agreeing(primitive, args)
             return self._sampled(args, compat.bind_on(self.parent, primitive, args, params))
         state = self.rewriter.current_state()
-        eager = compat.is_eager(self.parent)
+        eager = self.eager
         call = (primitive, params) if eager and compat.jit_sets_call(params) else None
         known = self._operand_knowledge(args) if call is None else self._call_knowledge(args, call)
         lazy = self.env.lazy_squares
-        if lazy and (known is None or _any_in(known[3], lazy)):
+        if lazy and (known is None or not lazy.keys().isdisjoint(known[3])):
             jaxpr = compat.open_and_consts(params["jaxpr"])[0]
             summed = self._call_squares_summed(jaxpr, args, self._operand_vars(args, known))
             if summed is not args:  # (the operands' knowledge again, with the float32 squares)
@@ -923,8 +927,8 @@ class RegionTrace(compat.Trace):
         promotions = self.env.promotions
         widened = None
         if promotions:
-            invars = self._operand_vars(args, known)
-            if _any_in(invars, promotions.by_var):
+            invars = known[3] if known is not None else self._operand_vars(args, known)
+            if not promotions.by_var.keys().isdisjoint(invars):
                 widened = self._widened_operands(params["jaxpr"], args, invars)
         rewrite = None
         if widened is not None:  # walked op by op: its promotions read the values given
@@ -1081,7 +1085,8 @@ class RegionTrace(compat.Trace):
             else:
                 var = out_vars[-1] = _variable_for(value, aval)
                 env.remember(value, var)
-            env.add_tags(var, bits)
+            if bits:
+                env.add_tags(var, bits)
             if source is _OWN_VALUE:  # (a constant the call cast in its program: ANY_VALUE)
                 source = ConstSource(value) if is_known_value(value) else None
             if source is not None:
@@ -1118,7 +1123,7 @@ class RegionTrace(compat.Trace):
         points outside the call)."""
         env, keys, sources, vars_, avals = self.env, [], [], [], []
         parts = env.key_parts
-        eager = compat.is_eager(self.parent)  # (constants keyed by what the rules read: any value)
+        eager = self.eager  # (constants keyed by what the rules read: any value)
         first: dict[int, int] = {}  # id(var) -> the first operand that is that value
         more_than_tags = False
         traced = env._traced
@@ -1582,14 +1587,10 @@ def _any_floating(avals: list) -> bool:
     return False
 
 
-def _casts_inputs(params: dict) -> bool:
-    """A ``@jamp.autocast(cast_inputs=...)`` function's jit (named after its dtype), which
-    ``rules/calls.py``'s jit rule casts the inputs of."""
-    return _names_a_cast_inputs_jit(params.get("name", ""))
-
-
 @functools.lru_cache(maxsize=4096)  # (a region asks at every jnp call: the same few names)
-def _names_a_cast_inputs_jit(name: str) -> bool:
+def _casts_inputs(name: str) -> bool:
+    """Whether a jit named ``name`` is a ``@jamp.autocast(cast_inputs=...)`` function's (named
+    after its dtype), which ``rules/calls.py``'s jit rule casts the inputs of."""
     return cast_inputs_dtype(name) is not None
 
 
