@@ -666,8 +666,9 @@ def _cast_staged(trace: Any, x: Any, dtype: np.dtype) -> Any:
 
 def _stage_cast(trace: Any, x: Any, params: dict) -> list[Any] | None:
     """A cast of ``x`` with ``params`` (``_direct_cast_params``) staged into ``trace`` (None
-    where ``x`` is another trace's tracer), its abstract evaluation kept per operand type and dtype (a region casts every operation's
-    operands: JAX's cache of it would hash the type and parameters again each time)."""
+    where ``x`` is another trace's tracer), its abstract evaluation kept per operand type and
+    dtype (a region casts every operation's operands: JAX's cache of it would hash the type and
+    parameters again each time)."""
     if x._trace is not trace:
         return None
     key = (x.aval, params["new_dtype"])

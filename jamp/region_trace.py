@@ -611,7 +611,7 @@ class RegionTrace(compat.Trace):
         state = self.rewriter.current_state()
         programs = carries_programs(primitive, params)
         # (aval_of inlined for a tracer of the program: most operands are)
-        avals = [a.aval if type(a) is ProgramTracer else compat.aval_of(a) for a in args]
+        avals: list[Any] = [a.aval if type(a) is ProgramTracer else compat.aval_of(a) for a in args]
         if not programs and not (state.enabled and _any_floating(avals)):
             # nothing for the policy to change: no floating operand, or autocast off
             return compat.bind_on(self.parent, primitive, args, params, avals)
