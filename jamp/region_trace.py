@@ -588,6 +588,7 @@ class RegionTrace(compat.Trace):
         self.rewriter.shares_constants = self.eager
         self.env = RegionEnv()
         self._tables: dict[int, tuple[RegionState, dict]] = {}  # id(state) -> (state, decisions)
+        self._last_table: tuple[Any, dict] = (None, {})  # the entry _decisions found last
         calls = _CALLS.get(policy)
         if calls is None:
             calls = _CALLS[policy] = weakref.WeakKeyDictionary()
@@ -665,8 +666,9 @@ class RegionTrace(compat.Trace):
         decisions: dict | None = None
         key: tuple | None = None
         if not programs:
+            last = self._last_table  # (_decisions' answer for the last state, without its call)
             decisions, key = (
-                self._decisions(state),
+                last[1] if last[0] is state else self._decisions(state),
                 _decision_key(env, primitive, params, invars, avals, program_avals),
             )
             if key is not None and program_avals is not None:
@@ -794,6 +796,7 @@ class RegionTrace(compat.Trace):
                 (self.rewriter.region, _decision_scope(state)), {}
             )
             entry = self._tables[id(state)] = (state, table)
+        self._last_table = entry
         return entry[1]
 
     def _replay(
@@ -1124,7 +1127,6 @@ class RegionTrace(compat.Trace):
         env, keys, sources, vars_, avals = self.env, [], [], [], []
         parts = env.key_parts
         eager = self.eager  # (constants keyed by what the rules read: any value)
-        first: dict[int, int] = {}  # id(var) -> the first operand that is that value
         more_than_tags = False
         traced = env._traced
         for i, value in enumerate(args):
@@ -1158,7 +1160,8 @@ class RegionTrace(compat.Trace):
                         return None
                 bits = env.tag_bits(var)
             # (the same value twice is one value to the walk too: jnp's ``x * x`` is a square)
-            keys.append((bits, constant, first.setdefault(id(var), i)))
+            # (found in C: a Var compares by identity, and a call has few operands)
+            keys.append((bits, constant, vars_.index(var) if var in vars_ else i))
             sources.append(source)
             vars_.append(var)
             avals.append(aval)
