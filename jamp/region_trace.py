@@ -1124,7 +1124,8 @@ class RegionTrace(compat.Trace):
         (``(tracker, i, j)``: a softmax's max ``i`` of ``j``); and the operands' variables and
         types. None where the walk would read more than that (a fact about an operand that
         points outside the call)."""
-        env, keys, sources, vars_, avals = self.env, [], [], [], []
+        env, keys, sources, avals = self.env, [], [], []
+        vars_: list[Any] = []
         parts = env.key_parts
         eager = self.eager  # (constants keyed by what the rules read: any value)
         more_than_tags = False
