@@ -1546,6 +1546,8 @@ class _RoutingDepths(threading.local):
 
 
 _routing = _RoutingDepths()
+# (read by a region's per-operation path directly, as decided_above reads it, without its call)
+ROUTING = _routing
 
 
 def _depth(name: str) -> int:

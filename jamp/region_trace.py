@@ -566,6 +566,7 @@ class RegionTrace(compat.Trace):
         self.parent = parent
         self.policy = policy
         self.entry_depths = compat.routing_depths()
+        self._plain_at_entry, self._backward_at_entry = self.entry_depths
         if region is None:
             # entered inside the policy's region: nested regions are the markers past these
             region = max(1, region_depth(compat.current_scope_names()))
@@ -599,24 +600,30 @@ class RegionTrace(compat.Trace):
     # -- ordinary primitives ------------------------------------------------------------------
 
     def process_primitive(self, primitive: Any, args: Sequence[Any], params: dict) -> Any:
-        # (on jax 0.12 every jit's ``inline`` is a truthy enum: a user's jits are reused as jnp's
-        # are, keeping their parameters; a ``cast_inputs`` function's is not, its rule casts)
-        if compat.is_inline_jit(primitive, params) and not _casts_inputs(params.get("name", "")):
-            return self._inline_call(primitive, args, params)
-        if compat.converts_to_itself(primitive, args, params):
+        kind = _KINDS.get(primitive)
+        if kind is None:
+            kind = _kind_of(primitive, params)
+        if kind == _JIT_CALL:
+            # (compat.is_inline_jit; on jax 0.12 every jit's ``inline`` is a truthy enum: a
+            # user's jits are reused as jnp's are, keeping their parameters; a ``cast_inputs``
+            # function's is not, its rule casts)
+            if params.get("inline") and not _casts_inputs(params.get("name", "")):
+                return self._inline_call(primitive, args, params)
+        elif kind == _CONVERT and compat.converts_to_itself(primitive, args, params):
             # JAX binds a convert of a value to its own type where the value is a concrete
             # tracer (``jnp.asarray`` of a value under eager ``jax.grad``: Flax's
             # ``promote_dtype`` calls it on every operand) and returns the value itself
             # elsewhere: here too, for a tracer of an array, which it leaves as it is.
             return args[0]
         state = self.rewriter.current_state()
-        programs = carries_programs(primitive, params)
+        programs = kind == _JIT_CALL or kind == _WITH_PROGRAMS
         # (aval_of inlined for a tracer of the program: most operands are)
         avals: list[Any] = [a.aval if type(a) is ProgramTracer else compat.aval_of(a) for a in args]
         if not programs and not (state.enabled and _any_floating(avals)):
             # nothing for the policy to change: no floating operand, or autocast off
             return compat.bind_on(self.parent, primitive, args, params, avals)
-        if compat.decided_above(*self.entry_depths):
+        routing = compat.ROUTING  # (compat.decided_above, without its call)
+        if routing.plain > self._plain_at_entry or routing.backward > self._backward_at_entry:
             # JAX's derivative rules bind what a region above them decided (a jax.grad called
             # in the region: differentiation_routed_above), and a backward pass the transposes
             # of ops decided in the forward pass: both run as they are, as torch's backward does.
@@ -905,7 +912,8 @@ class RegionTrace(compat.Trace):
         that (run op by op, it would not); a device array constant over 16 elements given to it
         is keyed by its type then, as a small one is.
         """
-        if compat.decided_above(*self.entry_depths):  # as in process_primitive: as it is
+        routing = compat.ROUTING  # (as in process_primitive: as it is)
+        if routing.plain > self._plain_at_entry or routing.backward > self._backward_at_entry:
             return compat.bind_on(self.parent, primitive, args, params)
         closed = params["jaxpr"]
         try:  # (a callee rewritten before is no sampler: those are never rewritten)
@@ -1574,6 +1582,24 @@ def _reaches_a_sum(jaxpr: Any, i: int) -> bool:
         if name in ACCUMULATED_THROUGH:
             reached.update(eqn.outvars)
     return any(isinstance(v, compat.Var) and v in reached for v in jaxpr.outvars)
+
+
+# What process_primitive does first with an operation, by its primitive (found once per
+# primitive, ``_kind_of``): a jit call (jnp's functions: _inline_call), a convert (which may be
+# to the value's own type), another primitive carrying programs (scan, cond...), any other.
+_JIT_CALL, _CONVERT, _WITH_PROGRAMS, _OTHER = range(4)
+_KINDS: dict[Any, int] = {}
+
+
+def _kind_of(primitive: Any, params: dict) -> int:
+    if primitive.name in ("jit", "pjit"):  # (as compat.is_inline_jit tells one)
+        kind = _JIT_CALL
+    elif primitive.name == "convert_element_type":
+        kind = _CONVERT
+    else:
+        kind = _WITH_PROGRAMS if carries_programs(primitive, params) else _OTHER
+    _KINDS[primitive] = kind
+    return kind
 
 
 def _any_in(variables: list, table: dict) -> bool:
