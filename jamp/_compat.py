@@ -1797,13 +1797,6 @@ def region_source_info() -> Any:
     return _siu.current().replace(name_stack=_NO_NAMES)
 
 
-def is_inline_jit(primitive: Any, params: dict[str, Any]) -> bool:
-    """A ``jax.jit(..., inline=True)`` call (jnp's functions), which tracing inlines. On jax
-    0.12 ``inline`` is an enum whose every member is truthy (a plain ``jax.jit`` is ``AUTO``):
-    every jit answers yes there."""
-    return primitive.name in ("jit", "pjit") and bool(params.get("inline"))
-
-
 # Where jax.random's samplers live (jax/_src/random/core.py on jax 0.10 and 0.12; random.py
 # before): every sampler is a jit of a function defined there.
 _SAMPLER_SOURCE = os.sep + os.path.join("jax", "_src", "random")

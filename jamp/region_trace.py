@@ -604,9 +604,10 @@ class RegionTrace(compat.Trace):
         if kind is None:
             kind = _kind_of(primitive, params)
         if kind == _JIT_CALL:
-            # (compat.is_inline_jit; on jax 0.12 every jit's ``inline`` is a truthy enum: a
-            # user's jits are reused as jnp's are, keeping their parameters; a ``cast_inputs``
-            # function's is not, its rule casts)
+            # A ``jax.jit(..., inline=True)`` call (jnp's functions), which tracing inlines. On
+            # jax 0.12 ``inline`` is an enum whose every member is truthy (a plain ``jax.jit`` is
+            # ``AUTO``): a user's jits are reused as jnp's are, keeping their parameters; a
+            # ``cast_inputs`` function's is not, its rule casts.
             if params.get("inline") and not _casts_inputs(params.get("name", "")):
                 return self._inline_call(primitive, args, params)
         elif kind == _CONVERT and compat.converts_to_itself(primitive, args, params):
@@ -1592,7 +1593,7 @@ _KINDS: dict[Any, int] = {}
 
 
 def _kind_of(primitive: Any, params: dict) -> int:
-    if primitive.name in ("jit", "pjit"):  # (as compat.is_inline_jit tells one)
+    if primitive.name in ("jit", "pjit"):
         kind = _JIT_CALL
     elif primitive.name == "convert_element_type":
         kind = _CONVERT

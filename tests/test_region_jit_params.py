@@ -1,7 +1,7 @@
 """A user's ``jax.jit`` called eagerly in a region keeps what the jit sets beyond its program:
 donated operands, output shardings and memory kinds (docs/reference/dtypes.md, "Higher-order
 primitives": "the jit (shardings, donation, name) is kept"), as calling it outside the region
-does. On jax 0.12 every jit reaches the region as an inline one (``compat.is_inline_jit``), whose
+does. On jax 0.12 every jit reaches the region as an inline one (its ``inline`` is truthy), whose
 eager run of the rewritten jaxpr once dropped them all."""
 
 import os
