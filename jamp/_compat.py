@@ -1251,23 +1251,6 @@ def bind_on(
     return primitive.bind_with_trace(trace, args, avals, params)
 
 
-def _inlines_when_staged(params: dict) -> bool:
-    """Whether JAX's staging rule of a jit (``pjit_staging_rule``, jax 0.10 and 0.12) inlines a
-    call with ``params`` into the program being traced (jnp's functions): inline (0.12: early,
-    by JAX), no shardings, layouts or compiler options."""
-    inline = params["inline"]
-    ins, outs = params["in_shardings"], params["out_shardings"]
-    return (
-        (inline is _INLINE_EARLY if _INLINE_EARLY is not None else bool(inline))
-        and not params["compiler_options_kvs"]
-        # (JAX's one UNSPECIFIED counted in C first: a region asks at every jnp call)
-        and (ins.count(_UNSPECIFIED) == len(ins) or _all_unspecified(ins))
-        and (outs.count(_UNSPECIFIED) == len(outs) or _all_unspecified(outs))
-        and params["in_layouts"].count(None) == len(params["in_layouts"])
-        and params["out_layouts"].count(None) == len(params["out_layouts"])
-    )
-
-
 def jit_sets_call(params: dict) -> bool:
     """Whether a jit equation's ``params`` set what its call does beyond running its program
     (a user's ``jax.jit``): a donated operand, shardings (memory kinds included), layouts,
@@ -1350,7 +1333,27 @@ def _inline_now(trace: Any, args: Sequence[Any], params: dict, closed: Any) -> l
             return None
         else:
             constants = True
-    if not own or not _inlines_when_staged(params):
+    if not own:
+        return None
+    # Whether JAX's staging rule of a jit (``pjit_staging_rule``, jax 0.10 and 0.12) inlines
+    # the call: inline (0.12: early, by JAX), no shardings, layouts or compiler options.
+    inline = params["inline"]
+    in_shardings, out_shardings = params["in_shardings"], params["out_shardings"]
+    if not (
+        (inline is _INLINE_EARLY if _INLINE_EARLY is not None else bool(inline))
+        and not params["compiler_options_kvs"]
+        # (JAX's one UNSPECIFIED counted in C first)
+        and (
+            in_shardings.count(_UNSPECIFIED) == len(in_shardings)
+            or _all_unspecified(in_shardings)
+        )
+        and (
+            out_shardings.count(_UNSPECIFIED) == len(out_shardings)
+            or _all_unspecified(out_shardings)
+        )
+        and params["in_layouts"].count(None) == len(params["in_layouts"])
+        and params["out_layouts"].count(None) == len(params["out_layouts"])
+    ):
         return None
     # (what process_primitive asks the jit, ``jit_p.is_high``, on 0.10 and 0.12 alike)
     trace.frame.is_high |= closed.jaxpr.is_high

@@ -174,6 +174,19 @@ def call_bodies(eqn: Any) -> list[Any]:
 _IS_FLOAT: dict[Any, bool] = {}  # asked for every operand of every equation: by dtype, once
 
 
+def any_float(avals: Sequence[Any]) -> bool:
+    """Whether any of ``avals`` is of a floating dtype (``is_float``'s table read without its
+    call: a region asks for every operation)."""
+    known = _IS_FLOAT
+    for aval in avals:  # (a loop, not any() of a generator)
+        dtype = getattr(aval, "dtype", None)
+        if dtype is not None:
+            floating = known.get(dtype)
+            if floating or (floating is None and is_float(dtype)):
+                return True
+    return False
+
+
 def is_float(dtype: Any) -> bool:
     try:
         return _IS_FLOAT[dtype]
@@ -219,7 +232,7 @@ HOST_VALUES = (np.ndarray, np.generic, float, int, bool)
 def is_known_value(value: Any) -> bool:
     """A value the rules may read at rewrite time: concrete, on the host or a device, not a
     tracer, nor a symbolic dimension (``jax.export``'s shapes: no value until the program runs)."""
-    return isinstance(value, _KNOWN_TYPES) and not compat.is_tracer(value)
+    return isinstance(value, _KNOWN_TYPES) and not isinstance(value, compat.Tracer)
 
 
 _KNOWN_TYPES = (*HOST_VALUES, jax.Array)

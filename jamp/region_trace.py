@@ -87,6 +87,7 @@ from .interpreter import (
     Rewriter,
     Step,
     TransformDecisions,
+    any_float,
     carries_programs,
     constant_key,
     convert_may_end_a_contraction,
@@ -620,7 +621,7 @@ class RegionTrace(compat.Trace):
         programs = kind == _JIT_CALL or kind == _WITH_PROGRAMS
         # (aval_of inlined for a tracer of the program: most operands are)
         avals: list[Any] = [a.aval if type(a) is ProgramTracer else compat.aval_of(a) for a in args]
-        if not programs and not (state.enabled and _any_floating(avals)):
+        if not programs and not (state.enabled and any_float(avals)):
             # nothing for the policy to change: no floating operand, or autocast off
             return compat.bind_on(self.parent, primitive, args, params, avals)
         routing = compat.ROUTING  # (compat.decided_above, without its call)
@@ -1606,14 +1607,6 @@ def _kind_of(primitive: Any, params: dict) -> int:
 def _any_in(variables: list, table: dict) -> bool:
     for var in variables:  # (a loop, not any() of a generator: asked per jnp call)
         if var in table:
-            return True
-    return False
-
-
-def _any_floating(avals: list) -> bool:
-    """Whether an operand is floating (else the policy has nothing to change)."""
-    for aval in avals:  # (as Env.has_fact)
-        if is_float(getattr(aval, "dtype", np.int32)):
             return True
     return False
 
