@@ -1344,8 +1344,7 @@ def _inline_now(trace: Any, args: Sequence[Any], params: dict, closed: Any) -> l
         and not params["compiler_options_kvs"]
         # (JAX's one UNSPECIFIED counted in C first)
         and (
-            in_shardings.count(_UNSPECIFIED) == len(in_shardings)
-            or _all_unspecified(in_shardings)
+            in_shardings.count(_UNSPECIFIED) == len(in_shardings) or _all_unspecified(in_shardings)
         )
         and (
             out_shardings.count(_UNSPECIFIED) == len(out_shardings)
