@@ -1230,6 +1230,10 @@ def bind_on(
     into a program being built staged directly where it can be (``_stage_now``). A primitive
     with a ``bind`` of its own is bound through it. ``evaluated``: where the abstract
     evaluation of this operation at these types is kept (``_add_equation``)."""
+    if evaluated and type(trace) is _pe.DynamicJaxprTrace:
+        staged = _stage_again(trace, primitive, args, params, evaluated)
+        if staged is not None:
+            return staged if primitive.multiple_results else staged[0]
     if type(trace) is _pe.DynamicJaxprTrace and primitive is _convert_p:
         # (a convert has a bind of its own, which adds nothing to one staged as a cast is)
         if params["sharding"] is None and not params["weak_type"]:
@@ -1376,6 +1380,21 @@ def _inline_now(trace: Any, args: Sequence[Any], params: dict, closed: Any) -> l
                 for x in outs
             ]
     return outs
+
+
+def _stage_again(
+    trace: Any, primitive: Any, args: Sequence[Any], params: dict, evaluated: list
+) -> list[Any] | None:
+    """``_stage_now`` of an operation staged before at the same types and parameters (a
+    region's replayed decision, whose ``evaluated`` holds the abstract evaluation made then,
+    which only ``_stage_now`` makes): what it checked of the primitive and its parameters held
+    then; only the operands are checked again (tracers of ``trace``, or a bind stages them)."""
+    for a in args:  # (a loop, not any() of a generator: a region asks for every operation)
+        if type(a) is not _pe.DynamicJaxprTracer or a._trace is not trace:
+            return None
+    return _add_equation(
+        trace, list(args), primitive, params, _siu.current(), None, evaluated=evaluated
+    )
 
 
 def _stage_now(

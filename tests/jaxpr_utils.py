@@ -117,9 +117,18 @@ def decided_every_time() -> Iterator[None]:
 def bound_only() -> Iterator[None]:
     """jamp with every equation bound, none staged directly (``compat.stage_like``,
     ``stage_decided`` and ``stage_convert`` for the transform's rewrite, ``compat.bind_on`` for
-    a region's operations, ``_stage_cast`` for its casts, ``_inline_now`` for its calls of jnp
-    functions): the reference a directly staged program must equal."""
-    names = ("_stage", "_stage_now", "_stage_cast", "_inline_now", "stage_decided", "stage_convert")
+    a region's operations (``_stage_again`` for those it replays), ``_stage_cast`` for its
+    casts, ``_inline_now`` for its calls of jnp functions): the reference a directly staged
+    program must equal."""
+    names = (
+        "_stage",
+        "_stage_now",
+        "_stage_again",
+        "_stage_cast",
+        "_inline_now",
+        "stage_decided",
+        "stage_convert",
+    )
     saved = [getattr(compat, name) for name in names]
     for name in names:
         setattr(compat, name, lambda *args, **kwargs: None)
