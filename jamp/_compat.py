@@ -1601,11 +1601,17 @@ def _make_routed(plain: Callable[..., Any], above: Callable[[Any], Any]) -> Call
     def process(self: Any, primitive: Any, *rest: Any, **params: Any) -> Any:
         # What the region above binds on this trace, and what JAX binds while it differentiates
         # that (on a differentiation trace below: a nested grad's), is differentiated as it is.
+        # (every operation JAX differentiates while a region is open comes here: _depth and
+        # _deeper("plain") inlined, a context manager's four Python calls an operation)
+        routing = _routing
         binding = self.__dict__.get("_jamp_region_binding", False)
-        upper = None if binding or _depth("plain") else above(self)
+        upper = None if binding or routing.plain else above(self)
         if upper is None:
-            with _deeper("plain"):
+            routing.plain += 1
+            try:
                 return plain(self, primitive, *rest, **params)
+            finally:
+                routing.plain -= 1
         self._jamp_region_binding = True
         try:
             return getattr(upper, plain.__name__)(primitive, *rest, **params)

@@ -1866,7 +1866,7 @@ def region_above(differentiating: Any) -> RegionTrace | None:
     linearize trace of a ``jax.grad`` called inside a region) differentiates them: one per such
     trace, made at its first operation, with the policy of the region it was started in (found
     below it, past any ``vmap``), binding on it. None where no region is below it."""
-    if not active():
+    if not getattr(_tls, "depth", 0):  # (active(), inlined: asked for every such operation)
         return None
     upper = differentiating.__dict__.get("_jamp_region_above")
     if upper is None:
