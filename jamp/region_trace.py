@@ -185,19 +185,13 @@ ProgramTracer = compat.ProgramTracer
 
 class _ValueRef(weakref.ref):
     """A weak reference to a value a region has seen, with its variable and ``id`` (one object
-    per value, as few as the garbage collector can be given: a region sees every value)."""
+    per value, as few as the garbage collector can be given: a region sees every value). Made
+    by ``weakref.ref``'s own constructor, its fields set after (``RegionEnv.remember``): a
+    ``__new__``/``__init__`` of its own would be two Python calls per value a region sees."""
 
     __slots__ = ("key", "var")
     key: int
     var: Any
-
-    def __new__(cls, value: Any, callback: Any, var: Any) -> _ValueRef:
-        ref = super().__new__(cls, value, callback)
-        ref.key, ref.var = id(value), var
-        return ref
-
-    def __init__(self, value: Any, callback: Any, var: Any) -> None:
-        super().__init__(value, callback)  # type: ignore[call-arg]  # (weakref.ref's own)
 
 
 @dataclasses.dataclass
@@ -295,10 +289,12 @@ class RegionEnv(Env):
             self._traced[value.val] = var
             return
         try:
-            ref = _ValueRef(value, self._on_death, var)
+            ref = _ValueRef(value, self._on_death)
         except TypeError:  # numpy values and Python scalars: a fresh variable each time
             return
-        self._vars[ref.key] = ref
+        ref.key = key = id(value)
+        ref.var = var
+        self._vars[key] = ref
 
     def _forget(self, ref: _ValueRef) -> None:
         key, var = ref.key, ref.var
@@ -312,7 +308,10 @@ class RegionEnv(Env):
         self.upcast_of.pop(var, None)
         for facts in self.facts.values():
             facts.pop(var, None)
-        self.casts.forget(var)
+        cast_keys = self.casts.by_var.pop(var, None)  # (casts.forget inlined: most have none)
+        if cast_keys:
+            for cast_key in cast_keys:
+                self.casts.pop(cast_key, None)
         if self.promotions:  # (mostly empty: no call per value then)
             self.promotions.forget(var)
         self.lazy_squares.pop(var, None)
