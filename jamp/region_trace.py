@@ -308,10 +308,7 @@ class RegionEnv(Env):
         self.upcast_of.pop(var, None)
         for facts in self.facts.values():
             facts.pop(var, None)
-        cast_keys = self.casts.by_var.pop(var, None)  # (casts.forget inlined: most have none)
-        if cast_keys:
-            for cast_key in cast_keys:
-                self.casts.pop(cast_key, None)
+        self.casts.forget(var)
         if self.promotions:  # (mostly empty: no call per value then)
             self.promotions.forget(var)
         self.lazy_squares.pop(var, None)
