@@ -489,10 +489,11 @@ class Env:
         self, out_facts: tuple, invars: Sequence[Any], outvars: Sequence[Any]
     ) -> None:
         """What trackers learned of a replayed operation's outputs (``Decision.out_facts``), set
-        again: output ``k``'s fact is operand ``j`` (``("in", j)``) or operand ``j``'s own."""
+        again: output ``k``'s fact is operand ``j`` (``("in", j)``), operand ``j``'s own
+        (``("of", j)``) or a value (``("is", fact)``: a ``FactValue``)."""
         for name, k, (how, j) in out_facts:
             known = self.facts.setdefault(name, {})
-            known[outvars[k]] = invars[j] if how == "in" else known[invars[j]]
+            known[outvars[k]] = invars[j] if how == "in" else j if how == "is" else known[invars[j]]
 
     def add_tags(self, var: Any, bits: int) -> None:
         if bits:
@@ -1225,6 +1226,14 @@ def _raised_in_jamp(err: BaseException) -> bool:
     )
 
 
+class FactValue:
+    """A tracker's fact that is a value of its own rather than a variable (rules/softmax.py's
+    ``MaxRecipe``): hashable and holding no variable, so that a decision's key holds it as it is
+    (``("is", fact)``) and a replay sets it again unchanged."""
+
+    __slots__ = ()
+
+
 Tracker = Callable[["Step", Sequence[Any]], None]
 # Called with every equation and its outputs, in both front ends (the rewriter and the region):
 # a rule that must know where its operands came from records it here (rules/softmax.py).
@@ -1866,14 +1875,18 @@ class TransformDecisions:
     def facts_part(env: Env, invars: Sequence[Any]) -> tuple:
         """What the trackers know of an equation's operands, in terms of its operands (the
         fact of operand ``i`` is operand ``j``: ``("in", j)``), or of the first operand whose
-        fact is the same value (``("as", j)``): all a rule can compare of them."""
-        found = []
+        fact is the same value (``("as", j)``), or a fact that is a value (``("is", fact)``):
+        all a rule can compare of them."""
+        found: list[tuple] = []
         for name, known in env.facts.items():
             targets: list[Any] = []
             for i, atom in enumerate(invars):
                 target = known.get(atom) if isinstance(atom, compat.Var) else None
                 targets.append(target)
                 if target is None:
+                    continue
+                if isinstance(target, FactValue):
+                    found.append((name, i, ("is", target)))
                     continue
                 where = next((("in", j) for j, v in enumerate(invars) if v is target), None)
                 if where is None:
@@ -1884,14 +1897,17 @@ class TransformDecisions:
     @staticmethod
     def output_facts(env: Env, eqn: Any) -> tuple | None:
         """What the trackers learned of an equation's outputs, in terms of its operands: the
-        operand ``j`` (``("in", j)``) or what they knew of it (``("of", j)``); None where a
-        fact is of another value."""
-        found = []
+        operand ``j`` (``("in", j)``), what they knew of it (``("of", j)``) or a value
+        (``("is", fact)``); None where a fact is of another variable."""
+        found: list[tuple] = []
         invars = eqn.invars
         for name, known in env.facts.items():
             for k, var in enumerate(eqn.outvars):
                 target = known.get(var)
                 if target is None:
+                    continue
+                if isinstance(target, FactValue):
+                    found.append((name, k, ("is", target)))
                     continue
                 where = next((("in", j) for j, v in enumerate(invars) if v is target), None)
                 if where is None:

@@ -82,6 +82,7 @@ from .interpreter import (
     ConstSource,
     Decision,
     Env,
+    FactValue,
     Hint,
     RecordingStep,
     Rewriter,
@@ -421,11 +422,14 @@ def _output_facts(env: Any, in_vars: list, outs: Sequence[Any]) -> tuple | None:
     for value in outs:
         var, new = env.var_for(value)
         out_vars.append(None if new else var)
-    found = []
+    found: list[tuple] = []
     for name, known in env.facts.items():
         for k, var in enumerate(out_vars):
             target = known.get(var) if var is not None else None
             if target is None:
+                continue
+            if isinstance(target, FactValue):
+                found.append((name, k, ("is", target)))
                 continue
             where = [("in", j) for j, v in enumerate(in_vars) if v is target]
             where += [("out", j) for j, v in enumerate(out_vars) if v is target]
@@ -1105,7 +1109,7 @@ class RegionTrace(compat.Trace):
         # What the trackers learned about the outputs (a softmax's max: rules/softmax.py),
         # pointing at the caller's own variables.
         for name, k, (side, j) in rewrite.facts:
-            target = in_vars[j] if side == "in" else out_vars[j]
+            target = in_vars[j] if side == "in" else j if side == "is" else out_vars[j]
             if out_vars[k] is not None and target is not None:
                 env.facts.setdefault(name, {})[out_vars[k]] = target
                 env.key_parts[out_vars[k]] = None  # a fact: more than tags (_tag_bits)
@@ -1174,11 +1178,14 @@ class RegionTrace(compat.Trace):
             avals.append(aval)
         if not more_than_tags:  # (no facts either)
             return tuple(keys), sources, (), vars_, avals
-        facts = []
+        facts: list[tuple] = []
         for name, known in env.facts.items():
             for i, var in enumerate(vars_):
                 target = known.get(var)
                 if target is None:
+                    continue
+                if isinstance(target, FactValue):  # (a value: keyed as it is)
+                    facts.append((name, i, target))
                     continue
                 if not any(target is other for other in vars_):
                     return None
@@ -1283,7 +1290,8 @@ class RegionTrace(compat.Trace):
                     elif source is not None:  # cast from the value (in the key), as op by op
                         sub.env.known[var] = source
                 for name, i, j in facts:  # (in the key)
-                    sub.env.facts.setdefault(name, {})[in_vars[i]] = in_vars[j]
+                    target = j if isinstance(j, FactValue) else in_vars[j]
+                    sub.env.facts.setdefault(name, {})[in_vars[i]] = target
                 with compat.set_current_trace(sub):
                     outs = compat.eval_jaxpr_retyped(jaxpr, consts, operands)
                 # a square the callee returns leaves it in float32: the caller may sum it, and

@@ -6,7 +6,8 @@ import optax
 import pytest
 
 import jamp
-from tests.jaxpr_utils import eqns_named
+from jamp import _compat as compat
+from tests.jaxpr_utils import eqns_named, sub_jaxprs
 
 F16, F32 = np.dtype(jnp.float16), np.dtype(jnp.float32)
 POLICY = jamp.Policy(jnp.float16)
@@ -140,3 +141,87 @@ def test_a_region_shifts_in_float32_on_every_call(composite):
     with jamp.autocast(jnp.float16):
         shifted = LOGITS - LOGITS.max(-1, keepdims=True)
     np.testing.assert_array_equal(np.asarray(shifted[0]), [0.0, -80000.0, -39999.0, -39998.0])
+
+
+def _shifts(closed):
+    """Per ``x - max(x)`` in the program (each jaxpr and sub-jaxpr on its own): the dtype its max
+    was reduced in and whether that max was reduced from the very operand the shift subtracts
+    it from (a max computed in float32 from the float32 ``x``), else from something converted."""
+    through = {"broadcast_in_dim", "reshape", "max", "stop_gradient", "expand_dims", "squeeze",
+               "copy", "convert_element_type"}
+    found = []
+
+    def walk(jaxpr):
+        jaxpr = compat.open_and_consts(jaxpr)[0]
+        producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+        for eqn in jaxpr.eqns:
+            for value in eqn.params.values():
+                for sub in sub_jaxprs(value):
+                    walk(sub)
+            if eqn.primitive.name != "sub":
+                continue
+            atom, converted = eqn.invars[1], False
+            while isinstance(atom, compat.Var) and atom in producer:
+                source = producer[atom]
+                if source.primitive.name == "reduce_max":
+                    found.append((np.dtype(source.outvars[0].aval.dtype),
+                                  source.invars[0] is eqn.invars[0] and not converted))
+                    break
+                if source.primitive.name not in through:
+                    break
+                converted |= source.primitive.name == "convert_element_type"
+                atom = next(v for v in source.invars if isinstance(v, compat.Var))
+
+    walk(closed)
+    return found
+
+
+def _softmax_loss(w, x):
+    return jnp.sum(jax.nn.softmax(x @ w) ** 2)
+
+
+_COMPOSITES = {
+    "by_hand": lambda form: FORMS[form](lambda x: x - x.max(-1, keepdims=True)),
+    "softmax": lambda form: FORMS[form](jax.nn.softmax),
+    "log_softmax": lambda form: FORMS[form](jax.nn.log_softmax),
+    # (the form inside jax.grad, as a train step has it)
+    "softmax_grad": lambda form: jax.grad(FORMS[form](_softmax_loss)),
+}
+
+
+@pytest.mark.parametrize("form", ["transform", "region"])
+@pytest.mark.parametrize("composite", sorted(_COMPOSITES))
+def test_the_shift_computes_its_max_again_in_float32(composite, form):
+    """The shift's max is not the 16-bit max converted but the float32 max of the float32
+    operand, as a softmax written in float32 has it (XLA's CPU compiler took 1-2% longer on the
+    converted one); the same number, since a max rounds nothing. Every call, replays too."""
+    w = jax.device_put(np.eye(4, dtype=np.float32))
+    args = (w, LOGITS) if composite == "softmax_grad" else (LOGITS,)
+    for _ in range(3):
+        closed = jax.make_jaxpr(_COMPOSITES[composite](form))(*args)
+        assert _shifts(closed) and set(_shifts(closed)) == {(F32, True)}, _shifts(closed)
+
+
+def test_the_shift_converts_a_max_it_cannot_compute_again():
+    """logsumexp's max passes a select_n on whether it is finite (a value, not a constant): the
+    shift converts the 16-bit max instead, still in float32."""
+    lse = lambda x: jax.nn.logsumexp(x, axis=-1)  # noqa: E731
+    for form in ("transform", "region"):
+        closed = jax.make_jaxpr(FORMS[form](lse))(LOGITS)
+        assert _shifts(closed) == [], _shifts(closed)  # (its max reaches the sub past a select)
+        subs = [np.dtype(e.outvars[0].aval.dtype) for e in eqns_named(closed, "sub")]
+        assert subs[:1] == [F32], subs
+
+
+def test_shifts_over_different_axes_each_compute_their_own_max():
+    """Two softmaxes of one square value, over either axis: the same shapes and types all
+    along, so only what the recipe holds (the reduction's axes, the broadcast's dimensions)
+    tells their maxes apart; a replay that mixed them up would subtract the wrong max."""
+    x = jax.device_put(np.arange(16, dtype=np.float16).reshape(4, 4) * np.float16(3.5))
+    both = lambda x: jax.nn.softmax(x, axis=0) + 2.0 * jax.nn.softmax(x, axis=1)  # noqa: E731
+    host = np.asarray(x, np.float32)
+    expected = jax.nn.softmax(host, axis=0) + 2.0 * jax.nn.softmax(host, axis=1)
+    for form in ("transform", "region", "region_jit"):
+        for _ in range(3):
+            out = FORMS[form](both)(x)
+            np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=1e-3)

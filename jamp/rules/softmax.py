@@ -13,12 +13,18 @@ agree; with float16 the shift overflows whatever comes next); the ``exp``, the s
 ``log`` that follow are fp32-table ops already, and the composite returns float32 (torch's
 ``softmax`` under autocast does too).
 
-The max itself runs in the dtype its operand arrives in: a max rounds nothing, so it is the
-same number in float32. Why a pattern on the operations and not on the callee's name: the
-composites reach jamp in different forms (``log_softmax`` as a ``jit`` named after it,
-``softmax`` and ``logsumexp`` inlined into the caller's program, a ``custom_jvp`` in some JAX
-versions and flags, user code writing ``x - x.max()`` by hand), while the arithmetic that
-overflows is the same in all of them; a callee name would miss the inlined ones. The pattern is
+The max runs in the dtype its operand arrives in (a max rounds nothing, so it is the same
+number in float32); where the shift takes it in float32, it is computed again there from the
+float32 operand, through the same steps (``MaxRecipe``), rather than converted: the program then
+has the shape of a softmax written in float32 (convert, max, subtract), and the 16-bit max is
+left unused (XLA drops it). With the 16-bit max converted, XLA's CPU compiler took 1-2% longer
+on a transformer's train step (benchmarks/README.md, issue 33's thirty-ninth pass).
+
+Why a pattern on the operations and not on the callee's name: the composites reach jamp in
+different forms (``log_softmax`` as a ``jit`` named after it, ``softmax`` and ``logsumexp``
+inlined into the caller's program, a ``custom_jvp`` in some JAX versions and flags, user code
+writing ``x - x.max()`` by hand), while the arithmetic that overflows is the same in all of
+them; a callee name would miss the inlined ones. The pattern is
 learned backwards, from operations already seen (``interpreter.register_tracker``), so the region
 form (which cannot look ahead) decides as ``autocast_transform`` does.
 
@@ -27,6 +33,7 @@ Removing ``exp`` from ``Policy.fp32`` turns this off too (the shift exists only 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +45,7 @@ from ..interpreter import (
     F32,
     F64,
     SHAPE_ONLY,
+    FactValue,
     Step,
     default_rule,
     is_float,
@@ -50,8 +58,73 @@ FACT = "max_of"  # Env.facts[FACT]: a value -> the variable it is the max of
 _THROUGH = SHAPE_ONLY | {"max", "select_n", "stop_gradient", "convert_element_type", "copy"}
 
 
+RECIPE = "max_recipe"  # Env.facts[RECIPE]: a max -> how to compute it again (MaxRecipe)
+# The steps a recipe can take again in float32: they change no value of a max (a max with a
+# scalar constant: jnp's ``initial=-inf``). A convert or a select_n ends the recipe: the shift
+# converts such a max instead.
+_RECOMPUTED_THROUGH = SHAPE_ONLY | {"max", "stop_gradient", "copy"}
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxRecipe(FactValue):
+    """How a max was computed from the value it is the max of (``FACT``): ``reduce_max``, then
+    steps that change no value of it, each ``(primitive, params, operand index of the max,
+    other operands: scalar constants)``. A value, not a variable: a decision's key holds it and
+    a replay sets it again (``FactValue``)."""
+
+    steps: tuple
+
+    def then(self, primitive: Any, params: tuple, index: int, constants: tuple) -> MaxRecipe:
+        return MaxRecipe((*self.steps, (primitive, params, index, constants)))
+
+    def computed_from(self, operand: Any) -> Any:
+        """The max of ``operand`` (float32) by the same steps, bound where the caller is."""
+        value = operand
+        dtype = compat.aval_of(operand).dtype
+        for primitive, params, index, constants in self.steps:
+            args = [np.asarray(c, dtype) for c in constants]
+            args.insert(index, value)
+            value = primitive.bind(*args, **dict(params))
+        return value
+
+
 def _max_of(step: Step) -> dict[Any, Any]:
     return step.env.facts.setdefault(FACT, {})
+
+
+def _scalar_constant(step: Step, atom: Any) -> float | None:
+    source = step.env.source(atom)
+    if source is None or source.steps or np.ndim(source.base) != 0:
+        return None
+    try:
+        return float(source.base)
+    except TypeError:  # (a traced base: an eager region's constant)
+        return None
+
+
+def _recipe_step(step: Step, found: Any) -> MaxRecipe | None:
+    """The recipe of this equation's output, from its operand's that is a max of ``found``."""
+    eqn = step.eqn
+    if eqn.primitive.name not in _RECOMPUTED_THROUGH:
+        return None
+    recipes = step.env.facts.get(RECIPE)
+    if not recipes:
+        return None
+    facts = step.env.facts[FACT]
+    index, recipe, constants = None, None, []
+    for i, atom in enumerate(eqn.invars):
+        if index is None and isinstance(atom, compat.Var) and facts.get(atom) is found:
+            index, recipe = i, recipes.get(atom)
+            continue
+        constant = _scalar_constant(step, atom)
+        if constant is None:
+            return None
+        constants.append(constant)
+    if recipe is None:
+        return None
+    return recipe.then(
+        eqn.primitive, tuple(compat.bind_params(eqn).items()), index, tuple(constants)
+    )
 
 
 @register_tracker
@@ -67,6 +140,8 @@ def track_max(step: Step, outs: Sequence[Any]) -> None:
         operand = eqn.invars[0]
         if isinstance(operand, compat.Var):
             _max_of(step)[eqn.outvars[0]] = operand
+            recipe = MaxRecipe(((eqn.primitive, tuple(compat.bind_params(eqn).items()), 0, ()),))
+            step.env.facts.setdefault(RECIPE, {})[eqn.outvars[0]] = recipe
         return
     if not facts:
         return
@@ -81,6 +156,9 @@ def track_max(step: Step, outs: Sequence[Any]) -> None:
             return
     if found is not None:
         facts[eqn.outvars[0]] = found
+        then = _recipe_step(step, found)
+        if then is not None:
+            step.env.facts[RECIPE][eqn.outvars[0]] = then
 
 
 def _is_shift(step: Step) -> bool:
@@ -101,5 +179,20 @@ def sub_rule(step: Step) -> Sequence[Any]:
         if not any(avals[i].dtype == F64 for i in floating):
             targets = {i: F32 for i in floating if np.dtype(avals[i].dtype) != F32}
             step.why = "softmax shift (x - max(x) before exp)"
-            return step.bind(step.with_cast(targets))
+            args = step.with_cast({i: F32 for i in targets if i != 1})
+            if 1 in targets:
+                args[1] = _max_in_float32(step, args[0])
+            return step.bind(args)
     return CATEGORY_RULES.get(step.policy.category("sub"), default_rule)(step)
+
+
+def _max_in_float32(step: Step, operand: Any) -> Any:
+    """The shift's max in float32: computed again from the float32 ``operand`` where the region
+    knows how (``MaxRecipe``), else its 16-bit value converted. Either is the same number; a
+    shift computed so is decided every time (its max is neither an operand nor a cast of one)."""
+    recipes = step.env.facts.get(RECIPE)
+    recipe = recipes.get(step.eqn.invars[1]) if recipes else None
+    if recipe is None or compat.aval_of(operand).dtype != F32:
+        return step.cast(1, F32)
+    with compat.equation_context(step.eqn):
+        return recipe.computed_from(operand)
