@@ -28,19 +28,35 @@ BF16 = jnp.bfloat16
 
 # --- models ----------------------------------------------------------------------------------
 
+def attention_softmax_f32(query: jax.Array, key: jax.Array, value: jax.Array, bias: Any = None,
+                           mask: Any = None, dtype: Any = None) -> jax.Array:
+    """``nn.dot_product_attention`` with the softmax computed in float32 and its weights rounded
+    to the attention's dtype for the product with the values: by hand, what jamp's policy (and
+    torch's autocast) does to a softmax between two 16-bit matmuls. (Flax's own
+    ``force_fp32_for_softmax`` keeps the weights float32, which makes that product float32.)"""
+    weights = nn.dot_product_attention_weights(query, key, bias, mask, dtype=dtype,
+                                               force_fp32_for_softmax=True)
+    return jnp.einsum("...hqk,...khd->...qhd", weights.astype(value.dtype), value)
+
+
 class Block(nn.Module):
-    """Pre-LN transformer block: LN -> multi-head self-attention -> residual, LN -> MLP(gelu)."""
+    """Pre-LN transformer block: LN -> multi-head self-attention -> residual, LN -> MLP(gelu).
+
+    ``softmax_f32``: the attention's softmax in float32 (``attention_softmax_f32``)."""
 
     d: int
     heads: int
     dtype: Any = None
     param_dtype: Any = F32
+    softmax_f32: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = nn.LayerNorm(**kw)(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, **kw)(h, h)
+        attention = attention_softmax_f32 if self.softmax_f32 else nn.dot_product_attention
+        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, attention_fn=attention,
+                                            **kw)(h, h)
         x = x + h
         h = nn.LayerNorm(**kw)(x)
         h = nn.Dense(4 * self.d, **kw)(h)
@@ -62,13 +78,14 @@ class Transformer(nn.Module):
     dtype: Any = None
     param_dtype: Any = F32
     remat: bool = False
+    softmax_f32: bool = False  # (Block's)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         block = nn.remat(Block) if self.remat else Block
         for _ in range(self.n_blocks):
-            x = block(self.d, self.heads, **kw)(x)
+            x = block(self.d, self.heads, softmax_f32=self.softmax_f32, **kw)(x)
         x = nn.LayerNorm(**kw)(x)
         return nn.Dense(self.d, **kw)(x)
 

@@ -53,6 +53,12 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   float32 forward) and "f32" (the float32 model, no autocast; a reference). Same float32
   parameters everywhere. Model: the transformer stack at 4 and 12 blocks (same widths as (a)).
   Goal: region/hand <= 1.02x.
+  The policy computes a softmax in float32 (as torch's autocast does) where Flax's bf16 model
+  computes it in bfloat16, and XLA compiles the two programs in different times. Two more sides
+  compare the same numerics: "hand bf16, f32 softmax" (the hand-written model with its softmax
+  in float32, ``common.attention_softmax_f32``) against "region", and "region, bf16 softmax" (a
+  region whose policy leaves ``exp`` to the promote table: ``BF16_SOFTMAX``) against "hand
+  bf16": what the region itself adds to a first call, apart from the numerics it asks for.
 
 (b') What a train step keeps for its backward pass (``residuals``)
   The bytes of the values ``jax.vjp`` of the loss keeps (the leaves of its VJP function, found
@@ -163,11 +169,17 @@ GOAL_COMPILE = 1.02  # (b) region / hand-written bf16, first call of the jitted 
 D, HEADS, SEQ, BATCH = 64, 4, 16, 2  # the transformer of rewrite_overhead.py
 
 
-def in_region(fn: Callable) -> Callable:
-    """A new function: ``fn`` called inside ``with jamp.autocast():`` (default policy, bf16)."""
+# The default policy with the softmax's exp (and so its shift: rules/softmax.py) left to the
+# promote table: a bfloat16 softmax, as Flax's ``dtype=bfloat16`` model computes it.
+BF16_SOFTMAX = jamp.Policy(fp32=jamp.Policy().fp32 - {"exp"})
+
+
+def in_region(fn: Callable, policy: jamp.Policy | None = None) -> Callable:
+    """A new function: ``fn`` called inside ``with jamp.autocast(policy):`` (default: the
+    default policy, bf16)."""
 
     def region_fn(*args: Any) -> Any:
-        with jamp.autocast():
+        with jamp.autocast(policy):
             return fn(*args)
 
     return region_fn
@@ -714,13 +726,18 @@ def measure_residuals(n_blocks: int, d: int, seq: int, batch: int) -> None:
 
 # --- (b) first call of a jitted train step -----------------------------------------------------
 
-COMPILE_SIDES = ("hand bf16", "region", "transform", "f32")
+# The last two are the same numerics from the other side: a hand-written bf16 model whose
+# softmax is float32 as the policy's is (``common.attention_softmax_f32``), and a region whose
+# policy leaves the softmax bfloat16 as Flax's bf16 model does (``BF16_SOFTMAX``).
+COMPILE_SIDES = ("hand bf16", "region", "transform", "f32", "hand bf16, f32 softmax",
+                 "region, bf16 softmax")
 
 
 def compile_case(n_blocks: int) -> tuple[dict[str, Callable[[], Callable]], tuple]:
     """Per side, a factory of fresh train-step functions, and the step's arguments."""
     model = Transformer(n_blocks, d=D, heads=HEADS)
     hand = Transformer(n_blocks, d=D, heads=HEADS, dtype=BF16)
+    hand_f32_softmax = Transformer(n_blocks, d=D, heads=HEADS, dtype=BF16, softmax_f32=True)
     x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, D), jnp.float32)
     params = model.init(jax.random.key(0), x)
     labels = jax.random.randint(jax.random.key(2), (BATCH, SEQ), 0, D)
@@ -734,6 +751,10 @@ def compile_case(n_blocks: int) -> tuple[dict[str, Callable[[], Callable]], tupl
             forward = in_region(lambda p, x: model.apply(p, x))
         elif side == "transform":
             forward = jamp.autocast_transform(lambda p, x: model.apply(p, x))
+        elif side == "hand bf16, f32 softmax":
+            forward = lambda p, x: hand_f32_softmax.apply(p, x)  # noqa: E731
+        elif side == "region, bf16 softmax":
+            forward = in_region(lambda p, x: model.apply(p, x), BF16_SOFTMAX)
         else:
             forward = lambda p, x: model.apply(p, x)  # noqa: E731
 
@@ -793,6 +814,11 @@ def measure_compile(blocks: Sequence[int], reps: int) -> list[dict[str, Any]]:
             "transform/hand": ratios(total["transform"], total["hand bf16"]),
             "region/transform": ratios(total["region"], total["transform"]),
             "f32/hand": ratios(total["f32"], total["hand bf16"]),
+            "same numerics": {  # (the region against a hand model of its own numerics)
+                "f32 softmax": ratios(total["region"], total["hand bf16, f32 softmax"]),
+                "bf16 softmax": ratios(total["region, bf16 softmax"], total["hand bf16"]),
+            },
+            "hand f32 softmax/hand": ratios(total["hand bf16, f32 softmax"], total["hand bf16"]),
             "region/hand lower": ratios([s["lower"] for s in row["region"]],
                                         [s["lower"] for s in row["hand bf16"]]),
             "region/hand compile": ratios([s["compile"] for s in row["region"]],
@@ -832,11 +858,27 @@ def report_compile(results: list[dict[str, Any]], reps: int) -> None:
                           "region / hand: trace + lower / compile", "transform / hand bf16",
                           "region / transform", "f32 / hand bf16",
                           "region's optimized HLO = hand bf16's"], rows))
-    worst = max(spread(r["region/hand"])["median"] for r in results)
-    pooled = spread([x for r in results for x in r["region/hand"]])
-    print(f"\n- goal region/hand bf16 <= {GOAL_COMPILE}x: "
-          f"{'met' if worst <= GOAL_COMPILE else 'NOT met'} (worst size median {worst:.2f}x; "
-          f"over sizes {fmt_spread(pooled)})\n")
+    print("\nThe same numerics on both sides: the region (float32 softmax, the policy's) against "
+          "the hand-written bf16 model with a float32 softmax, and a region whose policy leaves "
+          "the softmax bfloat16 against the hand-written bf16 model (Flax's bf16 softmax); and "
+          "what the float32 softmax alone costs the hand-written model.\n")
+    rows = [[f"{r['blocks']} blocks",
+             fmt_spread(spread(r["same numerics"]["f32 softmax"]), bold=True),
+             fmt_spread(spread(r["same numerics"]["bf16 softmax"]), bold=True),
+             fmt_spread(spread(r["hand f32 softmax/hand"]))] for r in results]
+    print(markdown_table(["stack", "region / hand bf16 with f32 softmax",
+                          "region with bf16 softmax / hand bf16",
+                          "hand bf16 with f32 softmax / hand bf16"], rows))
+    for name, key in (("region/hand bf16", None), ("same numerics, f32 softmax", "f32 softmax"),
+                      ("same numerics, bf16 softmax", "bf16 softmax")):
+        per_size = [r["region/hand"] if key is None else r["same numerics"][key]
+                    for r in results]
+        worst = max(spread(x)["median"] for x in per_size)
+        pooled = spread([x for row in per_size for x in row])
+        print(f"{chr(10) if key is None else ''}- goal {name} <= {GOAL_COMPILE}x: "
+              f"{'met' if worst <= GOAL_COMPILE else 'NOT met'} (worst size median "
+              f"{worst:.2f}x; over sizes {fmt_spread(pooled)})")
+    print()
 
 
 # --- (c) eager steps of the digits CNN ---------------------------------------------------------

@@ -609,6 +609,8 @@ class Step:
         self.why: str | None = None
         # Whether ``bind`` staged the equation directly (``compat.stage_like``) rather than bound it.
         self.staged = False
+        # Operands the rule computed rather than cast, and how (``derive``).
+        self.derived: dict[int, Callable[[Env, Sequence[Any], Sequence[Any]], Any]] = {}
 
     @property
     def policy(self) -> Policy:
@@ -716,6 +718,19 @@ class Step:
             for i, a in enumerate(self.args)
         ]
 
+    def derive(
+        self,
+        i: int,
+        how: Callable[[Env, Sequence[Any], Sequence[Any]], Any],
+        args: Sequence[Any],
+    ) -> Any:
+        """Operand ``i`` computed by ``how(env, invars, args)`` rather than cast, from what the
+        operation's key fixes (its operands' types, tags and facts; ``args``: the operands after
+        the rule's casts): a replay computes it again so, after its casts (``Decision.again``)."""
+        value = how(self.env, self.eqn.invars, args)
+        self.derived[i] = how
+        return value
+
     def clipped_cast(self, i: int, dtype: Any) -> Any:
         """Operand ``i`` (a computed value or an input) in ``dtype``, finite values clipped to
         its range; once per program, as ``cast``."""
@@ -779,6 +794,9 @@ class Decision:
     promotes: bool = False
     # Whether output 0 is a 16-bit square kept to be recomputed in float32 (``LazySquare``).
     square: bool = False
+    # Operands a rule computed from the others rather than cast (``Step.derive``), made again by
+    # a replay after the casts: (operand, derive(env, invars, args) -> its value).
+    again: tuple = ()
     # autocast_transform's: per output, its part of the keys of the equations reading it
     # (``TransformDecisions.operand_part``), None for a dropped one.
     out_parts: tuple = ()
@@ -831,7 +849,8 @@ class RecordingStep(Step):
     ) -> tuple[list, dict, list, tuple] | None:
         """What the rule did, where a decision can say it: ``(args, overrides, outputs, casts)``
         of its one bind, which returned ``returned``, each of ``args`` either the operand in
-        ``operands`` or a cast of it (``casts``: (operand, dtype, clipped)); else None."""
+        ``operands``, a cast of it (``casts``: (operand, dtype, clipped)) or derived from the
+        others (``Step.derive``: ``self.derived``); else None."""
         if len(self.binds) != 1:
             return None
         args, overrides, outs = self.binds[0]
@@ -839,7 +858,7 @@ class RecordingStep(Step):
             return None
         casts = []
         for j, arg in enumerate(args):
-            if arg is operands[j]:
+            if arg is operands[j] or j in self.derived:
                 continue
             made = self.casts_made.get(id(arg), {}).get(j)
             if made is None:
@@ -881,7 +900,13 @@ class RecordingStep(Step):
         # (the output types, where it was staged directly: a replay stages it so again)
         out_avals = tuple(compat.aval_of(x) for x in outs) if self.staged else ()
         return Decision(
-            casts, overrides, out_avals, tuple(tags), out_parts=tuple(parts), out_facts=out_facts
+            casts,
+            overrides,
+            out_avals,
+            tuple(tags),
+            out_parts=tuple(parts),
+            out_facts=out_facts,
+            again=tuple(self.derived.items()),
         )
 
 
@@ -1169,6 +1194,10 @@ class Rewriter:
                 if literal and isinstance(cast, HOST_VALUES):
                     decisions.constant_casts[cast_key] = cast
             args[i] = cast
+        if decision.again:
+            with compat.equation_context(eqn):
+                for i, derive in decision.again:
+                    args[i] = derive(env, eqn.invars, args)
         outs = None
         if decision.out_avals and self.staging is not None:
             params = eqn.params

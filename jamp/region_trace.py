@@ -851,6 +851,11 @@ class RegionTrace(compat.Trace):
                 if isinstance(cast, HOST_VALUES):
                     canonical = False
                 args[i] = cast
+        if decision.again:  # operands the rule computed from the others (Step.derive)
+            args, avals = list(args), None
+            with compat.set_current_trace(self.parent):
+                for i, derive in decision.again:
+                    args[i] = derive(env, invars, args)
         traced_params = params
         if decision.overrides:
             params = {**params, **decision.overrides}
@@ -1746,6 +1751,7 @@ class RegionRecordingStep(RecordingStep):
             read_through,
             promotes,
             out_facts=out_facts,
+            again=tuple(self.derived.items()),
         )
 
 

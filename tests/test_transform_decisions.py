@@ -209,9 +209,9 @@ def _rules_run(monkeypatch):
 
 def test_repeated_blocks_are_decided_once(monkeypatch):
     """Each block of the stack has the signatures of the first: their rules run for the first
-    block only (the softmax's max too, keyed by what it is the max of and how it was computed),
-    and a new function traced under the policy replays them all but those decided every time:
-    the mask's, and each softmax's shift, which computes its max again in float32."""
+    block only (the softmax's shift too, keyed by what its max is of and how it was computed,
+    which a replay computes again in float32), and a new function traced under the policy
+    replays them all but those decided every time."""
     ran = _rules_run(monkeypatch)
     with fresh_region_caches():
         closed = jax.make_jaxpr(jamp.autocast_transform(forward))(PARAMS, X)
@@ -223,8 +223,7 @@ def test_repeated_blocks_are_decided_once(monkeypatch):
     assert first < equations / 2, (first, equations)
     # (decided every time: the mask's jitted calls and what they compute from constants)
     assert second < first / 2, (second, first)
-    assert not {"reduce_max", "stop_gradient"} & set(ran), ran
-    assert ran.count("sub") == MODEL.blocks, ran  # (one shift a block; no other sub)
+    assert not {"reduce_max", "stop_gradient", "sub"} & set(ran), ran
     with decided_every_time():
         del ran[:]
         jax.make_jaxpr(jamp.autocast_transform(forward))(PARAMS, X)

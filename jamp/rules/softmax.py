@@ -181,18 +181,23 @@ def sub_rule(step: Step) -> Sequence[Any]:
             step.why = "softmax shift (x - max(x) before exp)"
             args = step.with_cast({i: F32 for i in targets if i != 1})
             if 1 in targets:
-                args[1] = _max_in_float32(step, args[0])
+                args[1] = _max_in_float32(step, args)
             return step.bind(args)
     return CATEGORY_RULES.get(step.policy.category("sub"), default_rule)(step)
 
 
-def _max_in_float32(step: Step, operand: Any) -> Any:
-    """The shift's max in float32: computed again from the float32 ``operand`` where the region
-    knows how (``MaxRecipe``), else its 16-bit value converted. Either is the same number; a
-    shift computed so is decided every time (its max is neither an operand nor a cast of one)."""
+def _max_in_float32(step: Step, args: Sequence[Any]) -> Any:
+    """The shift's max in float32: computed again from its float32 first operand (``args[0]``)
+    where the region knows how (``MaxRecipe``), else its 16-bit value converted. Either is the
+    same number."""
     recipes = step.env.facts.get(RECIPE)
-    recipe = recipes.get(step.eqn.invars[1]) if recipes else None
-    if recipe is None or compat.aval_of(operand).dtype != F32:
+    if not recipes or step.eqn.invars[1] not in recipes or compat.aval_of(args[0]).dtype != F32:
         return step.cast(1, F32)
     with compat.equation_context(step.eqn):
-        return recipe.computed_from(operand)
+        return step.derive(1, _max_again, args)
+
+
+def _max_again(env: Any, invars: Sequence[Any], args: Sequence[Any]) -> Any:
+    """The shift's max computed from its float32 first operand (``args[0]``) by the recipe of
+    its second (in the operation's key: ``facts_part``), as the rule and a replay make it."""
+    return env.facts[RECIPE][invars[1]].computed_from(args[0])
