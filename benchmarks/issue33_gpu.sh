@@ -4,20 +4,8 @@
 # and hand-written bf16 Flax on the 539M GPT and ResNet-50, as the tenth pass measured it, after
 # the passes since (the softmax shift's max now computed again in float32). Logs land in $OUT.
 #   bash benchmarks/issue33_gpu.sh
-set -u
-OUT=${OUT:-/tmp/issue33}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
-part() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name: exit $? in $((SECONDS - start)) s"
-  tail -n 24 "$OUT/$name.log"
-}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-  python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"
-} 2>&1 | tee "$OUT/env.log"
+DEVICE_OUT=/tmp/issue33 PART_TAIL=24
+. benchmarks/device_parts.sh
 V="bf16 autocast"; R="bf16 autocast region"; H="bf16 hand-written Flax"
 part gpt 270 python3 benchmarks/float8.py step --rounds 5 --steps 5 --only "$V" "$R" "$H"
 part resnet 200 python3 benchmarks/float8.py resnet --rounds 5 --steps 5 --only "$H" "$V" "$R"

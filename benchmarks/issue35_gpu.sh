@@ -4,20 +4,8 @@
 # their programs (the CPU tests' fixtures), the AdamW recipes' train step on the 539M GPT, and the
 # 539M GPT without remat (MFU). Each part runs under its own time limit; logs land in $OUT.
 #   bash benchmarks/issue35_gpu.sh
-set -u
-OUT=${OUT:-/tmp/issue35}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
-part() {  # name, seconds, command...
-  local name=$1 limit=$2; shift 2
-  local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "=== $name: exit $? in $((SECONDS - start)) s"
-  tail -n 30 "$OUT/$name.log"
-}
-{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
-  python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"
-} 2>&1 | tee "$OUT/env.log"
+DEVICE_OUT=/tmp/issue35
+. benchmarks/device_parts.sh
 part gpu_tests 110 env JAMP_TESTS_XLA_FLAGS=given python3 -m pytest -q -p no:cacheprovider \
   tests/test_float8_gpu.py
 part capture 80 python3 -m tests.float8_gpu_programs "$OUT/hlo"
