@@ -74,8 +74,10 @@ class MaxRecipe(FactValue):
 
     steps: tuple
 
-    def then(self, primitive: Any, params: tuple, index: int, constants: tuple) -> MaxRecipe:
-        return MaxRecipe((*self.steps, (primitive, params, index, constants)))
+    def then(self, eqn: Any, index: int, constants: tuple) -> MaxRecipe:
+        """This recipe, then ``eqn`` with the max as operand ``index``, ``constants`` the rest."""
+        params = tuple(compat.bind_params(eqn).items())
+        return MaxRecipe((*self.steps, (eqn.primitive, params, index, constants)))
 
     def computed_from(self, operand: Any) -> Any:
         """The max of ``operand`` (float32) by the same steps, bound where the caller is."""
@@ -122,9 +124,7 @@ def _recipe_step(step: Step, found: Any) -> MaxRecipe | None:
         constants.append(constant)
     if recipe is None:
         return None
-    return recipe.then(
-        eqn.primitive, tuple(compat.bind_params(eqn).items()), index, tuple(constants)
-    )
+    return recipe.then(eqn, index, tuple(constants))
 
 
 @register_tracker
@@ -140,8 +140,7 @@ def track_max(step: Step, outs: Sequence[Any]) -> None:
         operand = eqn.invars[0]
         if isinstance(operand, compat.Var):
             _max_of(step)[eqn.outvars[0]] = operand
-            recipe = MaxRecipe(((eqn.primitive, tuple(compat.bind_params(eqn).items()), 0, ()),))
-            step.env.facts.setdefault(RECIPE, {})[eqn.outvars[0]] = recipe
+            step.env.facts.setdefault(RECIPE, {})[eqn.outvars[0]] = MaxRecipe(()).then(eqn, 0, ())
         return
     if not facts:
         return
