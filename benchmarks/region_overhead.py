@@ -826,6 +826,8 @@ def measure_compile(blocks: Sequence[int], reps: int) -> list[dict[str, Any]]:
             "hlo ops": {side: sum(hlo_op_counts(t).values()) for side, t in text.items()},
             "converts": {side: count_converts(t) for side, t in text.items()},
             "same hlo": normalized_hlo(text["region"]) == normalized_hlo(text["hand bf16"]),
+            "same hlo, f32 softmax": normalized_hlo(text["region"])
+            == normalized_hlo(text["hand bf16, f32 softmax"]),
         })
     return results
 
@@ -865,10 +867,12 @@ def report_compile(results: list[dict[str, Any]], reps: int) -> None:
     rows = [[f"{r['blocks']} blocks",
              fmt_spread(spread(r["same numerics"]["f32 softmax"]), bold=True),
              fmt_spread(spread(r["same numerics"]["bf16 softmax"]), bold=True),
-             fmt_spread(spread(r["hand f32 softmax/hand"]))] for r in results]
+             fmt_spread(spread(r["hand f32 softmax/hand"])),
+             "yes" if r["same hlo, f32 softmax"] else "no"] for r in results]
     print(markdown_table(["stack", "region / hand bf16 with f32 softmax",
                           "region with bf16 softmax / hand bf16",
-                          "hand bf16 with f32 softmax / hand bf16"], rows))
+                          "hand bf16 with f32 softmax / hand bf16",
+                          "region's optimized HLO = hand bf16 with f32 softmax's"], rows))
     print()
     for name, key in (("region/hand bf16", None), ("same numerics, f32 softmax", "f32 softmax"),
                       ("same numerics, bf16 softmax", "bf16 softmax")):

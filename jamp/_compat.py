@@ -622,6 +622,17 @@ def _direct_cast_params(x: Any, dtype: np.dtype) -> dict | None:
     return {"new_dtype": dtype, "weak_type": False, "sharding": None}
 
 
+def stage_shape_op(eqn: Any, primitive: Any, x: Any, params: dict, target: StagingTarget) -> Any:
+    """``primitive`` (a shape-only op, ``params`` its parameters) on ``x`` staged under
+    ``eqn``'s source info as ``stage_convert`` stages a cast; None where only a bind can."""
+    trace = _program_staged_into(eqn, target)
+    if trace is None or type(x) is not _pe.DynamicJaxprTracer or x._trace is not trace:
+        return None
+    source_info = _staged_source_info(eqn.source_info, target)
+    outs = _add_equation(trace, [x], primitive, params, source_info, eqn.ctx)
+    return None if outs is None else outs[0]
+
+
 def convert_now(x: Any, dtype: Any) -> Any:
     """``convert(x, dtype)`` bound now (a region's cast, under the current source info and
     context), staged directly into the current trace where ``stage_convert`` would stage it,
@@ -927,6 +938,64 @@ def without_dead_converts(closed: Any) -> Any:
         return closed
     pruned = jaxpr.replace(eqns=kept[::-1])
     return pruned if _ClosedJaxpr is None else _ClosedJaxpr(pruned, list(consts))
+
+
+def inputs_only_cast(closed: Any) -> tuple:
+    """``(i, dtype)`` for each input of ``closed`` that it only converts (one equation reads it:
+    a plain float-to-float convert, which is no output), in input order."""
+    jaxpr = open_and_consts(closed)[0]
+    inputs = {v: i for i, v in enumerate(jaxpr.invars)}
+    reads: dict[int, list] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, Var) and v in inputs:
+                reads.setdefault(inputs[v], []).append(eqn)
+    outputs = {inputs[v] for v in jaxpr.outvars if isinstance(v, Var) and v in inputs}
+    found = []
+    for i, eqns in sorted(reads.items()):
+        if len(eqns) != 1 or i in outputs or eqns[0].primitive is not _convert_p:
+            continue
+        params = eqns[0].params
+        if params["sharding"] is None and not params["weak_type"]:
+            found.append((i, np.dtype(params["new_dtype"])))
+    return tuple(found)
+
+
+def with_inputs_cast_from(closed: Any, given: dict, avals: list) -> Any:
+    """``closed`` taking, for each input ``i`` in ``given`` (one it only converts:
+    ``inputs_only_cast``), a value of type ``avals[i]`` that it converts to ``given[i][0]`` and
+    then applies the shape ops ``given[i][1]`` (``(primitive, params)``) to, in place of its own
+    convert (a parameter, for the view of it the caller had: ``interpreter.ParameterView``).
+    ``avals``: the new program's input types."""
+    jaxpr, consts = open_and_consts(closed)
+    converted = {jaxpr.invars[i]: i for i in given}
+    eqns = [
+        e
+        for e in jaxpr.eqns
+        if not (
+            e.primitive is _convert_p and isinstance(e.invars[0], Var) and e.invars[0] in converted
+        )
+    ]
+    inner = jaxpr.replace(
+        invars=[
+            next(e.outvars[0] for e in jaxpr.eqns if e.primitive is _convert_p and e.invars[0] is v)
+            if v in converted
+            else v
+            for v in jaxpr.invars
+        ],
+        eqns=eqns,
+    )
+
+    def variant(*operands: Any) -> list[Any]:
+        args = list(operands)
+        for i, (dtype, steps) in given.items():
+            value = convert(args[i], dtype)
+            for primitive, params in steps:
+                value = primitive.bind(value, **params)
+            args[i] = value
+        return eval_jaxpr(inner, consts, args)
+
+    return trace_to_closed(variant, list(avals))
 
 
 def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:

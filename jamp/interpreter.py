@@ -436,6 +436,54 @@ KEEP_TRACED_DTYPES = frozenset(
 )
 
 
+class ParameterView:
+    """A parameter (a function input, or a piece of one) seen through shape-only ops: Flax's
+    ``jnp.reshape(bias, (1, 1, -1))`` before its add. Cast to a narrower dtype, it is cast as
+    written by hand (``bias.astype(bf16).reshape(...)``, Flax's ``promote_dtype`` first): the
+    parameter, then the shape ops again. The same numbers; in the backward pass the cast's
+    transpose then meets jnp's rounding of the summed cotangent with no reshape between them,
+    which XLA folds (``xla_allow_excess_precision``) as it does for hand-written bfloat16: one
+    convert pair less per bias, a bias gradient summed in float32 as hand-written code gets it,
+    and the optimized program of a hand-written model of the same numerics."""
+
+    __slots__ = ("base", "value", "dtype", "steps")
+
+    def __init__(self, base: Any, value: Any, dtype: np.dtype, steps: tuple = ()) -> None:
+        self.base = base  # the parameter's variable
+        self.value = value  # its value
+        self.dtype = dtype  # its dtype
+        self.steps = steps  # ((primitive, params), ...)
+
+    def then(self, primitive: Any, params: dict) -> ParameterView:
+        return ParameterView(self.base, self.value, self.dtype, (*self.steps, (primitive, params)))
+
+
+def cast_through_view(
+    env: Env,
+    view: ParameterView,
+    dtype: np.dtype,
+    convert: Callable[[Any, np.dtype], Any],
+    shape_op: Callable[[Any, Any, dict], Any],
+) -> Any:
+    """``view`` in ``dtype``: its parameter cast (once, through the cast cache) by ``convert``,
+    then its shape ops applied again by ``shape_op(primitive, value, params)``."""
+    key = (view.base, dtype)
+    value = env.casts.get(key)
+    if value is None:
+        value = env.casts[key] = convert(view.value, dtype)
+    for primitive, params in view.steps:
+        value = shape_op(primitive, value, params)
+    return value
+
+
+def casts_through_view(view: ParameterView, dtype: np.dtype) -> bool:
+    """Whether a cast to ``dtype`` of a value seen as ``view`` goes through it: a narrowing
+    float cast (a widening one is a float32 promotion jnp asked for, cast as it comes). Callers
+    do so where the cast and shape ops are staged into the program being built (under a
+    differentiating parent each would be a primitive of its own to differentiate)."""
+    return dtype.itemsize < view.dtype.itemsize and is_float(dtype)
+
+
 class Env:
     """Values of one jaxpr's variables, their rewrite-time constants and the cast cache."""
 
@@ -472,6 +520,10 @@ class Env:
         self._sets_of_bits: dict[int, tuple[set[Any], ...]] = {}  # (add_tags's, per bits)
         # autocast_transform: per variable, its part of a decision's key (``TransformDecisions``)
         self.decision_parts: dict[Any, tuple | None] = {}
+        # Parameters seen through shape ops (a bias reshaped for its add): per view, the
+        # parameter's variable and value and the shape ops (``ParameterView``). None: not kept
+        # (an eager region, where a cast from the parameter costs one more dispatch).
+        self.views: dict[Any, ParameterView] | None = {}
 
     def tag_bits(self, var: Any) -> int:
         """The tags of ``var`` as bits (``TAG_BITS``, in the order of ``tag_sets``)."""
@@ -683,7 +735,11 @@ class Step:
             return self.env.casts[key]
         source = self.env.source(atom)
         out = None
-        if source is None and self.rewriter.staging is not None:
+        views = self.env.views
+        view = views.get(atom) if views and key is not None and self.stages_views() else None
+        if view is not None and casts_through_view(view, dtype):
+            out = self._cast_view(view, dtype)
+        elif source is None and self.rewriter.staging is not None:
             out = compat.stage_convert(self.eqn, self.args[i], dtype, self.rewriter.staging)
         if out is None:
             with compat.equation_context(self.eqn):
@@ -697,6 +753,36 @@ class Step:
         if self.rewriter.recorder is not None:
             self.rewriter.recorder.cast(constant=source is not None)
         return out
+
+    def stages_views(self) -> bool:
+        """Whether a cast of a view of a parameter goes through the parameter here: in
+        ``autocast_transform``'s rewrite staged into the program being built. A region casts
+        views inside the ``jnp`` calls that read them (``region_trace.CallRewrite``), and a
+        view an operation of its own reads as it comes (staging the shape ops again would
+        evaluate their types at every replay)."""
+        return self.rewriter.staging is not None and not self.rewriter.region
+
+    def _cast_view(self, view: ParameterView, dtype: np.dtype) -> Any:
+        """A view of a parameter cast as its parameter, then its shape ops (``ParameterView``)."""
+        staging, eqn = self.rewriter.staging, self.eqn
+
+        def convert(value: Any, dtype: np.dtype) -> Any:
+            out = None if staging is None else compat.stage_convert(eqn, value, dtype, staging)
+            if out is None:
+                with compat.equation_context(eqn):
+                    out = compat.convert_now(value, dtype)
+            return out
+
+        def shape_op(primitive: Any, value: Any, params: dict) -> Any:
+            out = None
+            if staging is not None:
+                out = compat.stage_shape_op(eqn, primitive, value, params, staging)
+            if out is None:
+                with compat.equation_context(eqn):
+                    out = primitive.bind(value, **params)
+            return out
+
+        return cast_through_view(self.env, view, dtype, convert, shape_op)
 
     def with_cast(self, targets: dict[int, Any]) -> list[Any]:
         """All operands, those in ``targets`` cast to the given dtype."""
@@ -794,6 +880,8 @@ class Decision:
     promotes: bool = False
     # Whether output 0 is a 16-bit square kept to be recomputed in float32 (``LazySquare``).
     square: bool = False
+    # Whether output 0 is a shape op of a parameter (``ParameterView``), set again by a replay.
+    view: bool = False
     # Operands a rule computed from the others rather than cast (``Step.derive``), made again by
     # a replay after the casts: (operand, derive(env, invars, args) -> its value).
     again: tuple = ()
@@ -904,6 +992,7 @@ class RecordingStep(Step):
             overrides,
             out_avals,
             tuple(tags),
+            view=is_parameter_view(env, self.eqn),
             out_parts=tuple(parts),
             out_facts=out_facts,
             again=tuple(self.derived.items()),
@@ -1183,6 +1272,15 @@ class Rewriter:
             else:
                 cast_key = (atom, dtype, CLIPPED) if clipped else (atom, dtype)
                 cast = casts.get(cast_key)
+                view = env.views.get(atom) if cast is None and env.views else None  # (Step.cast)
+                if (
+                    view is not None
+                    and casts_through_view(view, dtype)
+                    and not clipped
+                    and self.staging is not None
+                ):
+                    step = step or Step(self, env, eqn, state)
+                    cast = casts[cast_key] = step._cast_view(view, dtype)
                 if cast is None and not clipped and self.staging is not None:
                     # (an operand of a replayed equation is no constant: staged as Step.cast does)
                     cast = compat.stage_convert(eqn, args[i], dtype, self.staging)
@@ -1209,6 +1307,8 @@ class Rewriter:
         for i, bits in decision.tagged:
             env.add_tags(eqn.outvars[i], bits)
         env.set_output_facts(decision.out_facts, eqn.invars, eqn.outvars)
+        if decision.view:
+            note_view(env, eqn.invars[0], args[0], eqn.primitive, eqn.params, eqn.outvars[0])
         return outs
 
     def apply(self, step: Step) -> Sequence[Any]:
@@ -1269,6 +1369,34 @@ Tracker = Callable[["Step", Sequence[Any]], None]
 TRACKERS: list[Tracker] = []
 
 
+def is_parameter_view(env: Env, eqn: Any) -> bool:
+    """Whether ``eqn`` is a shape op of a floating parameter (an input, a piece of one) or of a
+    view of one (``ParameterView``): what its key says (the operand's tags and type)."""
+    if eqn.primitive.name not in SHAPE_ONLY:
+        return False
+    var_in = eqn.invars[0]
+    return (
+        isinstance(var_in, compat.Var)
+        and var_in in env.input_view
+        and var_in not in env.known
+        and is_float(getattr(var_in.aval, "dtype", np.int32))
+    )
+
+
+def note_view(
+    env: Env, var_in: Any, value: Any, primitive: Any, params: dict, out_var: Any
+) -> None:
+    """Remember ``out_var``, ``primitive`` (``params``: its bind parameters) of ``value``
+    (``var_in``), as a view of a parameter (``is_parameter_view``), where views are kept."""
+    views = env.views
+    if views is None:
+        return
+    view = views.get(var_in)
+    if view is None:
+        view = ParameterView(var_in, value, np.dtype(var_in.aval.dtype))
+    views[out_var] = view.then(primitive, params)
+
+
 def register_tracker(tracker: Tracker) -> Tracker:
     """Register ``tracker(step, outs)``, run after every equation (see ``Env.facts``)."""
     TRACKERS.append(tracker)
@@ -1320,6 +1448,9 @@ def track_derived(step: Step, outs: Sequence[Any]) -> None:
             env.expanded.add(out_var)
     source = env.source(atom)
     if source is None:
+        if env.views is not None and is_parameter_view(env, step.eqn):
+            eqn = step.eqn  # (a shape op binds with its equation's parameters)
+            note_view(env, var_in, step.args[0], eqn.primitive, eqn.params, out_var)
         return
     if same_value:
         env.known[out_var] = source

@@ -90,11 +90,14 @@ from .interpreter import (
     TransformDecisions,
     any_float,
     carries_programs,
+    casts_through_view,
     constant_key,
     convert_may_end_a_contraction,
     convert_may_round_a_reduction,
     is_float,
     is_known_value,
+    is_parameter_view,
+    note_view,
     reduction_may_name_its_dtype,
     saturating_cast,
     track_derived,
@@ -313,6 +316,8 @@ class RegionEnv(Env):
         if self.promotions:  # (mostly empty: no call per value then)
             self.promotions.forget(var)
         self.lazy_squares.pop(var, None)
+        if self.views:
+            self.views.pop(var, None)
 
     def knowledge_of(self, value: Any) -> tuple[int, ConstSource | None] | None | bool:
         """What this region knows about ``value``: its tags (bits, ``tag_bits``) and
@@ -350,6 +355,11 @@ class CallRewrite:
     # Per output, the index of the operand the callee returns as it is, or None.
     forwarded: tuple = ()
     out_avals: tuple = ()  # the rewritten jaxpr's (what the call's outputs are)
+    # The operands the rewrite only casts, each (operand, dtype): for one that is a view of a
+    # parameter the call is given the parameter, which a variant of the rewrite casts and
+    # reshapes (``ParameterView``; ``variants``, by the operands so given, made once).
+    entry_casts: tuple = ()
+    variants: dict = dataclasses.field(default_factory=dict, compare=False)
     # Eagerly, the rewritten jaxpr as a ``jax.jit`` function, made at the first eager call: its
     # C++ dispatch is how the callee itself runs eagerly (binding the call runs JAX's Python
     # dispatch, ~10x slower for a small op).
@@ -589,6 +599,8 @@ class RegionTrace(compat.Trace):
         self.eager = compat.is_eager(parent)
         self.rewriter.shares_constants = self.eager
         self.env = RegionEnv()
+        if self.eager:  # (a view cast from its parameter is one more dispatch: ParameterView)
+            self.env.views = None
         self._tables: dict[int, tuple[RegionState, dict]] = {}  # id(state) -> (state, decisions)
         self._last_table: tuple[Any, dict] = (None, {})  # the entry _decisions found last
         calls = _CALLS.get(policy)
@@ -892,6 +904,8 @@ class RegionTrace(compat.Trace):
         if decision.square:  # a 16-bit square, recomputed in float32 if a sum reads it
             env.lazy_squares[var] = LazySquare(arriving[0], primitive, traced_params, len(arriving))
             key_parts[var] = None  # (more than tags: what reads it is decided every time)
+        if decision.view:  # a shape op of a parameter (ParameterView)
+            note_view(env, invars[0], arriving[0], primitive, traced_params, var)
         return outs
 
     # -- jnp's functions: inline jits ----------------------------------------------------------
@@ -962,6 +976,8 @@ class RegionTrace(compat.Trace):
                 outs = rewrite.run_eagerly(args, call)  # (None: op by op under jax.debug_nans)
                 if call is not None and outs is not None:
                     self._forget_donated(args, params["donated_invars"])
+            elif rewrite.entry_casts and self.env.views:
+                outs = self._call_with_views_cast(rewrite, args, params, in_vars, avals)
             else:
                 outs = compat.bind_call_on(self.parent, args, params, rewrite.closed, avals)
         if outs is None:
@@ -969,6 +985,41 @@ class RegionTrace(compat.Trace):
             return self._walk(params["jaxpr"], args, failed)
         assert rewrite is not None  # (outs are its call's)
         return self._adopt_call_outputs(rewrite, outs, in_vars)
+
+    def _call_with_views_cast(
+        self, rewrite: CallRewrite, args: Sequence[Any], params: dict, in_vars: list, avals: list
+    ) -> list[Any]:
+        """The call of ``rewrite`` given, for each operand it only casts that is a view of a
+        parameter, the parameter itself, which a variant of the rewrite casts and reshapes
+        (``ParameterView``): the cast inside the call as before, which a differentiating
+        parent takes as one call (bound outside, the cast and each shape op would be a
+        primitive of their own to differentiate). As it is where no such operand is a view."""
+        views = self.env.views
+        assert views is not None  # (the caller asked)
+        given = []
+        for i, dtype in rewrite.entry_casts:
+            view = views.get(in_vars[i])
+            if view is not None and casts_through_view(view, dtype):
+                given.append((i, dtype, view))
+        if not given:
+            return compat.bind_call_on(self.parent, args, params, rewrite.closed, avals)
+        try:
+            which = tuple(
+                (i, dtype, tuple((p, tuple(kw.items())) for p, kw in view.steps))
+                for i, dtype, view in given
+            )
+            closed = rewrite.variants.get(which)
+        except TypeError:  # (a shape op's parameter that cannot be hashed: cast as it comes)
+            return compat.bind_call_on(self.parent, args, params, rewrite.closed, avals)
+        args, avals = list(args), list(avals)
+        for i, _, view in given:
+            args[i], avals[i] = view.value, compat.aval_of(view.value)
+        if closed is None:
+            steps = {i: (dtype, view.steps) for i, dtype, view in given}
+            closed = rewrite.variants[which] = compat.with_inputs_cast_from(
+                rewrite.closed, steps, avals
+            )
+        return compat.bind_call_on(self.parent, args, params, closed, avals)
 
     def _sampled(self, args: Sequence[Any], outs: list[Any]) -> list[Any]:
         """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``) where its
@@ -1327,6 +1378,7 @@ class RegionTrace(compat.Trace):
             found["facts"],
             forwarded,
             tuple(compat.closed_out_avals(rewritten)),
+            compat.inputs_only_cast(rewritten),
         )
 
     def _adopt_input(self, var: Any, value: Any, aval: Any) -> None:
@@ -1750,6 +1802,7 @@ class RegionRecordingStep(RecordingStep):
             tuple(tags),
             read_through,
             promotes,
+            view=is_parameter_view(env, self.eqn),
             out_facts=out_facts,
             again=tuple(self.derived.items()),
         )
