@@ -1003,23 +1003,23 @@ class RegionTrace(compat.Trace):
                 given.append((i, dtype, view))
         if not given:
             return compat.bind_call_on(self.parent, args, params, rewrite.closed, avals)
-        try:
+        given_args, given_avals = list(args), list(avals)
+        for i, _, view in given:
+            given_args[i], given_avals[i] = view.value, compat.aval_of(view.value)
+        try:  # (by the parameters' types too: shape ops alike may start from other shapes)
             which = tuple(
-                (i, dtype, tuple((p, tuple(kw.items())) for p, kw in view.steps))
+                (i, dtype, given_avals[i], tuple((p, tuple(kw.items())) for p, kw in view.steps))
                 for i, dtype, view in given
             )
             closed = rewrite.variants.get(which)
         except TypeError:  # (a shape op's parameter that cannot be hashed: cast as it comes)
             return compat.bind_call_on(self.parent, args, params, rewrite.closed, avals)
-        args, avals = list(args), list(avals)
-        for i, _, view in given:
-            args[i], avals[i] = view.value, compat.aval_of(view.value)
         if closed is None:
             steps = {i: (dtype, view.steps) for i, dtype, view in given}
             closed = rewrite.variants[which] = compat.with_inputs_cast_from(
-                rewrite.closed, steps, avals
+                rewrite.closed, steps, given_avals
             )
-        return compat.bind_call_on(self.parent, args, params, closed, avals)
+        return compat.bind_call_on(self.parent, given_args, params, closed, given_avals)
 
     def _sampled(self, args: Sequence[Any], outs: list[Any]) -> list[Any]:
         """The outputs of a ``jax.random`` sampler, known as samples (``Env.samples``) where its

@@ -186,3 +186,26 @@ def test_a_view_read_by_two_calls_is_cast_from_the_parameter_by_each():
         np.asarray(forward(X, w, b), np.float32),
         np.asarray(jax.jit(forward)(X, w, b), np.float32),
     )
+
+
+def test_views_alike_of_parameters_of_other_shapes_each_get_their_own_cast():
+    """Two biases of different shapes reshaped alike (``(1, 1, 16)`` from ``[16]`` and from
+    ``[1, 16]``) into the same add: each call casts its own parameter, with its own type."""
+
+    def forward(x, w, b1, b2):
+        with jamp.autocast():
+            h = x @ w
+            return (h + b1.reshape(1, 1, 16)) * (h + b2.reshape(1, 1, 16))
+
+    w = jnp.ones((16, 16), jnp.float32)
+    b1 = jnp.arange(16, dtype=jnp.float32)
+    b2 = jnp.arange(16, dtype=jnp.float32).reshape(1, 16) * 2
+    closed = jax.make_jaxpr(forward)(X, w, b1, b2)
+    jaxpr = compat.open_and_consts(closed)[0]
+    cast_inputs = [e.invars[0] for e in jaxpr.eqns if e.primitive.name == "convert_element_type"]
+    assert jaxpr.invars[2] in cast_inputs and jaxpr.invars[3] in cast_inputs
+    # (eagerly the views are cast as they come: the same numbers, the cast commutes)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(forward)(X, w, b1, b2), np.float32),
+        np.asarray(forward(X, w, b1, b2), np.float32),
+    )
