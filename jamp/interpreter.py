@@ -1272,7 +1272,8 @@ class Rewriter:
             else:
                 cast_key = (atom, dtype, CLIPPED) if clipped else (atom, dtype)
                 cast = casts.get(cast_key)
-                view = env.views.get(atom) if cast is None and env.views else None  # (Step.cast)
+                # (a view of a parameter: cast through the parameter, as Step.cast casts it)
+                view = env.views.get(atom) if cast is None and env.views else None
                 if (
                     view is not None
                     and casts_through_view(view, dtype)
