@@ -968,22 +968,18 @@ def with_inputs_cast_from(closed: Any, given: dict, avals: list) -> Any:
     convert (a parameter, for the view of it the caller had: ``interpreter.ParameterView``).
     ``avals``: the new program's input types."""
     jaxpr, consts = open_and_consts(closed)
-    converted = {jaxpr.invars[i]: i for i in given}
-    eqns = [
-        e
-        for e in jaxpr.eqns
-        if not (
+    converted = {jaxpr.invars[i] for i in given}
+
+    def converts_an_input(e: Any) -> bool:  # (each such input's one use: inputs_only_cast)
+        return (
             e.primitive is _convert_p and isinstance(e.invars[0], Var) and e.invars[0] in converted
         )
-    ]
+
+    # those converts left out, each result an input of the program instead
+    result_of = {e.invars[0]: e.outvars[0] for e in jaxpr.eqns if converts_an_input(e)}
     inner = jaxpr.replace(
-        invars=[
-            next(e.outvars[0] for e in jaxpr.eqns if e.primitive is _convert_p and e.invars[0] is v)
-            if v in converted
-            else v
-            for v in jaxpr.invars
-        ],
-        eqns=eqns,
+        invars=[result_of.get(v, v) for v in jaxpr.invars],
+        eqns=[e for e in jaxpr.eqns if not converts_an_input(e)],
     )
 
     def variant(*operands: Any) -> list[Any]:

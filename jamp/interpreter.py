@@ -458,24 +458,6 @@ class ParameterView:
         return ParameterView(self.base, self.value, self.dtype, (*self.steps, (primitive, params)))
 
 
-def cast_through_view(
-    env: Env,
-    view: ParameterView,
-    dtype: np.dtype,
-    convert: Callable[[Any, np.dtype], Any],
-    shape_op: Callable[[Any, Any, dict], Any],
-) -> Any:
-    """``view`` in ``dtype``: its parameter cast (once, through the cast cache) by ``convert``,
-    then its shape ops applied again by ``shape_op(primitive, value, params)``."""
-    key = (view.base, dtype)
-    value = env.casts.get(key)
-    if value is None:
-        value = env.casts[key] = convert(view.value, dtype)
-    for primitive, params in view.steps:
-        value = shape_op(primitive, value, params)
-    return value
-
-
 def casts_through_view(view: ParameterView, dtype: np.dtype) -> bool:
     """Whether a cast to ``dtype`` of a value seen as ``view`` goes through it: a narrowing
     float cast (a widening one is a float32 promotion jnp asked for, cast as it comes). Callers
@@ -763,26 +745,27 @@ class Step:
         return self.rewriter.staging is not None and not self.rewriter.region
 
     def _cast_view(self, view: ParameterView, dtype: np.dtype) -> Any:
-        """A view of a parameter cast as its parameter, then its shape ops (``ParameterView``)."""
-        staging, eqn = self.rewriter.staging, self.eqn
-
-        def convert(value: Any, dtype: np.dtype) -> Any:
-            out = None if staging is None else compat.stage_convert(eqn, value, dtype, staging)
-            if out is None:
+        """A view of a parameter cast as its parameter (once, through the cast cache), then its
+        shape ops applied again (``ParameterView``), staged where they can be."""
+        staging, eqn, casts = self.rewriter.staging, self.eqn, self.env.casts
+        key = (view.base, dtype)
+        value = casts.get(key)
+        if value is None:
+            if staging is not None:
+                value = compat.stage_convert(eqn, view.value, dtype, staging)
+            if value is None:
                 with compat.equation_context(eqn):
-                    out = compat.convert_now(value, dtype)
-            return out
-
-        def shape_op(primitive: Any, value: Any, params: dict) -> Any:
+                    value = compat.convert_now(view.value, dtype)
+            casts[key] = value
+        for primitive, params in view.steps:
             out = None
             if staging is not None:
                 out = compat.stage_shape_op(eqn, primitive, value, params, staging)
             if out is None:
                 with compat.equation_context(eqn):
                     out = primitive.bind(value, **params)
-            return out
-
-        return cast_through_view(self.env, view, dtype, convert, shape_op)
+            value = out
+        return value
 
     def with_cast(self, targets: dict[int, Any]) -> list[Any]:
         """All operands, those in ``targets`` cast to the given dtype."""
