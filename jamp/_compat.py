@@ -570,10 +570,16 @@ def stage_decided(
     depends on the signature alone (the staging condition, a jaxpr parameter, the abstract
     evaluation) is not asked again, what depends on the values is (their trace, the context,
     the constants)."""
-    trace = _program_staged_into(eqn, target)
-    if trace is None:
+    # (``_program_staged_into`` and ``_staged_source_info`` inlined: asked per replayed equation)
+    trace, source_info = target.trace, eqn.source_info
+    if (
+        eqn.ctx is not target.ctx
+        or source_info.traceback is None
+        or _core.trace_ctx.trace is not trace
+    ):
         return None
-    source_info = _staged_source_info(eqn.source_info, target)
+    if target.name_stack is not None:
+        source_info = _staged_source_info(source_info, target)
     tracers = _staged_operands(trace, args, eqn.invars, source_info)
     if tracers is None:
         return None

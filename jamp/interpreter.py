@@ -1241,9 +1241,7 @@ class Rewriter:
         casts (shared through the cast cache), the same parameters, the same tags on its
         outputs (``track_derived``'s, which found no more than tags)."""
         values, casts = env.values, env.casts
-        args = [
-            atom.val if isinstance(atom, compat.Literal) else values[atom] for atom in eqn.invars
-        ]
+        args = [atom.val if type(atom) is _LITERAL else values[atom] for atom in eqn.invars]
         step = None
         cast_key: tuple
         for i, dtype, clipped in decision.casts:
@@ -1290,7 +1288,8 @@ class Rewriter:
             outs = (step or Step(self, env, eqn, state)).bind(args, **decision.overrides)
         for i, bits in decision.tagged:
             env.add_tags(eqn.outvars[i], bits)
-        env.set_output_facts(decision.out_facts, eqn.invars, eqn.outvars)
+        if decision.out_facts:
+            env.set_output_facts(decision.out_facts, eqn.invars, eqn.outvars)
         if decision.view:
             note_view(env, eqn.invars[0], args[0], eqn.primitive, eqn.params, eqn.outvars[0])
         return outs
@@ -1953,6 +1952,9 @@ TRACED_READS_MORE: dict[str, Callable[[Env, Any], Any]] = {
 }
 
 
+_LITERAL = compat.Literal  # (an equation's literal operand: exactly this type, never a subclass)
+
+
 class TransformDecisions:
     """autocast_transform's decisions per signature under one policy, kept across programs: a
     model's blocks repeat their equations, which are then decided once and replayed, and so
@@ -2106,7 +2108,7 @@ class TransformDecisions:
         invars, parts = eqn.invars, env.decision_parts
         with_facts = False
         for atom in invars:
-            if isinstance(atom, compat.Literal):
+            if type(atom) is _LITERAL:
                 constant = self.literal_part(atom)
                 if constant is None:
                     return None
