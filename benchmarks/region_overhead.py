@@ -37,6 +37,13 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   into those binds, Flax's parameter check (``Scope.param``) and the rest; the binds where the
   region spends more than hand bf16 come first (``--top`` rows).
 
+(a5) Tracing a train step (``grad-trace``, not run by default)
+  ``make_jaxpr`` of the train step of (b) (``jax.value_and_grad`` of the loss and the optax
+  update), plain float32, hand bf16, the region and ``autocast_transform`` called under
+  ``jax.grad``, at ``--grad-blocks`` (default 4 12 24): the tracing part of (b)'s first call,
+  where JAX linearizes every operation the forward binds (issue 33, forty-first pass: the
+  transform's operations bound as jitted calls, ``_compat.bind_to_linearize``).
+
 (a4) Objects alive at the end of a trace (``alive``, deterministic, not run by default)
   Plain, hand bf16 and region: the objects the garbage collector tracks that are alive when the
   traced function has run (the region still open), less those alive before: what every full
@@ -113,6 +120,7 @@ Usage::
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts attribution --blocks 24
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts eager-floor
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts alive --blocks 12 48
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts grad-trace --reps 9
     # also: --blocks 12 24 48, --compile-blocks 4 12, --reps, --compile-reps, --eager-reps,
     #       --cold-reps, --caller-depths 0 8 16 (see rewrite_overhead.py), --top
 """
@@ -886,6 +894,41 @@ def report_compile(results: list[dict[str, Any]], reps: int) -> None:
     print()
 
 
+# --- (a5) tracing a train step ------------------------------------------------------------------
+
+GRAD_TRACE_SIDES = ("f32", "hand bf16", "region", "transform")
+
+
+def measure_grad_trace(blocks: Sequence[int], reps: int) -> None:
+    cases = [compile_case(n) for n in blocks]
+    samples = [{side: [] for side in GRAD_TRACE_SIDES} for _ in cases]
+    for i in range(reps + 1):  # (the first, a warm-up of every side and size, not kept)
+        for (factories, args), row in zip(cases, samples):
+            for side in rotated(GRAD_TRACE_SIDES, i):
+                t, _ = timed(functools.partial(
+                    lambda step, args: jax.make_jaxpr(step)(*args), factories[side](), args))
+                if i:
+                    row[side].append(t)
+    print("## (a5) Tracing a train step: `make_jaxpr` of (b)'s step\n\n"
+          f"The train step of (b) (transformer stack d={D}, {HEADS} heads, seq {SEQ}, batch "
+          f"{BATCH}; `jax.value_and_grad` + optax SGD), a fresh step function every sample; {reps} "
+          "repetitions after a warm-up, sides and sizes interleaved. 'transform': the forward "
+          "is `autocast_transform(model.apply)`, called under `jax.grad`. Ratios: median of "
+          "per-repetition ratios (min–max, IQR).\n")
+    rows = []
+    for n, row in zip(blocks, samples):
+        ms = {side: median(ts) * 1e3 for side, ts in row.items()}
+        rows.append([f"{n} blocks", *(f"{ms[side]:.1f}" for side in GRAD_TRACE_SIDES),
+                     fmt_spread(spread(ratios(row["region"], row["hand bf16"])), bold=True),
+                     fmt_spread(spread(ratios(row["transform"], row["hand bf16"])), bold=True),
+                     fmt_spread(spread(ratios(row["transform"], row["f32"]))),
+                     fmt_spread(spread(ratios(row["hand bf16"], row["f32"])))])
+    print(markdown_table(["stack", *(f"{side} ms" for side in GRAD_TRACE_SIDES),
+                          "region / hand bf16", "transform / hand bf16", "transform / f32",
+                          "hand bf16 / f32"], rows))
+    print()
+
+
 # --- (c) eager steps of the digits CNN ---------------------------------------------------------
 
 EAGER_SIDES = ("plain", "hand bf16", "region", "transform")
@@ -1139,7 +1182,7 @@ def report_eager(results: dict[str, Any], reps: int, warmup: int, fresh_reps: in
 # --- entry point ---------------------------------------------------------------------------------
 
 PARTS = ("trace", "compile", "residuals", "eager", "floor", "amortized", "attribution",
-         "eager-floor", "alive")
+         "eager-floor", "alive", "grad-trace")
 
 
 def main() -> None:
@@ -1150,7 +1193,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=PARTS,
                         default=[p for p in PARTS
                                  if p not in ("amortized", "attribution", "eager-floor",
-                                              "alive")])
+                                              "alive", "grad-trace")])
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="(a) stack depths (default 12 24 48; --quick: 4 8)")
     parser.add_argument("--reps", type=int, default=None, help="(a) repetitions (default 7)")
@@ -1163,6 +1206,8 @@ def main() -> None:
                         help="(a'') rounds per side (default 6)")
     parser.add_argument("--compile-blocks", type=int, nargs="+", default=None,
                         help="(b) stack depths (default 4 12; --quick: 2)")
+    parser.add_argument("--grad-blocks", type=int, nargs="+", default=None,
+                        help="(a5) stack depths (default 4 12 24; --quick: 2)")
     parser.add_argument("--compile-reps", type=int, default=None,
                         help="(b) repetitions (default 5)")
     parser.add_argument("--eager-reps", type=int, default=None,
@@ -1211,6 +1256,8 @@ def main() -> None:
     if "eager-floor" in args.parts:
         measure_eager_floor(eager_reps, eager_warmup)
         measure_eager_operations(eager_reps)
+    if "grad-trace" in args.parts:
+        measure_grad_trace(args.grad_blocks or ([2] if q else [4, 12, 24]), reps)
     if "alive" in args.parts:
         measure_alive(blocks)
     if args.profile:

@@ -33,6 +33,7 @@ from jax._src import pjit as _pjit
 from jax._src import sharding_impls as _sharding_impls
 from jax._src import source_info_util as _siu
 from jax._src import traceback_util as _traceback_util
+from jax._src.interpreters import ad as _ad_module
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax import lax as _lax_internal
 
@@ -727,6 +728,70 @@ def bind_params(eqn: Any) -> dict[str, Any]:
                 f"{eqn.primitive} binds with subfunctions on this JAX version"
             )
     return dict(params)
+
+
+def linearizing_trace() -> Any:
+    """The current trace where it is JAX's linearize trace (``jax.grad``, ``vjp`` or ``linearize``
+    of a function calling a transformed one, inside ``jax.jit`` or not), else None."""
+    trace = _core.trace_ctx.trace
+    return trace if type(trace) is _ad_module.LinearizeTrace else None
+
+
+def bind_to_linearize(
+    trace: Any, primitive: Any, args: Sequence[Any], params: dict
+) -> list[Any] | None:
+    """``primitive`` on ``args`` bound into JAX's linearize trace ``trace`` (current) as a call
+    of a one-operation ``jax.jit`` function, kept per primitive and parameters; None where a
+    plain bind is left to do it (the caller binds): a primitive JAX linearizes by a rule of
+    its own, one carrying programs, an operand that is not a tracer, none of ``trace``.
+
+    JAX linearizes a primitive without a linearization rule of its own by tracing its JVP
+    rule into a program, partially evaluating and pruning it, for every operation it takes
+    (``fallback_linearize_rule``), where a jit call's rule linearizes the call's program once
+    and reuses that for every call of the same program object: ``jnp``'s functions are jitted,
+    and so hand-written code reaches that rule for most of its operations. A rewrite binding
+    a model's operations one by one took the fallback for each, so ``jax.grad`` of a function
+    calling ``autocast_transform`` traced at 1.24-1.37x the hand-written bfloat16 model's
+    (benchmarks/README.md, issue 33, forty-first pass). The call is inlined where its primal
+    and tangent parts are staged (``inline=True``), under the current source info and name
+    stack, as JAX inlines ``jnp``'s: the program is the one the operations bound one by one
+    give."""
+    if primitive in _ad_module.primitive_linearizations or _has_jaxpr_param(params):
+        return None
+    own = False
+    for a in args:
+        if not isinstance(a, _core.Tracer):
+            return None  # (a literal: jit would make it an operand of another weak type)
+        if type(a) is _ad_module.LinearizeTracer and a._trace is trace:
+            own = True
+    if not own:
+        return None
+    try:
+        call = _one_operation_jit(primitive, tuple(params.items()))
+    except TypeError:  # (a parameter that cannot be hashed)
+        return None
+    out = call(*args)
+    return list(out) if primitive.multiple_results else [out]
+
+
+def convert_to_linearize(trace: Any, x: Any, dtype: Any) -> Any:
+    """``convert(x, dtype)`` of a tracer of another floating dtype, bound into the linearize
+    trace ``trace`` as ``bind_to_linearize`` binds (the same parameters ``convert`` binds);
+    None where it is not (the caller converts)."""
+    dtype = np.dtype(dtype)
+    if not isinstance(x, _core.Tracer) or not _float_to_float(x, dtype):
+        return None
+    params = {"new_dtype": dtype, "weak_type": False, "sharding": None}
+    outs = bind_to_linearize(trace, _lax_internal.convert_element_type_p, [x], params)
+    return None if outs is None else outs[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _one_operation_jit(primitive: Any, params: tuple) -> Callable[..., Any]:
+    # (kept: JAX caches the call's program, and so its linearization, per function object;
+    # inlined as it is traced, as jnp's are: jax 0.12's inline=True keeps the call until lowering)
+    inline = _INLINE_EARLY if _INLINE_EARLY is not None else True
+    return jax.jit(functools.partial(primitive.bind, **dict(params)), inline=inline)
 
 
 def convert(x: Any, dtype: Any, weak_type: bool = False) -> Any:

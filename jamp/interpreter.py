@@ -718,7 +718,9 @@ class Step:
         source = self.env.source(atom)
         out = None
         views = self.env.views
-        view = views.get(atom) if views and key is not None and self.stages_views() else None
+        view = (
+            views.get(atom) if views and key is not None and self.rewriter.casts_views() else None
+        )
         if view is not None and casts_through_view(view, dtype):
             out = self._cast_view(view, dtype)
         elif source is None and self.rewriter.staging is not None:
@@ -736,18 +738,11 @@ class Step:
             self.rewriter.recorder.cast(constant=source is not None)
         return out
 
-    def stages_views(self) -> bool:
-        """Whether a cast of a view of a parameter goes through the parameter here: in
-        ``autocast_transform``'s rewrite staged into the program being built. A region casts
-        views inside the ``jnp`` calls that read them (``region_trace.CallRewrite``), and a
-        view an operation of its own reads as it comes (staging the shape ops again would
-        evaluate their types at every replay)."""
-        return self.rewriter.staging is not None and not self.rewriter.region
-
     def _cast_view(self, view: ParameterView, dtype: np.dtype) -> Any:
         """A view of a parameter cast as its parameter (once, through the cast cache), then its
         shape ops applied again (``ParameterView``), staged where they can be."""
         staging, eqn, casts = self.rewriter.staging, self.eqn, self.env.casts
+        linearizing = self.rewriter.linearizing
         key = (view.base, dtype)
         value = casts.get(key)
         if value is None:
@@ -755,7 +750,10 @@ class Step:
                 value = compat.stage_convert(eqn, view.value, dtype, staging)
             if value is None:
                 with compat.equation_context(eqn):
-                    value = compat.convert_now(view.value, dtype)
+                    if linearizing is not None:
+                        value = compat.convert_to_linearize(linearizing, view.value, dtype)
+                    if value is None:
+                        value = compat.convert_now(view.value, dtype)
             casts[key] = value
         for primitive, params in view.steps:
             out = None
@@ -763,7 +761,11 @@ class Step:
                 out = compat.stage_shape_op(eqn, primitive, value, params, staging)
             if out is None:
                 with compat.equation_context(eqn):
-                    out = primitive.bind(value, **params)
+                    if linearizing is not None:
+                        outs = compat.bind_to_linearize(linearizing, primitive, [value], params)
+                        out = None if outs is None else outs[0]
+                    if out is None:
+                        out = primitive.bind(value, **params)
             value = out
         return value
 
@@ -830,7 +832,13 @@ class Step:
                 return staged
         params = compat.bind_params(self.eqn)
         params.update(overrides)
+        linearizing = self.rewriter.linearizing
         with compat.equation_context(self.eqn):
+            if linearizing is not None and not self.eqn.effects:
+                # (under jax.grad: as a jitted call, whose linearization JAX reuses)
+                outs = compat.bind_to_linearize(linearizing, self.eqn.primitive, args, params)
+                if outs is not None:
+                    return outs
             out = self.eqn.primitive.bind(*args, **params)
         return list(out) if self.eqn.primitive.multiple_results else [out]
 
@@ -1034,6 +1042,10 @@ class Rewriter:
         # directly (``compat.staging_target``, ``compat.stage_like``); None where each is bound
         # (eagerly, under vmap) and outside ``run``.
         self.staging: compat.StagingTarget | None = None
+        # The linearize trace (jax.grad of a function calling autocast_transform) ``run`` binds
+        # into, where its operations are bound as jitted calls (``compat.bind_to_linearize``);
+        # None elsewhere and for a region (whose routing hands it the operations of jax.grad).
+        self.linearizing: Any = None
         # An eager region's own rewriter: a call's small constant operands key its rewrite by
         # what the rules read of them, not their values (constant_key, rewrite_closed).
         self.shares_constants = False
@@ -1181,6 +1193,8 @@ class Rewriter:
                     (env.cotangent_inputs if tag == "cotangent" else getattr(env, tag)).add(var)
         self._active.append(env)
         outer, self.staging = self.staging, compat.staging_target()
+        outer_linearizing = self.linearizing
+        self.linearizing = None if self.region else compat.linearizing_trace()
         try:
             decisions = self._decisions
             # (consecutive equations mostly share their name stack, and so their state)
@@ -1225,6 +1239,7 @@ class Rewriter:
         finally:
             self._active.pop()
             self.staging = outer
+            self.linearizing = outer_linearizing
         if self._owns_scope_log and self.policy.rules:
             report_unmatched_rules(self, jaxpr)
         return [env.read(v) for v in jaxpr.outvars]
@@ -1259,7 +1274,7 @@ class Rewriter:
                     view is not None
                     and casts_through_view(view, dtype)
                     and not clipped
-                    and self.staging is not None
+                    and self.casts_views()
                 ):
                     step = step or Step(self, env, eqn, state)
                     cast = casts[cast_key] = step._cast_view(view, dtype)
@@ -1293,6 +1308,17 @@ class Rewriter:
         if decision.view:
             note_view(env, eqn.invars[0], args[0], eqn.primitive, eqn.params, eqn.outvars[0])
         return outs
+
+    def casts_views(self) -> bool:
+        """Whether a cast of a view of a parameter goes through the parameter (``Step._cast_view``):
+        in ``autocast_transform``'s rewrite staged into the program being built, or bound into
+        JAX's linearize trace, where each cast and shape op is a jitted call whose linearization
+        JAX reuses (``compat.bind_to_linearize``; bound as a bare primitive, each was one more
+        operation to linearize: issue 33, fortieth pass). A region casts views inside the
+        ``jnp`` calls that read them (``region_trace.CallRewrite``), and a view an operation of
+        its own reads as it comes (staging the shape ops again would evaluate their types at
+        every replay)."""
+        return (self.staging is not None or self.linearizing is not None) and not self.region
 
     def apply(self, step: Step) -> Sequence[Any]:
         name = step.eqn.primitive.name

@@ -108,13 +108,14 @@ def test_a_reshaped_bias_is_cast_before_its_reshape(form):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(hand, np.float32))
 
 
-def test_the_regions_train_step_compiles_to_the_hand_written_models_program():
+@pytest.mark.parametrize("form", sorted(FORMS))
+def test_the_train_step_compiles_to_the_hand_written_models_program(form):
     """With the bias cast first, the backward pass's cast of the bias gradient follows jnp's
     rounding of its sum with no reshape between them; XLA folds that pair as it does in Flax's
     bf16 model (the gradient summed in float32), so the optimized programs are the same.
-    (``autocast_transform`` called under ``jax.grad`` binds its program through the
-    differentiating trace, where it casts the view as it comes: docs/reference/dtypes.md.)"""
-    ours, args = train_step(in_region(lambda p, x: MODEL.apply(p, x)))
+    ``autocast_transform`` is called under ``jax.grad`` here, where its rewrite binds into
+    JAX's linearize trace (``_compat.bind_to_linearize``) and casts the view so too."""
+    ours, args = train_step(FORMS[form](lambda p, x: MODEL.apply(p, x)))
     hand, _ = train_step(lambda p, x: HAND.apply(p, x))
     ours_program = instructions(jax.jit(ours).lower(*args).compile().as_text())
     hand_program = instructions(jax.jit(hand).lower(*args).compile().as_text())
