@@ -753,9 +753,10 @@ def bind_to_linearize(
     a model's operations one by one took the fallback for each, so ``jax.grad`` of a function
     calling ``autocast_transform`` traced at 1.24-1.37x the hand-written bfloat16 model's
     (benchmarks/README.md, issue 33, forty-first pass). The call is inlined where its primal
-    and tangent parts are staged (``inline=True``), under the current source info and name
-    stack, as JAX inlines ``jnp``'s: the program is the one the operations bound one by one
-    give."""
+    and tangent parts are staged (``_one_operation_jit``), under the current source info and
+    name stack, as JAX inlines ``jnp``'s: the program is the one the operations bound one by
+    one give (on jax 0.12, operations under ``set_xla_metadata`` may have their backward
+    pass's cotangent sums listed in another order: the same sums)."""
     if primitive in _ad_module.primitive_linearizations or _has_jaxpr_param(params):
         return None
     own = False
