@@ -37,18 +37,18 @@ rewriting its jaxpr afterwards as ``jamp.autocast_transform`` does. Three questi
   into those binds, Flax's parameter check (``Scope.param``) and the rest; the binds where the
   region spends more than hand bf16 come first (``--top`` rows).
 
+(a4) Objects alive at the end of a trace (``alive``, deterministic, not run by default)
+  Plain, hand bf16 and region: the objects the garbage collector tracks that are alive when the
+  traced function has run (the region still open), less those alive before: what every full
+  collection during a trace walks on top of the heap, and what counts towards the collector's
+  threshold for one.
+
 (a5) Tracing a train step (``grad-trace``, not run by default)
   ``make_jaxpr`` of the train step of (b) (``jax.value_and_grad`` of the loss and the optax
   update), plain float32, hand bf16, the region and ``autocast_transform`` called under
   ``jax.grad``, at ``--grad-blocks`` (default 4 12 24): the tracing part of (b)'s first call,
   where JAX linearizes every operation the forward binds (issue 33, forty-first pass: the
   transform's operations bound as jitted calls, ``_compat.bind_to_linearize``).
-
-(a4) Objects alive at the end of a trace (``alive``, deterministic, not run by default)
-  Plain, hand bf16 and region: the objects the garbage collector tracks that are alive when the
-  traced function has run (the region still open), less those alive before: what every full
-  collection during a trace walks on top of the heap, and what counts towards the collector's
-  threshold for one.
 
 (b) First call of a jitted train step (``compile``)
   ``jax.jit(step)`` with ``step`` = ``jax.value_and_grad(loss)`` + an optax SGD (momentum 0.9)
