@@ -113,21 +113,19 @@ def _loss(fn, policy):
     return loss
 
 
-def _built(fn, args, policy, how):
-    """The program of ``jax.value_and_grad`` (and its record), and its values under jit."""
-    loss = _loss(fn, policy)
-    step = jax.value_and_grad(loss, argnums=(0, 1))
-    closed = how(step)(*args)
-    return program_record(closed), jax.jit(step)(*args)
+def _built(fn, args, policy):
+    """The record of ``jax.value_and_grad``'s program, and its values under jit."""
+    step = jax.value_and_grad(_loss(fn, policy), argnums=(0, 1))
+    return program_record(jax.make_jaxpr(step)(*args)), jax.jit(step)(*args)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_grad_builds_the_program_binding_each_operation_builds(case, monkeypatch):
     fn, args, policy = CASES[case]
     with counted_calls(monkeypatch) as made:
-        record, values = _built(fn, args, policy, jax.make_jaxpr)
+        record, values = _built(fn, args, policy)
     with plain_binds(monkeypatch):
-        plain_record, plain_values = _built(fn, args, policy, jax.make_jaxpr)
+        plain_record, plain_values = _built(fn, args, policy)
     assert made[0] > 0
     assert record == plain_record
     for got, want in zip(jax.tree.leaves(values), jax.tree.leaves(plain_values), strict=True):
@@ -135,7 +133,7 @@ def test_grad_builds_the_program_binding_each_operation_builds(case, monkeypatch
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_the_calls_are_made_once_per_signature_and_reused(monkeypatch):
+def test_the_calls_are_made_once_per_signature_and_reused():
     """A model's repeated blocks bind the same few jitted functions: the second block, and a
     second trace, make none (the rewrite's operations reuse JAX's linearization)."""
     _compat._one_operation_jit.cache_clear()
