@@ -13,7 +13,6 @@ by ``plain_binds``) and checks that the calls were made.
 import collections
 import contextlib
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,31 +21,9 @@ import pytest
 import jamp
 from jamp import _compat
 from tests.jaxpr_utils import program_record
+from tests.test_transform_decisions import Stack, X
 
-_RNG = np.random.default_rng(0)
-X = jax.device_put(_RNG.standard_normal((2, 8, 16), dtype=np.float32))
-
-
-class Block(nn.Module):
-    """Dense layers with biases, attention (a softmax, a mask), layer norms, gelu."""
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.LayerNorm()(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=2)(h, h, mask=nn.make_causal_mask(x[..., 0]))
-        x = x + h
-        return x + nn.Dense(16)(jax.nn.gelu(nn.Dense(32)(nn.LayerNorm()(x))))
-
-
-class Stack(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        for _ in range(2):
-            x = Block()(x)
-        return nn.Dense(4)(x)
-
-
-MODEL = Stack()
+MODEL = Stack(blocks=2)  # (test_transform_decisions' transformer blocks: a bias add, a softmax)
 PARAMS = MODEL.init(jax.random.key(0), X)
 
 
