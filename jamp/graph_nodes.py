@@ -16,6 +16,7 @@ their dtype.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -23,10 +24,17 @@ from typing import Any
 import jax
 import numpy as np
 
+from . import _compat as compat
+
 
 def _graph_node_types() -> tuple[type, ...]:
     if "flax" not in sys.modules:
         return ()  # no NNX object can exist unless flax was imported
+    return _nnx_graph_node_types()
+
+
+@functools.cache
+def _nnx_graph_node_types() -> tuple[type, ...]:
     from flax import nnx
 
     return tuple(
@@ -71,10 +79,56 @@ def running_statistics(tree: Any, n_leaves: int) -> list[bool] | None:
     return marks if any(marks) and len(marks) == n_leaves else None
 
 
+# Tree structures known to hold no NNX object, so the check on every call of a transformed
+# function flattens in C++ and looks the structure up instead of calling an ``is_leaf`` per node
+# (0.6 ms for a 200-leaf linen model). Bounded, and only negative answers, which hold no module.
+_STRUCTURES_WITHOUT_GRAPH_NODES: set[Any] = set()
+_MAX_STRUCTURES = 256
+
+
 def has_graph_nodes(tree: Any) -> bool:
     """Whether ``tree`` holds NNX modules, objects or variables."""
     types = _graph_node_types()
-    return bool(types) and any(
+    if not types:
+        return False
+    leaves, structure = jax.tree.flatten(tree)
+    if _leaves_hold_graph_node(leaves, types):  # (an object that is no pytree)
+        return True
+    try:
+        if structure in _STRUCTURES_WITHOUT_GRAPH_NODES:
+            return False
+    except (TypeError, ValueError):  # (a node's static data cannot be hashed or compared)
+        return _holds_graph_node(tree, types)
+    if _holds_graph_node(tree, types):
+        return True
+    if len(_STRUCTURES_WITHOUT_GRAPH_NODES) >= _MAX_STRUCTURES:
+        _STRUCTURES_WITHOUT_GRAPH_NODES.clear()
+    _STRUCTURES_WITHOUT_GRAPH_NODES.add(structure)
+    return False
+
+
+def _leaves_hold_graph_node(leaves: list[Any], types: tuple[type, ...]) -> bool:
+    # ``isinstance(x, nnx.Variable)`` runs Python (flax's metaclass also takes some tracers
+    # for variables), a microsecond a leaf: arrays and tracers of plain arrays, never NNX
+    # objects, are told apart by type first.
+    if set(map(type, leaves)) <= _NEVER_GRAPH_NODES:
+        return False
+    return any(
+        isinstance(leaf, types)
+        for leaf in leaves
+        if type(leaf) not in _NEVER_GRAPH_NODES
+        and not (isinstance(leaf, compat.Tracer) and type(leaf.aval) is compat.ShapedArray)
+    )
+
+
+_NEVER_GRAPH_NODES = frozenset(
+    {compat.ArrayImpl, np.ndarray, int, float, bool, complex, type(None)}
+)
+
+
+def _holds_graph_node(tree: Any, types: tuple[type, ...]) -> bool:
+    # NNX objects are pytrees (their variables are the leaves): stop at them to see them.
+    return any(
         isinstance(leaf, types)
         for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types))
     )

@@ -634,7 +634,11 @@ def _debug_info(
     only_traced = jax.tree.unflatten(
         in_tree, [x if i in traced else None for i, x in enumerate(flat)]
     )
-    debug = compat.debug_info("autocast_transform", named_fn, *only_traced)
+    traced_args, traced_kwargs = only_traced
+    structure = (in_tree, tuple(traced_at))  # (all the leaves' names depend on, with named_fn)
+    debug = compat.debug_info(
+        "autocast_transform", named_fn, traced_args, traced_kwargs, structure=structure
+    )
     if named_fn is not source:
         debug = compat.debug_info_named_for(debug, source)
     return debug

@@ -155,3 +155,69 @@ def test_an_assigned_variables_dtype_by_where_the_region_is(form):
         jamp.autocast_transform(lambda m, x: m(x))(cell, x)
     expected = BF16 if form == "region around nnx.jit" else F32
     assert cell.h.get_value().dtype == expected
+
+
+def _walked(tree):
+    """Whether ``tree`` holds an NNX object, by a walk that stops at each one."""
+    types = (nnx.Module, nnx.Object, nnx.Pytree, nnx.Variable)
+    return any(
+        isinstance(leaf, types)
+        for leaf in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, types))
+    )
+
+
+def test_has_graph_nodes_answers_as_a_walk_over_every_node_for_repeated_structures():
+    """The check made on every transformed call looks structures up instead of walking every
+    node (issue 33): it answers as the walk does, for the same structures seen again, for
+    arrays, tracers, modules, variables and an object that is no pytree."""
+    from jamp.graph_nodes import has_graph_nodes
+
+    class Plain(nnx.Module, pytree=False):
+        def __init__(self):
+            self.w = nnx.Param(jnp.ones(2))
+
+    linear = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    trees = [
+        ({"w": _ones(2), "b": [_ones(1), 3.0]}, {}),
+        ({"w": _ones(2), "b": [_ones(1), 3.0]}, {}),  # (the same structure again)
+        ((linear, _ones(2)), {}),
+        ((nnx.state(linear), _ones(2)), {}),
+        ((nnx.Param(_ones(2)),), {}),
+        ((_ones(2),), {}),
+        ((Plain(),), {}),  # (a leaf: the structure of the one before)
+        (({"w": np.ones(2)}, None), {"k": 1}),
+    ]
+    for _ in range(2):
+        for tree in trees:
+            assert has_graph_nodes(tree) == _walked(tree), tree
+    assert [has_graph_nodes(t) for t in trees] == [False, False, True, True, True, False, True, False]
+
+    seen = []
+
+    def traced(*leaves):  # tracers of plain arrays among the leaves
+        seen.append(has_graph_nodes(((leaves, {"m": linear}), {})))
+        seen.append(has_graph_nodes((leaves, {})))
+        return leaves[0]
+
+    jax.make_jaxpr(traced)(_ones(2), _ones(3))
+    assert seen == [True, False]
+
+
+def test_has_graph_nodes_with_static_data_that_cannot_be_hashed():
+    from jamp.graph_nodes import has_graph_nodes
+
+    @jax.tree_util.register_pytree_node_class
+    class Holder:
+        def __init__(self, value, meta):
+            self.value, self.meta = value, meta
+
+        def tree_flatten(self):
+            return (self.value,), self.meta
+
+        @classmethod
+        def tree_unflatten(cls, meta, children):
+            return cls(children[0], meta)
+
+    unhashable = {"table": [1, 2]}
+    assert not has_graph_nodes(((Holder(_ones(2), unhashable),), {}))
+    assert has_graph_nodes(((Holder(nnx.Param(_ones(2)), unhashable),), {}))

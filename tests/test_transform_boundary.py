@@ -46,6 +46,40 @@ def test_tracer_error_names_a_keyword_argument_and_skips_static_ones():
         jamp.autocast_transform(step)(X, threshold=jnp.ones(()), mode="eval")
 
 
+def test_tracer_errors_name_each_functions_own_parameters_for_one_argument_structure():
+    """The leaves' names are made once per signature and argument structure (issue 33): two
+    functions called with the same structure, and one called with another, each name theirs."""
+
+    def first(params, batch):
+        return params if batch["x"].sum() > 0 else -params
+
+    def second(weights, data):
+        return weights if data["x"].sum() > 0 else -weights
+
+    def third(params, batch):
+        return params if batch["y"].sum() > 0 else -params
+
+    for fn, args, name in [
+        (first, (X, {"x": X}), "argument batch['x']"),
+        (second, (X, {"x": X}), "argument data['x']"),
+        (first, (X, {"x": X}), "argument batch['x']"),
+        (third, (X, {"y": X}), "argument batch['y']"),
+        (first, ({"w": X}, {"x": X}), "argument batch['x']"),
+    ]:
+        with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+            jamp.autocast_transform(fn)(*args)
+        assert f"{fn.__name__} at {__file__}:{_line_of(fn)}" in str(info.value)
+        assert name in str(info.value)
+
+
+def test_tracer_error_names_the_parameter_where_a_default_cannot_be_hashed():
+    def scaled(x, factors=[1.0]):  # noqa: B006 (an unhashable default, the signature too)
+        return x if x.sum() > factors[0] else -x
+
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"scaled at .*argument x"):
+        jamp.autocast_transform(scaled)(X)
+
+
 def test_tracer_error_under_jit_names_the_users_function():
     def gate(x):
         if x[0, 0] > 0:
