@@ -627,6 +627,12 @@ def _direct_cast_params(x: Any, dtype: np.dtype) -> dict | None:
         or x.get_const() is not None
     ):
         return None
+    return _float_cast_params(dtype)
+
+
+def _float_cast_params(dtype: np.dtype) -> dict:
+    """What ``convert`` binds ``convert_element_type`` with for a cast between floating dtypes:
+    a strong type, the operand's sharding."""
     return {"new_dtype": dtype, "weak_type": False, "sharding": None}
 
 
@@ -657,7 +663,7 @@ def convert_now(x: Any, dtype: Any) -> Any:
             trace,
             (x,),
             (x.aval,),
-            {"new_dtype": dtype, "weak_type": False, "sharding": None},
+            _float_cast_params(dtype),
         )
     return convert(x, dtype)
 
@@ -783,8 +789,9 @@ def convert_to_linearize(trace: Any, x: Any, dtype: Any) -> Any:
     dtype = np.dtype(dtype)
     if not isinstance(x, _core.Tracer) or not _float_to_float(x, dtype):
         return None
-    params = {"new_dtype": dtype, "weak_type": False, "sharding": None}
-    outs = bind_to_linearize(trace, _lax_internal.convert_element_type_p, [x], params)
+    outs = bind_to_linearize(
+        trace, _lax_internal.convert_element_type_p, [x], _float_cast_params(dtype)
+    )
     return None if outs is None else outs[0]
 
 

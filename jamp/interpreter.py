@@ -761,11 +761,7 @@ class Step:
                 out = compat.stage_shape_op(eqn, primitive, value, params, staging)
             if out is None:
                 with compat.equation_context(eqn):
-                    if linearizing is not None:
-                        outs = compat.bind_to_linearize(linearizing, primitive, [value], params)
-                        out = None if outs is None else outs[0]
-                    if out is None:
-                        out = primitive.bind(value, **params)
+                    out = self._bind_now(primitive, [value], params)[0]
             value = out
         return value
 
@@ -832,15 +828,24 @@ class Step:
                 return staged
         params = compat.bind_params(self.eqn)
         params.update(overrides)
-        linearizing = self.rewriter.linearizing
+        # (asked only under jax.grad: a region's equations have no effects to ask)
+        linearizable = self.rewriter.linearizing is not None and not self.eqn.effects
         with compat.equation_context(self.eqn):
-            if linearizing is not None and not self.eqn.effects:
-                # (under jax.grad: as a jitted call, whose linearization JAX reuses)
-                outs = compat.bind_to_linearize(linearizing, self.eqn.primitive, args, params)
-                if outs is not None:
-                    return outs
-            out = self.eqn.primitive.bind(*args, **params)
-        return list(out) if self.eqn.primitive.multiple_results else [out]
+            return self._bind_now(self.eqn.primitive, args, params, linearizable)
+
+    def _bind_now(
+        self, primitive: Any, args: Sequence[Any], params: dict, linearizable: bool = True
+    ) -> list[Any]:
+        """``primitive`` bound on ``args`` under the current context; under ``jax.grad`` (and
+        ``linearizable``: no effects) as a jitted call, whose linearization JAX reuses
+        (``compat.bind_to_linearize``)."""
+        linearizing = self.rewriter.linearizing
+        if linearizing is not None and linearizable:
+            outs = compat.bind_to_linearize(linearizing, primitive, args, params)
+            if outs is not None:
+                return outs
+        out = primitive.bind(*args, **params)
+        return list(out) if primitive.multiple_results else [out]
 
     def rewrite_sub(
         self, closed: Any, avals: Sequence[Any], hints: Sequence[Hint | None] = ()
