@@ -109,6 +109,9 @@ Conventions (as in the other benchmarks)
   what a real process keeps too: JAX's traces of library functions that are ``jax.jit``-ed
   themselves (``jax.nn.gelu``, ``jnp`` helpers) and, for the region, jamp's rewrites of those
   jaxprs (kept per policy across regions, ``region_trace._STORES``).
+  ``--processes K`` runs (a) in K fresh processes, one after another, and pools them: one
+  process's medians move by a few points between runs of unchanged code (its hash seed and heap
+  layout are its own), which pooling averages over; each process's median is printed too.
 
 Usage::
 
@@ -116,6 +119,7 @@ Usage::
     JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/region_overhead.py
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --quick    # smoke run
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts trace --profile
+    JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts trace --processes 8 --reps 8
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts amortized --blocks 12 48
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts attribution --blocks 24
     JAX_PLATFORMS=cpu .venv/bin/python    benchmarks/region_overhead.py --parts eager-floor
@@ -273,8 +277,45 @@ def measure_trace(blocks: Sequence[int], reps: int, warmup: int,
     return results
 
 
-def report_trace(results: list[dict[str, Any]], reps: int, depths: Sequence[int]) -> None:
+RATIO_KEYS = ("region/plain", "region/hand", "hand/plain", "transform/plain", "region/transform",
+              "region/plain no GC", "transform/plain no GC")
+
+
+def measure_trace_in_processes(blocks: Sequence[int], reps: int, depths: Sequence[int],
+                               processes: int) -> list[dict[str, Any]]:
+    """(a) in ``processes`` fresh Python processes, one after another (each with its own hash
+    seed and heap layout, and JAX's caches cold until its warm-up), pooled: per-repetition
+    ratios joined, milliseconds the median of the processes' medians, and each process's median
+    ratios kept (``per_process``). One process's medians move by a few points between runs of
+    unchanged code (issue 33, forty-second pass); pooled, they are an estimate over layouts."""
+    runs = []
+    for k in range(processes):
+        cmd = [sys.executable, os.path.abspath(__file__), "--trace-samples-json",
+               "--blocks", *map(str, blocks), "--reps", str(reps),
+               "--caller-depths", *map(str, depths)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        print(f"(process {k + 1} of {processes} done, load average {load()})", file=sys.stderr)
+    pooled = []
+    for i, n in enumerate(blocks):
+        rows = [run[i] for run in runs]
+        merged = dict(rows[0])
+        for key in RATIO_KEYS:
+            merged[key] = [x for row in rows for x in row[key]]
+        merged["ms"] = {side: median([row["ms"][side] for row in rows]) for side in TRACE_SIDES}
+        merged["gc_ms"] = {side: median([row["gc_ms"][side] for row in rows])
+                           for side in TRACE_SIDES}
+        merged["per_process"] = {key: [spread(row[key])["median"] for row in rows]
+                                 for key in ("region/hand", "transform/plain")}
+        pooled.append(merged)
+    return pooled
+
+
+def report_trace(results: list[dict[str, Any]], reps: int, depths: Sequence[int],
+                 processes: int = 1) -> None:
     per = f"{reps} repetitions" + (f" x caller depths {list(depths)}" if len(depths) > 1 else "")
+    if processes > 1:
+        per = f"{processes} processes x {per}"
     print(f"## (a) Tracing overhead: `make_jaxpr`, Flax transformer stack\n\n"
           f"d={D}, {HEADS} heads, seq {SEQ}, batch {BATCH}; {per} after 1 warm-up, all sizes and "
           "sides in every repetition. Ratios: median of per-repetition ratios (min–max, IQR).\n")
@@ -313,6 +354,14 @@ def report_trace(results: list[dict[str, Any]], reps: int, depths: Sequence[int]
           f"{fmt_spread(pooled['region/hand'])}, region/plain {fmt_spread(pooled['region/plain'])}, "
           f"transform/plain {fmt_spread(pooled['transform/plain'])}, region/transform "
           f"{fmt_spread(pooled['region/transform'])}.\n")
+    if processes > 1:
+        print("Each process's own median (one per process, in the order run):\n")
+        print(markdown_table(
+            ["stack", "region / hand bf16", "transform / plain"],
+            [[f"{r['blocks']} blocks"]
+             + [" ".join(f"{m:.2f}" for m in r["per_process"][key])
+                for key in ("region/hand", "transform/plain")] for r in results]))
+        print()
     print(f"- goal region/hand bf16 <= {GOAL_TRACE}x (issue 33): "
           f"{'met' if worst <= GOAL_TRACE else 'NOT met'} (worst size median {worst:.2f}x)")
     print(f"- goal transform/plain <= {GOAL_TRACE}x (issue 33): "
@@ -1197,6 +1246,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=None,
                         help="(a) stack depths (default 12 24 48; --quick: 4 8)")
     parser.add_argument("--reps", type=int, default=None, help="(a) repetitions (default 7)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="(a) run in this many fresh processes, one after another, and pool "
+                             "them (default 1: this process)")
+    parser.add_argument("--trace-samples-json", action="store_true",
+                        help=argparse.SUPPRESS)  # subprocess mode of (a) with --processes
     parser.add_argument("--caller-depths", type=int, nargs="+", default=[0],
                         help="(a) sample every side at these Python stack depths "
                              "(see rewrite_overhead.py)")
@@ -1225,6 +1279,10 @@ def main() -> None:
     if args.eager_cold:
         print(json.dumps(eager_cold(*args.eager_cold)))
         return
+    if args.trace_samples_json:
+        results = measure_trace(args.blocks, args.reps, 1, tuple(args.caller_depths))
+        print(json.dumps(results))
+        return
     q = args.quick
     blocks = args.blocks or ([4, 8] if q else [12, 24, 48])
     reps = args.reps or (3 if q else 7)
@@ -1239,7 +1297,11 @@ def main() -> None:
     started = time.perf_counter()
     if "trace" in args.parts:
         depths = tuple(args.caller_depths)
-        report_trace(measure_trace(blocks, reps, 1, depths), reps, depths)
+        if args.processes > 1:
+            results = measure_trace_in_processes(blocks, reps, depths, args.processes)
+        else:
+            results = measure_trace(blocks, reps, 1, depths)
+        report_trace(results, reps, depths, args.processes)
     if "compile" in args.parts:
         report_compile(measure_compile(compile_blocks, compile_reps), compile_reps)
     if "residuals" in args.parts:
