@@ -138,6 +138,7 @@ import cProfile
 import functools
 import gc
 import json
+import math
 import os
 import pstats
 import statistics
@@ -311,6 +312,17 @@ def measure_trace_in_processes(blocks: Sequence[int], reps: int, depths: Sequenc
     return pooled
 
 
+def fmt_interval(medians: Sequence[float]) -> str:
+    """The median of per-process medians and the sign-test interval for it (``report_trace``):
+    from the second smallest to the second largest (the whole range for fewer than 6), with
+    its coverage, 1 - 2 P(Binomial(n, 1/2) <= k)."""
+    ordered, n = sorted(medians), len(medians)
+    k = 1 if n >= 6 else 0
+    coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+    return (f"{median(ordered):.3f}x ({ordered[k]:.3f}–{ordered[-1 - k]:.3f}, "
+            f"{coverage:.0%})")
+
+
 def report_trace(results: list[dict[str, Any]], reps: int, depths: Sequence[int],
                  processes: int = 1) -> None:
     per = f"{reps} repetitions" + (f" x caller depths {list(depths)}" if len(depths) > 1 else "")
@@ -355,18 +367,23 @@ def report_trace(results: list[dict[str, Any]], reps: int, depths: Sequence[int]
           f"transform/plain {fmt_spread(pooled['transform/plain'])}, region/transform "
           f"{fmt_spread(pooled['region/transform'])}.\n")
     if processes > 1:
-        print("Each process's own median (one per process, in the order run):\n")
+        print("Each process's own median (one per process, in the order run), then the median of "
+              "those and a distribution-free interval for it (sign test: the second smallest to "
+              "the second largest, the whole range for fewer than 6 processes; its coverage):\n")
         print(markdown_table(
-            ["stack", "region / hand bf16", "transform / plain"],
+            ["stack", "region / hand bf16", "its median (interval)", "transform / plain",
+             "its median (interval)"],
             [[f"{r['blocks']} blocks"]
-             + [" ".join(f"{m:.2f}" for m in r["per_process"][key])
-                for key in ("region/hand", "transform/plain")] for r in results]))
+             + [cell for key in ("region/hand", "transform/plain")
+                for cell in (" ".join(f"{m:.3f}" for m in r["per_process"][key]),
+                             fmt_interval(r["per_process"][key]))]
+             for r in results]))
         print()
     print(f"- goal region/hand bf16 <= {GOAL_TRACE}x (issue 33): "
-          f"{'met' if worst <= GOAL_TRACE else 'NOT met'} (worst size median {worst:.2f}x)")
+          f"{'met' if worst <= GOAL_TRACE else 'NOT met'} (worst size median {worst:.3f}x)")
     print(f"- goal transform/plain <= {GOAL_TRACE}x (issue 33): "
           f"{'met' if worst_transform <= GOAL_TRACE else 'NOT met'} (worst size median "
-          f"{worst_transform:.2f}x)\n")
+          f"{worst_transform:.3f}x)\n")
 
 
 def _profiled(fn: Callable[[], Any]) -> dict:
