@@ -298,7 +298,7 @@ def measure_trace_in_processes(blocks: Sequence[int], reps: int, depths: Sequenc
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"(process {k + 1} of {processes} done, load average {load()})", file=sys.stderr)
     pooled = []
-    for i, n in enumerate(blocks):
+    for i in range(len(blocks)):
         rows = [run[i] for run in runs]
         merged = dict(rows[0])
         for key in RATIO_KEYS:
