@@ -306,7 +306,7 @@ def measure_trace_in_processes(blocks: Sequence[int], reps: int, depths: Sequenc
         merged["ms"] = {side: median([row["ms"][side] for row in rows]) for side in TRACE_SIDES}
         merged["gc_ms"] = {side: median([row["gc_ms"][side] for row in rows])
                            for side in TRACE_SIDES}
-        merged["per_process"] = {key: [spread(row[key])["median"] for row in rows]
+        merged["per_process"] = {key: [median(row[key]) for row in rows]
                                  for key in ("region/hand", "transform/plain")}
         pooled.append(merged)
     return pooled
